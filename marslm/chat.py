@@ -1,0 +1,106 @@
+"""Chat formatting, in one place: training examples and decoding prompts go through here.
+
+Both use the tokenizer's own chat template, so a checkpoint is trained on exactly the text it
+will be prompted with. Loss goes on assistant turns only. Templates rarely mark assistant spans
+(``{% generation %}``), so we find them by rendering growing prefixes of the conversation and
+mapping the character spans onto tokens with the offset mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UserError
+
+IGNORE = -100
+
+
+@dataclass
+class EncodedChat:
+    input_ids: list[int]
+    labels: list[int]          # IGNORE outside assistant turns
+    truncated: bool = False
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """Every id that ends an assistant turn: the tokenizer's EOS and the generation config's."""
+    ids: list[int] = []
+    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is None:
+            continue
+        for i in source if isinstance(source, (list, tuple)) else [source]:
+            if i not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise UserError("the tokenizer defines no EOS token; cannot tell where an answer ends")
+    return ids
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the tokenizer has no chat template; MARS fine-tunes instruction (chat) models")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def encode_prompt(tokenizer, prompt, apply_chat_template: bool = True) -> list[int]:
+    """Token ids that a generation continues from.
+
+    ``prompt`` is a user message (str), a message list, or already token ids.
+    """
+    if isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], int)):
+        if not prompt:
+            raise UserError("empty prompt")
+        return [int(t) for t in prompt]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise UserError("empty prompt")
+        if not apply_chat_template:
+            return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt = [{"role": "user", "content": prompt}]
+    text = _render(tokenizer, list(prompt), add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_conversation(tokenizer, messages: list[dict], max_length: int | None = None,
+                        stop_ids: list[int] | None = None) -> EncodedChat:
+    """Token ids and labels for one conversation, loss on assistant turns only.
+
+    Each assistant span ends at its stop token (inclusive): template text after it, such as
+    ChatML's trailing newline, is context, not target. The sequence is cut after the last
+    assistant stop token, so every training sequence ends in EOS.
+    """
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise UserError("conversation has no assistant turn")
+    stop_ids = stop_ids or stop_token_ids(tokenizer)
+    full_text = _render(tokenizer, messages, add_generation_prompt=False)
+
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not full_text.startswith(through) or not through.startswith(before):
+            raise UserError("the chat template does not render conversations prefix by prefix; "
+                            "cannot locate assistant turns")
+        spans.append((len(before), len(through)))
+
+    enc = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    labels = [IGNORE] * len(input_ids)
+    end_of_last_turn = 0
+    for start, end in spans:
+        inside = [t for t, (a, _) in enumerate(offsets) if start <= a < end]
+        for t in inside:
+            labels[t] = input_ids[t]
+            if input_ids[t] in stop_ids:
+                break
+        else:
+            raise UserError("an assistant turn does not end in an EOS token under this chat template")
+        end_of_last_turn = t + 1
+
+    input_ids, labels = input_ids[:end_of_last_turn], labels[:end_of_last_turn]
+    truncated = max_length is not None and len(input_ids) > max_length
+    if truncated:
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return EncodedChat(input_ids, labels, truncated)

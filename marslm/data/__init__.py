@@ -1,0 +1,23 @@
+"""Data sources for training and evaluation, behind one name: ``--data toy`` or a JSONL path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UserError
+from .jsonl import read_chat_jsonl
+
+TOY = "toy"
+
+
+def load_conversations(source: str, split: str = "train", n: int | None = None, seed: int = 0) -> list[list[dict]]:
+    """Chat conversations (message lists, assistant turns included) from a named source."""
+    if source == TOY:
+        from . import toy
+
+        examples = toy.make_split(split, n or 20000, seed=seed)
+        return [toy.to_chat_record(ex)["messages"] for ex in examples]
+    if not Path(source).exists():
+        raise UserError(f"data file not found: {source} (use a chat JSONL path or 'toy')")
+    conversations = read_chat_jsonl(source)
+    return conversations[:n] if n else conversations

@@ -1,0 +1,82 @@
+"""The acceptance rule, in one place: how many of a step's candidate tokens to keep.
+
+Candidates come left to right: the AR prediction at the last real token, then the predictions at
+the appended masks. Greedy argmax gives the tokens; a confidence score per candidate decides how
+far to go. Accept left to right while the confidence passes tau, and always at least one token,
+so decoding always makes progress.
+
+    prob     top-1 probability          accept while p >= tau      tau in (0, 1]
+    margin   top-1 minus top-2 prob     accept while m >= tau      tau in (0, 1]
+    entropy  entropy of the softmax     accept while H <= tau      tau >= 0
+
+One-token mode (prob/margin with tau >= 1, entropy with tau <= 0) accepts exactly one token,
+whatever the float rounding: an fp32 softmax can round a confident prediction to exactly 1.0,
+and one-token mode must equal greedy AR decoding token for token.
+
+Everything is a tensor operation over ``[batch, candidates]``, with tau and the metric per row,
+so requests with different settings share one batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+
+METRICS = ("prob", "entropy", "margin")
+PROB, ENTROPY, MARGIN = range(3)
+
+
+def check_tau(tau: float, metric: str) -> None:
+    if metric not in METRICS:
+        raise UserError(f"unknown confidence metric {metric!r}; choose from {', '.join(METRICS)}")
+    if metric == "entropy":
+        if not tau >= 0:
+            raise UserError(f"tau for the entropy metric must be >= 0, got {tau}")
+    elif not 0 < tau <= 1:
+        raise UserError(f"tau for the {metric} metric must be in (0, 1], got {tau}")
+
+
+def metric_code(metric: str) -> int:
+    return METRICS.index(metric)
+
+
+def one_token_rows(tau: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
+    """Rows whose setting means plain AR decoding: exactly one token per forward."""
+    return torch.where(metric == ENTROPY, tau <= 0, tau >= 1)
+
+
+def confidence(logits: torch.Tensor, metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and their confidence under each row's metric.
+
+    logits: ``[batch, candidates, vocab]``; metric: ``[batch]`` metric codes.
+    Returns ``(tokens, conf)``, both ``[batch, candidates]``.
+    """
+    probs = logits.float().softmax(dim=-1)
+    top2 = probs.topk(2, dim=-1)
+    tokens = top2.indices[..., 0]
+    conf = top2.values[..., 0]
+    row_metric = metric[:, None].expand_as(conf)
+    if (metric == MARGIN).any():
+        conf = torch.where(row_metric == MARGIN, top2.values[..., 0] - top2.values[..., 1], conf)
+    if (metric == ENTROPY).any():
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
+        conf = torch.where(row_metric == ENTROPY, entropy, conf)
+    return tokens, conf
+
+
+def accept_length(conf: torch.Tensor, tau: torch.Tensor, metric: torch.Tensor,
+                  max_accept: torch.Tensor | None = None) -> torch.Tensor:
+    """Number of leading candidates to accept per row, in ``1..candidates``.
+
+    conf: ``[batch, candidates]``; tau, metric: ``[batch]``; max_accept: optional ``[batch]`` cap
+    (a request may use a smaller block than the batch was run with).
+    """
+    tau_col = tau[:, None].to(conf.dtype)
+    passes = torch.where(metric[:, None] == ENTROPY, conf <= tau_col, conf >= tau_col)
+    leading = passes.long().cumprod(dim=-1).sum(dim=-1)
+    accept = leading.clamp(min=1)
+    accept = torch.where(one_token_rows(tau, metric), torch.ones_like(accept), accept)
+    if max_accept is not None:
+        accept = torch.minimum(accept, max_accept)
+    return accept

@@ -1,0 +1,91 @@
+"""``marslm.generate``: the Python entry point to MARS decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..chat import encode_prompt, stop_token_ids
+from ..config import MASK_TOKEN, MarsConfig
+from ..errors import UserError
+from .acceptance import check_tau
+from .batch import CACHE_MODES, BatchStats, DecodeBatch, RowSettings
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    token_ids: list[list[int]]            # new tokens per prompt, EOS excluded
+    forwards: list[int]                   # forwards each prompt took part in
+    accepted_per_step: list[list[int]]    # tokens accepted by each of those forwards
+    stats: BatchStats = field(default_factory=BatchStats)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Decoded tokens (stop tokens included) per forward, over all prompts."""
+        forwards = sum(self.forwards)
+        return sum(map(sum, self.accepted_per_step)) / forwards if forwards else 0.0
+
+    @property
+    def batch_forwards(self) -> int:
+        return self.stats.forwards
+
+
+def resolve_mask_token_id(model, tokenizer, mask_token_id: int | None = None) -> int:
+    if mask_token_id is not None:
+        return mask_token_id
+    config = MarsConfig.load(model.name_or_path) if getattr(model, "name_or_path", None) else None
+    if config is not None and config.mask_token_id is not None:
+        return config.mask_token_id
+    mask_token = config.mask_token if config else MASK_TOKEN
+    mask_id = tokenizer.convert_tokens_to_ids(mask_token)
+    if mask_id is None or mask_id == tokenizer.unk_token_id:
+        raise UserError(f"the tokenizer has no {mask_token} token; is this a MARS checkpoint?")
+    return mask_id
+
+
+def default_block_size(model) -> int:
+    config = MarsConfig.load(model.name_or_path) if getattr(model, "name_or_path", None) else None
+    return config.block_size if config and config.stage == "mars" else 4
+
+
+def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | None = None,
+             metric: str = "prob", max_new_tokens: int = 256, apply_chat_template: bool = True,
+             cache: str = "cursor", block_cache_size: int = 16, use_last_mask: bool = False,
+             mask_token_id: int | None = None) -> GenerationResult:
+    """Decode ``prompts`` (strings, message lists or token-id lists) with the MARS sliding window.
+
+    ``tau`` >= 1 (prob/margin) is one-token mode and equals greedy AR decoding. ``block_size`` and
+    the mask token default to what the checkpoint's ``marslm.json`` records.
+    """
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
+    check_tau(tau, metric)
+    block_size = block_size or default_block_size(model)
+    if block_size < 1:
+        raise UserError(f"block size must be >= 1, got {block_size}")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if cache not in CACHE_MODES:
+        raise UserError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
+
+    prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batch = DecodeBatch(model, mask_token_id=resolve_mask_token_id(model, tokenizer, mask_token_id),
+                        stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
+                        pad_id=pad_id, cache=cache, block_cache_size=block_cache_size,
+                        use_last_mask=use_last_mask)
+    settings = RowSettings(tau=tau, metric=metric, block_size=block_size, max_new_tokens=max_new_tokens)
+    batch.add(prompt_ids, [settings] * len(prompt_ids), list(range(len(prompt_ids))))
+
+    finished = {}
+    while len(batch):
+        for row in batch.step():
+            finished[row.request_id] = row
+    rows = [finished[i] for i in range(len(prompt_ids))]
+    return GenerationResult(
+        texts=[tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in rows],
+        token_ids=[r.token_ids for r in rows],
+        forwards=[r.forwards for r in rows],
+        accepted_per_step=[r.accepted_per_step for r in rows],
+        stats=batch.stats,
+    )

@@ -1,0 +1,246 @@
+"""Training recipes: stage 1 (AR SFT) and stage 2 (MARS), on the Hugging Face ``Trainer``.
+
+The recipe is deliberately thin: load a model and chat data, encode conversations (chat.py),
+collate (objective.py), and hand a loss function to ``Trainer``. Everything a multi-GPU user
+needs (``accelerate launch`` with DeepSpeed or FSDP, bf16, gradient accumulation, resuming,
+cosine schedule with warmup) is ``Trainer``'s, untouched.
+
+Checkpoints are plain ``save_pretrained`` directories plus ``marslm.json``. Work in progress
+lives in ``OUT.partial/`` (Trainer checkpoints, for resuming); the finished model is written to
+a temporary directory and renamed into place, so ``OUT`` is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from .chat import encode_conversation, stop_token_ids
+from .config import MASK_TOKEN, MarsConfig
+from .data import load_conversations
+from .errors import UserError
+from .modeling import check_model_source, count_parameters, ensure_mask_token
+from .objective import ar_loss, collate, mars_loss
+
+log = logging.getLogger("marslm.train")
+STAGES = ("ar", "mars")
+
+
+@dataclass
+class TrainConfig:
+    stage: str
+    model: str
+    data: str
+    output: str
+    block_size: int = 4
+    ar_weight: float = 1.0
+    epochs: float = 3.0
+    max_steps: int = -1
+    learning_rate: float = 2e-5
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_length: int = 1024
+    seed: int = 0
+    bf16: bool = False
+    overwrite: bool = False
+    resume: bool = True
+    save_steps: int = 500
+    logging_steps: int = 10
+    data_n: int | None = None          # examples to draw from a generated source such as 'toy'
+    data_seed: int = 0
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.stage not in STAGES:
+            raise UserError(f"stage must be one of {STAGES}, got {self.stage!r}")
+        if self.block_size < 1:
+            raise UserError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.ar_weight < 0:
+            raise UserError(f"--ar-weight must be >= 0, got {self.ar_weight}")
+        if self.max_length < 2:
+            raise UserError(f"--max-length must be >= 2, got {self.max_length}")
+        if self.batch_size < 1 or self.grad_accum < 1:
+            raise UserError("--batch-size and --grad-accum must be >= 1")
+        if self.epochs <= 0 and self.max_steps <= 0:
+            raise UserError("give a positive --epochs or --max-steps")
+        out = Path(self.output)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not self.overwrite:
+            raise UserError(f"output directory {out} already holds something; pass --overwrite to replace it")
+
+
+@dataclass
+class TrainSummary:
+    stage: str
+    output: str
+    examples: int
+    truncated: int
+    dropped: int
+    steps: int
+    final_loss: float | None
+    seconds: float
+    parameters: int
+
+
+class MarsTrainer:
+    """Builds a ``transformers.Trainer`` whose loss is the stage's objective (AR or MARS)."""
+
+    @staticmethod
+    def build(model, tokenizer, dataset, args, loss_fn, collator, callbacks=()):
+        from transformers import Trainer
+
+        class _Trainer(Trainer):
+            """Trainer with our loss; logs the noisy/clean terms next to the total."""
+
+            _sums: dict = {}
+            _count: int = 0
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                terms = loss_fn(model, inputs["input_ids"], inputs["labels"])
+                for key, value in terms.items():
+                    if key != "loss":
+                        self._sums[key] = self._sums.get(key, 0.0) + float(value)
+                self._count += 1
+                return terms["loss"]
+
+            def log(self, logs, *a, **kw):
+                if self._count and "loss" in logs:
+                    logs.update({k: round(v / self._count, 4) for k, v in self._sums.items()})
+                    self._sums, self._count = {}, 0
+                super().log(logs, *a, **kw)
+
+        return _Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                        processing_class=tokenizer, callbacks=list(callbacks))
+
+
+def encode_dataset(tokenizer, conversations, max_length: int, stop_ids):
+    """Encode every conversation; return (examples, truncated count, dropped count)."""
+    examples, truncated, dropped = [], 0, 0
+    for messages in conversations:
+        enc = encode_conversation(tokenizer, messages, max_length=max_length, stop_ids=stop_ids)
+        truncated += enc.truncated
+        if all(label < 0 for label in enc.labels[1:]):
+            dropped += 1          # truncation left no target to learn
+            continue
+        examples.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    if not examples:
+        raise UserError("no trainable examples: every conversation lost its answer to --max-length")
+    return examples, truncated, dropped
+
+
+def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSummary:
+    """Run one training stage end to end; returns a summary. ``model``/``tokenizer`` skip loading."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
+
+    started = time.time()
+    cfg.validate()
+    if model is None:
+        check_model_source(cfg.model)
+    conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed)
+    set_seed(cfg.seed)
+
+    if model is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32,
+                                                         attn_implementation="sdpa")
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot load model {cfg.model}: {str(exc).strip().splitlines()[0]}") from None
+    parameters_before = count_parameters(model)
+    stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    eos_id = stop_ids[0]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+
+    examples, truncated, dropped = encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids)
+    if truncated:
+        log.warning("%d of %d conversations were longer than --max-length %d and were truncated",
+                    truncated, len(conversations), cfg.max_length)
+
+    if cfg.stage == "mars":
+        mask_id = ensure_mask_token(model, tokenizer)
+        loss_fn = partial(mars_loss, block_size=cfg.block_size, mask_token_id=mask_id, ar_weight=cfg.ar_weight)
+        collator = partial(collate, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
+        block_size = cfg.block_size
+    else:
+        mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
+        loss_fn = ar_loss
+        collator = partial(collate, pad_id=pad_id)
+        block_size = 1
+
+    partial_dir = Path(str(Path(cfg.output)) + ".partial")
+    args = TrainingArguments(
+        output_dir=str(partial_dir),
+        num_train_epochs=cfg.epochs if cfg.epochs > 0 else 1.0,
+        max_steps=cfg.max_steps,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=cfg.warmup_ratio,
+        weight_decay=cfg.weight_decay,
+        per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        bf16=cfg.bf16,
+        save_strategy="steps",
+        save_steps=cfg.save_steps,
+        save_total_limit=2,
+        logging_steps=cfg.logging_steps,
+        report_to=[],
+        remove_unused_columns=False,
+        disable_tqdm=not cfg.progress,
+        dataloader_num_workers=0,
+    )
+    trainer = MarsTrainer.build(model, tokenizer, examples, args, loss_fn, collator, callbacks)
+    resume = cfg.resume and any(partial_dir.glob("checkpoint-*"))
+    if resume:
+        log.warning("resuming from the last checkpoint in %s", partial_dir)
+    result = trainer.train(resume_from_checkpoint=True if resume else None)
+
+    summary = TrainSummary(stage=cfg.stage, output=cfg.output, examples=len(examples), truncated=truncated,
+                           dropped=dropped, steps=result.global_step, final_loss=_last_loss(trainer),
+                           seconds=round(time.time() - started, 1), parameters=count_parameters(model))
+    if cfg.stage == "mars" and summary.parameters != parameters_before:
+        log.warning("the mask token needed a new embedding row: %d -> %d parameters",
+                    parameters_before, summary.parameters)
+    mars_config = MarsConfig(stage=cfg.stage, block_size=block_size, mask_token_id=mask_id,
+                             ar_weight=cfg.ar_weight if cfg.stage == "mars" else 1.0,
+                             base_model=cfg.model, extra={"train": asdict(summary), **cfg.extra})
+    _save_atomically(trainer, mars_config, Path(cfg.output), partial_dir, overwrite=cfg.overwrite)
+    return summary
+
+
+def _last_loss(trainer) -> float | None:
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return float(losses[-1]) if losses else None
+
+
+def _save_atomically(trainer, mars_config: MarsConfig, output: Path, partial_dir: Path, overwrite: bool) -> None:
+    """Write the final model next to ``output`` and rename it into place (process 0 only)."""
+    staging = partial_dir / "final"
+    trainer.save_model(str(staging))          # gathers sharded (FSDP/DeepSpeed) weights
+    if not trainer.is_world_process_zero():
+        return
+    trainer.model.generation_config.save_pretrained(str(staging))
+    mars_config.save(staging)
+    (staging / "training_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    if output.exists():
+        if not overwrite and any(output.iterdir()):
+            raise UserError(f"output directory {output} appeared during training; the model is in {staging}")
+        old = output.with_name(output.name + ".old")
+        os.replace(output, old)
+        os.replace(staging, output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, output)
+    shutil.rmtree(partial_dir, ignore_errors=True)
