@@ -45,23 +45,53 @@ def two_stream_mask(seq_len: int, block_size: int, device: torch.device | str | 
     return clean_to_clean | noisy_to_noisy | noisy_to_clean
 
 
-def decode_step_mask(slot_valid: torch.Tensor, fed_valid: torch.Tensor) -> torch.Tensor:
+def decode_step_mask(slot_valid: torch.Tensor, pending_valid: torch.Tensor, draft_valid: torch.Tensor,
+                     group_sees: torch.Tensor, group_valid: torch.Tensor, n_masks: int) -> torch.Tensor:
     """Mask for one decoding forward over a (possibly empty) KV cache.
 
-    slot_valid: ``[batch, S]`` which cached slots hold a committed token of that row (ragged
-        acceptance and row padding leave holes).
-    fed_valid: ``[batch, W]`` which fed columns are real (pending tokens or masks, not padding).
+    A step feeds, per row, ``[pending | draft | group_0 | ... | group_{G-1}]``:
 
-    Returns ``[batch, 1, W, S + W]``: a fed query sees every valid cached slot and the valid fed
-    columns up to itself. Each query also sees itself, so a padding row is never fully masked
-    (sdpa would return NaN there); its output is ignored anyway.
+    - pending: tokens not yet in the cache, attended causally;
+    - draft: proposed tokens (lossless mode), causal after the pending ones;
+    - groups of ``n_masks`` masks; group g sees the first ``group_sees[g]`` drafts, is causal
+      inside itself and invisible to everything else (MARS_METHOD.md section 5). The threshold
+      mode is the special case of no draft and one group.
+
+    slot_valid ``[batch, S]``: cached slots holding a committed token of that row (ragged
+    acceptance leaves holes). pending_valid ``[batch, Wp]``, draft_valid ``[batch, K]``,
+    group_sees / group_valid ``[batch, G]``.
+
+    Returns ``[batch, 1, W, S + W]``. Each query also sees itself, so no row is fully masked
+    (sdpa would return NaN there); outputs of padding columns are ignored.
     """
-    batch, width = fed_valid.shape
-    causal = torch.ones(width, width, dtype=torch.bool, device=fed_valid.device).tril()
-    fed_keys = causal[None] & fed_valid[:, None, :]
-    fed_keys |= torch.eye(width, dtype=torch.bool, device=fed_valid.device)[None]
-    cached_keys = slot_valid[:, None, :].expand(batch, width, slot_valid.shape[1])
-    return torch.cat([cached_keys, fed_keys], dim=-1)[:, None]
+    batch, width_pending = pending_valid.shape
+    draft_width, groups = draft_valid.shape[1], group_sees.shape[1]
+    dev = pending_valid.device
+
+    def segment(width, value):
+        return torch.full((width,), value, dtype=torch.long, device=dev)
+
+    seg = torch.cat([segment(width_pending, 0), segment(draft_width, 1), segment(groups * n_masks, 2)])
+    idx = torch.cat([torch.arange(width_pending, device=dev), torch.arange(draft_width, device=dev),
+                     torch.arange(n_masks, device=dev).repeat(groups)])
+    grp = torch.cat([segment(width_pending + draft_width, -1),
+                     torch.arange(groups, device=dev).repeat_interleave(n_masks)])
+    fed_valid = torch.cat([pending_valid, draft_valid, group_valid.repeat_interleave(n_masks, dim=1)], dim=1)
+    sees = torch.cat([torch.zeros(batch, width_pending + draft_width, dtype=torch.long, device=dev),
+                      group_sees.repeat_interleave(n_masks, dim=1)], dim=1)
+
+    q_seg, k_seg = seg[:, None], seg[None, :]
+    causal_within = (idx[None, :] <= idx[:, None]) & (q_seg == k_seg)
+    pending_keys = (k_seg == 0) & ((q_seg > 0) | causal_within)
+    draft_keys = (k_seg == 1) & (q_seg == 1) & causal_within
+    mask_keys = (k_seg == 2) & (grp[None, :] == grp[:, None]) & causal_within
+    fed = (pending_keys | draft_keys | mask_keys)[None].expand(batch, -1, -1)
+    # A group sees the drafts it was placed after; that depends on the row.
+    group_to_draft = (q_seg == 2)[None] & (k_seg == 1)[None] & (idx[None, None, :] < sees[:, :, None])
+    width = seg.shape[0]
+    fed = ((fed | group_to_draft) & fed_valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=dev)
+    cached = slot_valid[:, None, :].expand(batch, width, slot_valid.shape[1])
+    return torch.cat([cached, fed], dim=-1)[:, None]
 
 
 def attention_implementation(model) -> str:

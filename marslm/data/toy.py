@@ -70,7 +70,9 @@ SPLITS: tuple[str, ...] = ("train", "test")
 
 # One instance in TEST_BUCKETS (by content hash) belongs to the test split.
 TEST_BUCKETS = 10
-# How many draws we spend looking for an unseen prompt before accepting a repeat.
+# Dedupe budget: in-split draws spent looking for unseen content before a new
+# wording of seen content will do, and total draws before even a repeat will.
+FRESH_CONTENT_TRIES = 10
 MAX_DRAWS_PER_EXAMPLE = 1000
 
 CODE_TIMEOUT_S = 5.0  # wall clock, per program: also catches sleeping code
@@ -464,9 +466,10 @@ def _score_lists(example: Example, response: str) -> bool:
 # ---------------------------------------------------------------------------
 
 _NUMBER_PARAMS = ("x", "n", "value", "num", "number")
-_PAIR_PARAMS = (("a", "b"), ("x", "y"), ("m", "n"), ("first", "second"), ("left", "right"), ("p", "q"))
-_STRING_PARAMS = ("s", "text", "word")
-_LIST_PARAMS = ("nums", "values", "numbers", "items", "data")
+_PAIR_PARAMS = (("a", "b"), ("x", "y"), ("m", "n"), ("first", "second"), ("left", "right"), ("p", "q"),
+                ("u", "v"), ("i", "j"))
+_STRING_PARAMS = ("s", "text", "word", "string", "phrase")
+_LIST_PARAMS = ("nums", "values", "numbers", "items", "data", "xs", "scores")
 
 _CODE_PHRASINGS = (
     "Write a Python function {signature} that {description}.",
@@ -492,7 +495,9 @@ class _Function:
 
     @property
     def source(self) -> str:
-        return "\n".join([f"def {self.signature}:", *("    " + line for line in self.body)])
+        # The docstring restates the spec: predictable text, as in real code.
+        docstring = f'    """{self.description[0].upper()}{self.description[1:]}."""'
+        return "\n".join([f"def {self.signature}:", docstring, *("    " + line for line in self.body)])
 
 
 def _fn_add(rng: random.Random) -> _Function:
@@ -529,7 +534,7 @@ def _fn_affine(rng: random.Random) -> _Function:
 def _fn_divisible(rng: random.Random) -> _Function:
     k, x = rng.randint(2, 9), rng.choice(_NUMBER_PARAMS)
     w = _NUMBER_WORDS[k]
-    name = rng.choice((f"is_multiple_of_{w}", f"divisible_by_{w}"))
+    name = rng.choice((f"is_multiple_of_{w}", f"divisible_by_{w}", f"is_divisible_by_{w}"))
     return _Function(name, (x,), f"returns True if {x} is divisible by {k}, otherwise False",
                      (f"return {x} % {k} == 0",),
                      [[[v], v % k == 0] for v in (0, k, k + 1, 2 * k, 3 * k - 1, 7)])
@@ -548,7 +553,8 @@ def _fn_in_range(rng: random.Random) -> _Function:
 def _fn_pick_of_two(larger: bool) -> Callable[[random.Random], _Function]:
     """The larger (or smaller) of two arguments, spelled out with an if."""
     word, op, pick = ("larger", ">", max) if larger else ("smaller", "<", min)
-    names = ("larger", "max_of_two", "bigger", "pick_max") if larger else ("smaller", "min_of_two", "lesser", "pick_min")
+    names = (("larger", "max_of_two", "bigger", "pick_max", "maximum", "greater", "max2", "biggest") if larger
+             else ("smaller", "min_of_two", "lesser", "pick_min", "minimum", "least", "min2", "smallest"))
 
     def draw(rng: random.Random) -> _Function:
         p, q = rng.choice(_PAIR_PARAMS)
@@ -560,7 +566,7 @@ def _fn_pick_of_two(larger: bool) -> Callable[[random.Random], _Function]:
 
 
 def _fn_repeat(rng: random.Random) -> _Function:
-    k, s = rng.randint(2, 6), rng.choice(_STRING_PARAMS)
+    k, s = rng.randint(2, 9), rng.choice(_STRING_PARAMS)
     w = _NUMBER_WORDS[k]
     name = rng.choice((f"repeat_{w}", f"repeat_{w}_times", f"echo_{w}"))
     return _Function(name, (s,), f"returns the string {s} repeated {k} times", (f"return {s} * {k}",),
@@ -568,7 +574,7 @@ def _fn_repeat(rng: random.Random) -> _Function:
 
 
 def _fn_prefix(rng: random.Random) -> _Function:
-    k, s = rng.randint(1, 5), rng.choice(_STRING_PARAMS)
+    k, s = rng.randint(1, 9), rng.choice(_STRING_PARAMS)
     w = _NUMBER_WORDS[k]
     name = rng.choice((f"first_{w}", f"prefix_{w}", f"head_{w}"))
     return _Function(name, (s,), f"returns the first {k} characters of the string {s}", (f"return {s}[:{k}]",),
@@ -577,7 +583,7 @@ def _fn_prefix(rng: random.Random) -> _Function:
 
 def _fn_list_sum(rng: random.Random) -> _Function:
     xs = rng.choice(_LIST_PARAMS)
-    name = rng.choice(("sum_list", "total", "add_all", "list_total"))
+    name = rng.choice(("sum_list", "sum_numbers", "add_all", "list_total", "sum_of", "add_up", "sum_all", "grand_total"))
     return _Function(name, (xs,), f"returns the sum of the numbers in the list {xs}",
                      ("total = 0", f"for v in {xs}:", "    total += v", "return total"),
                      [[[v], sum(v)] for v in ([], [1, 2, 3], [-4, 10], [7], [5, 5, 5, 5])])
@@ -730,6 +736,8 @@ def _kill_group(process: subprocess.Popen) -> None:
 
 def _score_code_batch(examples: Sequence[Example], responses: Sequence[str], timeout: float) -> list[bool]:
     """Hidden-test verdicts for many code answers, a few child processes at a time."""
+    if not examples:
+        return []
 
     def check(pair: tuple[Example, str]) -> bool:
         example, response = pair
@@ -756,42 +764,72 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def _content_key(family: str, content: dict) -> str:
+    return json.dumps([family, content], sort_keys=True, separators=(",", ":"))
+
+
 def split_of(family: str, content: dict) -> str:
     """The split an instance belongs to, decided by its phrasing-independent content alone."""
-    digest = _sha256(json.dumps([family, content], sort_keys=True, separators=(",", ":")))
+    digest = _sha256(_content_key(family, content))
     return "test" if int(digest[:16], 16) % TEST_BUCKETS == 0 else "train"
 
 
-def _draw_for_split(family: str, split: str, rng: random.Random, seen_prompts: set[str]) -> _Draw:
-    """A draw belonging to `split`, with a prompt not in `seen_prompts` while one can be found."""
-    fallback = None
+@dataclass
+class _Seen:
+    """What a split has already drawn, to avoid repeats."""
+
+    contents: set[str]
+    prompts: set[str]
+
+    def novelty(self, family: str, draw: _Draw) -> int:
+        """0: new content; 1: known content, new wording; 2: a repeated prompt."""
+        if _content_key(family, draw.content) not in self.contents:
+            return 0
+        return 1 if draw.prompt not in self.prompts else 2
+
+    def add(self, family: str, draw: _Draw) -> None:
+        self.contents.add(_content_key(family, draw.content))
+        self.prompts.add(draw.prompt)
+
+
+def _draw_for_split(family: str, split: str, rng: random.Random, seen: _Seen) -> _Draw:
+    """A draw belonging to `split`, as novel as can be found quickly.
+
+    New content is preferred; after FRESH_CONTENT_TRIES in-split draws without
+    any (a small pool, nearly used up), a new wording of known content will
+    do; after MAX_DRAWS_PER_EXAMPLE draws, even a repeated prompt.
+    """
+    best, best_novelty, in_split = None, 3, 0
     for _ in range(MAX_DRAWS_PER_EXAMPLE):
         draw = _DRAWERS[family](rng)
         if split_of(family, draw.content) != split:
-            continue
-        if draw.prompt not in seen_prompts:
-            return draw
-        fallback = fallback or draw
-    if fallback is None:
+            continue  # belongs to the other split: never use it here
+        in_split += 1
+        novelty = seen.novelty(family, draw)
+        if novelty < best_novelty:
+            best, best_novelty = draw, novelty
+        if best_novelty == 0 or (best_novelty == 1 and in_split >= FRESH_CONTENT_TRIES):
+            break
+    if best is None:
         raise RuntimeError(f"could not draw a {split} instance of {family!r}")
-    return fallback  # this family's pool is exhausted for this split: accept a repeat
+    return best
 
 
 def _family_examples(family: str, split: str, count: int, seed: int) -> list[Example]:
     # One RNG stream per (split, seed, family): a family's examples do not depend on
     # which other families are requested, and a smaller n gives a prefix of a larger one.
     rng = random.Random(f"marslm-toy/{split}/{seed}/{family}")
-    seen_prompts: set[str] = set()
+    seen = _Seen(set(), set())
     used_ids: set[str] = set()
     examples = []
     for _ in range(count):
-        draw = _draw_for_split(family, split, rng, seen_prompts)
-        seen_prompts.add(draw.prompt)
-        example_id = f"{family}-{_sha256(draw.prompt + chr(0) + draw.answer)[:12]}"
-        repeat = 1
-        while example_id in used_ids:  # only after a repeat was accepted
+        draw = _draw_for_split(family, split, rng, seen)
+        seen.add(family, draw)
+        digest = _sha256(draw.prompt + chr(0) + draw.answer)[:12]
+        example_id, repeat = f"{family}-{digest}", 1
+        while example_id in used_ids:  # only once a pool is used up and a prompt repeats
             repeat += 1
-            example_id = f"{family}-{_sha256(draw.prompt + chr(0) + draw.answer)[:12]}-{repeat}"
+            example_id = f"{family}-{digest}-{repeat}"
         used_ids.add(example_id)
         examples.append(Example(example_id, family, [{"role": "user", "content": draw.prompt}],
                                 draw.answer, draw.meta))

@@ -1,26 +1,34 @@
-"""The decoding loop: left-to-right sliding window over a batch of rows that advance independently.
+"""The decoding loop: a left-to-right sliding window over rows that advance independently.
 
 One step, for every row at once:
 
-    feed    [pending tokens | pad | B masks]       pending = tokens not yet in the KV cache
-    read    the AR output at the last pending token and the outputs at the masks
-    accept  a left-to-right prefix of those candidates (acceptance.py), stop at EOS
-    commit  keep the pending tokens' keys/values, drop the masks' (cursor policy)
+    feed    [pending | draft | mask group(s)]   pending = tokens whose keys/values are not cached
+    read    the AR outputs at the last pending token and at each draft token, and the masks'
+    accept  threshold mode: a confident left-to-right prefix of [AR token, mask predictions]
+            lossless mode:  the drafts that match the AR outputs, plus the AR token after them
+    commit  keep the keys/values of real tokens, drop the masks' (cache policy permitting)
 
-The three cache policies differ only in *when* pending tokens are committed to the cache:
+Threshold mode is MARS as in the paper (acceptance.py holds the rule). Lossless mode turns the
+masks into a self-drafter: the masks' predictions of one step are fed as real tokens in the next
+and verified by the AR outputs there, so the output is greedy AR decoding token for token. With
+``draft_groups`` a step appends one mask group per possible number of accepted drafts (each
+group sees only that many drafts, MARS_METHOD.md section 5), so a partial rejection still leaves
+a valid draft for the next step.
 
-    none    never: no cache, every step re-feeds the whole sequence (the correctness oracle)
-    cursor  every step: each row feeds only what it accepted last step, rows never wait
-    block   only when every row has at least ``block_cache_size`` pending tokens (the paper's
-            section 4.5 scheme); a row that filled its block idles until the others catch up
+The three cache policies differ only in *when* fed tokens are committed to the KV cache:
 
-A row's committed entries live at cache slots that may be interleaved with holes (columns that
-were padding for that row); ``slot_valid`` masks them out and :meth:`_compact` squeezes them
-away once they make up too much of the cache. Rows can join (:meth:`add`) and leave (finished
-rows are dropped after each step), which is what continuous batching in the server needs.
+    none    never: no cache; every step re-feeds the whole sequence (the correctness oracle)
+    cursor  every step: a row feeds only what it accepted last step, rows never wait
+    block   only once every row has ``block_cache_size`` pending tokens (the paper's section 4.5
+            scheme); a row that filled its block idles until the others catch up
 
-The hot path has no Python loop over rows, positions or vocabulary; the few host syncs per step
-(batch width, whether anything finished) do not grow with the batch.
+A row's committed entries live at cache slots interleaved with holes (columns that were padding
+for that row); ``slot_valid`` masks them and :meth:`_compact` squeezes them out once they are
+more than half of the cache. Rows join (:meth:`add`) and leave (finished rows are dropped after
+each step) between steps: that is all continuous batching needs.
+
+No Python loop runs over rows, positions or vocabulary per step; the few host syncs per step
+(widths, whether anything finished) do not grow with the batch.
 """
 
 from __future__ import annotations
@@ -33,6 +41,16 @@ from ..masks import decode_step_mask, for_attention
 from .acceptance import accept_length, confidence, metric_code, one_token_rows
 
 CACHE_MODES = ("none", "block", "cursor")
+MODES = ("threshold", "lossless")
+
+
+@dataclass
+class RowSettings:
+    tau: float = 1.0
+    metric: str = "prob"
+    block_size: int = 4
+    max_new_tokens: int = 256
+    mode: str = "threshold"
 
 
 @dataclass
@@ -46,32 +64,24 @@ class FinishedRow:
     def forwards(self) -> int:
         return len(self.accepted_per_step)
 
-    @property
-    def tokens_decoded(self) -> int:
-        """Tokens produced by the forwards, the stop token included (so AR decoding gives 1.0)."""
-        return sum(self.accepted_per_step)
-
-
-@dataclass
-class RowSettings:
-    tau: float = 1.0
-    metric: str = "prob"
-    block_size: int = 4
-    max_new_tokens: int = 256
-
 
 @dataclass
 class BatchStats:
-    forwards: int = 0             # model calls
-    peak_cache_slots: int = 0     # widest the cache got (slots per row, holes included)
-    peak_cache_holes: float = 0.0 # largest fraction of cache slots that were holes
+    forwards: int = 0               # model calls
+    peak_cache_slots: int = 0       # widest the cache got, holes included
+    peak_cache_holes: float = 0.0   # largest share of cache slots that were holes
     compactions: int = 0
-    step_widths: list[int] = field(default_factory=list)
+    fed_columns: int = 0            # sum over forwards of batch x width (compute proxy)
 
 
 class DecodeBatch:
+    # Per-row state, indexed alike; rows leave by indexing all of them at once.
+    ROW_STATE = ("tokens", "prompt_len", "seq_len", "cached_len", "max_len", "tau", "metric",
+                 "n_masks", "lossless", "draft", "draft_len", "accept_log", "forwards", "slot_valid")
+
     def __init__(self, model, *, mask_token_id: int, stop_ids: list[int], pad_id: int = 0,
-                 cache: str = "cursor", block_cache_size: int = 16, use_last_mask: bool = False):
+                 cache: str = "cursor", block_cache_size: int = 16, use_last_mask: bool = False,
+                 draft_groups: bool = False):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
         self.model = model
@@ -82,149 +92,177 @@ class DecodeBatch:
         self.cache_mode = cache
         self.block_cache_size = block_cache_size
         self.use_last_mask = use_last_mask
+        self.draft_groups = draft_groups
         self.stats = BatchStats()
-
         self.request_ids: list = []
-        long = dict(dtype=torch.long, device=self.device)
-        self.tokens = torch.zeros(0, 0, **long)        # [rows, T] prompt then accepted tokens
-        self.prompt_len = torch.zeros(0, **long)
-        self.seq_len = torch.zeros(0, **long)          # prompt + accepted
-        self.cached_len = torch.zeros(0, **long)       # leading tokens whose KV is in the cache
-        self.max_len = torch.zeros(0, **long)          # prompt + max_new_tokens
-        self.tau = torch.zeros(0, dtype=torch.float64, device=self.device)
-        self.metric = torch.zeros(0, **long)
-        self.max_accept = torch.zeros(0, **long)       # block size (+1 with the last mask)
-        self.accept_log = torch.zeros(0, 0, **long)    # [rows, steps] tokens accepted per forward
-        self.forwards = torch.zeros(0, **long)
-        self.kv = None                                 # transformers Cache, or None
-        self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        self.kv = None   # a transformers Cache, created at the first forward
+        long, dev = torch.long, self.device
+        self.tokens = torch.zeros(0, 0, dtype=long, device=dev)      # [rows, T] prompt, then accepted
+        self.prompt_len = torch.zeros(0, dtype=long, device=dev)
+        self.seq_len = torch.zeros(0, dtype=long, device=dev)        # prompt + accepted
+        self.cached_len = torch.zeros(0, dtype=long, device=dev)     # leading tokens with cached KV
+        self.max_len = torch.zeros(0, dtype=long, device=dev)        # prompt + max_new_tokens
+        self.tau = torch.zeros(0, dtype=torch.float64, device=dev)
+        self.metric = torch.zeros(0, dtype=long, device=dev)
+        self.n_masks = torch.zeros(0, dtype=long, device=dev)        # masks this row reads per step
+        self.lossless = torch.zeros(0, dtype=torch.bool, device=dev)
+        self.draft = torch.zeros(0, 0, dtype=long, device=dev)       # lossless: tokens to verify
+        self.draft_len = torch.zeros(0, dtype=long, device=dev)
+        self.accept_log = torch.zeros(0, 0, dtype=long, device=dev)  # [rows, steps] accepted per forward
+        self.forwards = torch.zeros(0, dtype=long, device=dev)
+        self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     # ------------------------------------------------------------------ rows joining and leaving
     def add(self, prompts: list[list[int]], settings: list[RowSettings], request_ids: list) -> None:
-        """Queue new rows; their prompts are fed (prefilled) by the next step."""
+        """Queue new rows; the next step feeds (prefills) their prompts."""
         if not prompts:
             return
-        long = dict(dtype=torch.long, device=self.device)
-        n = len(prompts)
-        prompt_len = torch.tensor([len(p) for p in prompts], **long)
-        max_new = torch.tensor([s.max_new_tokens for s in settings], **long)
-        extra = 1 if self.use_last_mask else 0
-        max_accept = torch.tensor([s.block_size + extra for s in settings], **long)
-        width = int((prompt_len + max_new).max()) + int(max_accept.max()) + 1
-        tokens = torch.full((n, width), self.pad_id, **long)
+        long, dev, n = torch.long, self.device, len(prompts)
+        prompt_len = torch.tensor([len(p) for p in prompts], dtype=long, device=dev)
+        max_new = torch.tensor([s.max_new_tokens for s in settings], dtype=long, device=dev)
+        n_masks = torch.tensor([s.block_size - 1 + self.use_last_mask for s in settings], dtype=long, device=dev)
+        room = int((prompt_len + max_new).max()) + 2 * int(n_masks.max()) + 2
+        tokens = torch.full((n, room), self.pad_id, dtype=long, device=dev)
         for row, prompt in enumerate(prompts):  # once per request, not per step
-            tokens[row, : len(prompt)] = torch.tensor(prompt, **long)
+            tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=long, device=dev)
 
-        self.tokens = _cat_padded([self.tokens, tokens], self.pad_id)
-        self.accept_log = _cat_padded([self.accept_log, torch.zeros(n, int(max_new.max()) + 1, **long)], 0)
-        self.prompt_len = torch.cat([self.prompt_len, prompt_len])
-        self.seq_len = torch.cat([self.seq_len, prompt_len])
-        self.cached_len = torch.cat([self.cached_len, torch.zeros(n, **long)])
-        self.max_len = torch.cat([self.max_len, prompt_len + max_new])
-        self.tau = torch.cat([self.tau, torch.tensor([s.tau for s in settings], dtype=torch.float64,
-                                                     device=self.device)])
-        self.metric = torch.cat([self.metric, torch.tensor([metric_code(s.metric) for s in settings], **long)])
-        self.max_accept = torch.cat([self.max_accept, max_accept])
-        self.forwards = torch.cat([self.forwards, torch.zeros(n, **long)])
-        self.slot_valid = torch.cat([self.slot_valid, self.slot_valid.new_zeros(n, self.slot_valid.shape[1])])
+        zeros = torch.zeros(n, dtype=long, device=dev)
+        new_rows = {
+            "tokens": tokens, "prompt_len": prompt_len, "seq_len": prompt_len.clone(), "cached_len": zeros,
+            "max_len": prompt_len + max_new,
+            "tau": torch.tensor([s.tau for s in settings], dtype=torch.float64, device=dev),
+            "metric": torch.tensor([metric_code(s.metric) for s in settings], dtype=long, device=dev),
+            "n_masks": n_masks,
+            "lossless": torch.tensor([s.mode == "lossless" for s in settings], device=dev),
+            "draft": torch.zeros(n, 0, dtype=long, device=dev), "draft_len": zeros,
+            "accept_log": torch.zeros(n, int(max_new.max()) + 1, dtype=long, device=dev), "forwards": zeros,
+            "slot_valid": torch.zeros(n, self.slot_valid.shape[1], dtype=torch.bool, device=dev),
+        }
+        for name in self.ROW_STATE:
+            old, new = getattr(self, name), new_rows[name]
+            setattr(self, name, _cat_padded([old, new]) if old.dim() == 2 else torch.cat([old, new]))
         if self.kv is not None:
             for layer in _filled_layers(self.kv):
                 layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, *layer.keys.shape[1:])])
                 layer.values = torch.cat([layer.values, layer.values.new_zeros(n, *layer.values.shape[1:])])
         self.request_ids.extend(request_ids)
 
+    def cancel(self, request_ids) -> None:
+        """Drop rows (a client went away); their places are free from the next step on."""
+        drop = set(request_ids)
+        keep = [i for i, rid in enumerate(self.request_ids) if rid not in drop]
+        if len(keep) != len(self.request_ids):
+            self._keep(torch.tensor(keep, dtype=torch.long, device=self.device))
+
     def _keep(self, keep: torch.Tensor) -> None:
-        for name in ("tokens", "prompt_len", "seq_len", "cached_len", "max_len", "tau", "metric",
-                     "max_accept", "accept_log", "forwards", "slot_valid"):
+        for name in self.ROW_STATE:
             setattr(self, name, getattr(self, name)[keep])
-        if not len(keep):  # an empty batch starts the next one with a fresh cache
+        if not len(keep):   # an empty batch starts afresh: no stale cache width
             self.kv = None
             self.slot_valid = self.slot_valid.new_zeros(0, 0)
         elif self.kv is not None:
             for layer in _filled_layers(self.kv):
                 layer.keys, layer.values = layer.keys[keep], layer.values[keep]
-        keep_list = keep.tolist()
-        self.request_ids = [self.request_ids[i] for i in keep_list]
-
-    def cancel(self, request_ids) -> None:
-        """Drop rows (a client went away); their slots are free from the next step on."""
-        drop = set(request_ids)
-        keep = [i for i, rid in enumerate(self.request_ids) if rid not in drop]
-        if len(keep) != len(self.request_ids):
-            self._keep(torch.tensor(keep, dtype=torch.long, device=self.device))
+        self.request_ids = [self.request_ids[i] for i in keep.tolist()]
 
     # ------------------------------------------------------------------ one forward
     def step(self) -> list[FinishedRow]:
         """Run one forward for every row; return the rows that finished."""
         if not len(self):
             return []
-        rows = len(self)
+        rows, dev = len(self), self.device
         pending_len = self.seq_len - self.cached_len
-        if self.cache_mode == "cursor":
-            commit, idle = True, None
-        elif self.cache_mode == "block":
-            full = pending_len >= self.block_cache_size
-            commit = bool(full.all())
-            idle = None if commit else full
-        else:
-            commit, idle = False, None
+        commit, idle = self._commit_policy(pending_len)
 
-        # Rows in one-token mode need no masks; a batch of only such rows is plain AR decoding.
-        multi = ~one_token_rows(self.tau, self.metric)
-        n_masks = int(self.max_accept[multi].max()) - 1 if bool(multi.any()) else 0
+        # Threshold rows in one-token mode read no masks: a batch of only those is plain AR.
+        reads_masks = self.lossless | ~one_token_rows(self.tau, self.metric)
+        n_masks = int(self.n_masks[reads_masks].max()) if bool(reads_masks.any()) else 0
+        draft_width = self.draft.shape[1]
+        groups = draft_width + 1 if self.draft_groups else 1
         width_pending = int(pending_len.max())
 
-        cols = torch.arange(width_pending, device=self.device)
-        mask_cols = torch.arange(n_masks, device=self.device)
+        # --- inputs: [pending | draft | groups x masks]
+        cols = torch.arange(width_pending, device=dev)
+        draft_cols = torch.arange(draft_width, device=dev)
+        mask_cols = torch.arange(n_masks, device=dev)
         pending_valid = cols < pending_len[:, None]
-        gather_at = (self.cached_len[:, None] + cols).clamp(max=self.tokens.shape[1] - 1)
-        pending = self.tokens.gather(1, gather_at).masked_fill(~pending_valid, self.pad_id)
-        input_ids = torch.cat([pending, torch.full((rows, n_masks), self.mask_token_id, device=self.device,
-                                                   dtype=torch.long)], dim=1)
-        position_ids = torch.cat([self.cached_len[:, None] + cols, self.seq_len[:, None] + mask_cols], dim=1)
-        fed_valid = torch.cat([pending_valid, pending_valid.new_ones(rows, n_masks)], dim=1)
-        attention_mask = decode_step_mask(self.slot_valid, fed_valid)
-        # Candidates: the AR output at the last pending token, then one per mask.
-        candidate_cols = torch.cat([(pending_len - 1)[:, None], width_pending + mask_cols[None].expand(rows, -1)],
-                                   dim=1)
+        at = (self.cached_len[:, None] + cols).clamp(max=self.tokens.shape[1] - 1)
+        pending = self.tokens.gather(1, at).masked_fill(~pending_valid, self.pad_id)
+        draft_valid = draft_cols < self.draft_len[:, None]
+        if self.draft_groups:
+            group_sees = torch.arange(groups, device=dev).expand(rows, -1)
+            group_valid = group_sees <= self.draft_len[:, None]
+        else:
+            group_sees, group_valid = self.draft_len[:, None], torch.ones(rows, 1, dtype=torch.bool, device=dev)
+        input_ids = torch.cat([pending, self.draft.masked_fill(~draft_valid, self.pad_id),
+                               torch.full((rows, groups * n_masks), self.mask_token_id, device=dev)], dim=1)
+        position_ids = torch.cat([
+            self.cached_len[:, None] + cols,
+            self.seq_len[:, None] + draft_cols,
+            (self.seq_len[:, None, None] + group_sees[:, :, None] + mask_cols).flatten(1)], dim=1)
+        attention_mask = decode_step_mask(self.slot_valid, pending_valid, draft_valid, group_sees, group_valid,
+                                          n_masks)
+        # Outputs we read: AR at the last pending token and at every draft token, then every mask.
+        ar_cols = torch.cat([(pending_len - 1)[:, None], width_pending + draft_cols.expand(rows, -1)], dim=1)
+        group_cols = width_pending + draft_width + torch.arange(groups * n_masks, device=dev).expand(rows, -1)
 
         if self.kv is None and self.cache_mode != "none":
             from transformers import DynamicCache
 
             self.kv = DynamicCache(config=self.model.config)
         with torch.no_grad():
-            out = self.model(input_ids=input_ids, position_ids=position_ids,
-                             attention_mask=for_attention(attention_mask, self.model),
-                             cache=self.kv, use_cache=self.kv is not None, logits_to_keep=candidate_cols)
+            logits = self.model(input_ids=input_ids, position_ids=position_ids,
+                                attention_mask=for_attention(attention_mask, self.model),
+                                cache=self.kv, use_cache=self.kv is not None,
+                                logits_to_keep=torch.cat([ar_cols, group_cols], dim=1)).logits
         self.stats.forwards += 1
-        self.stats.step_widths.append(input_ids.shape[1])
+        self.stats.fed_columns += input_ids.numel()
 
-        candidates, conf = confidence(out.logits, self.metric)
-        accept = accept_length(conf, self.tau, self.metric, self.max_accept)
+        # --- accept
+        predicted, conf = confidence(logits, self.metric)
+        ar_tokens, mask_tokens = predicted[:, : draft_width + 1], predicted[:, draft_width + 1:]
+        mask_tokens = mask_tokens.reshape(rows, groups, n_masks)
+        mask_conf = conf[:, draft_width + 1:].reshape(rows, groups, n_masks)
+
+        # threshold rows: [AR token, first group's masks] under the confidence rule
+        threshold_candidates = torch.cat([ar_tokens[:, :1], mask_tokens[:, 0]], dim=1)
+        threshold_conf = torch.cat([conf[:, :1], mask_conf[:, 0]], dim=1)
+        threshold_accept = accept_length(threshold_conf, self.tau, self.metric, self.n_masks + 1)
+        # lossless rows: drafts that equal the AR outputs, then the AR token after them
+        matches = (ar_tokens[:, :draft_width] == self.draft) & draft_valid
+        verified = matches.long().cumprod(dim=1).sum(dim=1)
+        candidates = torch.where(self.lossless[:, None], _pad_cols(ar_tokens, n_masks + 1),
+                                 _pad_cols(threshold_candidates, draft_width + 1))
+        accept = torch.where(self.lossless, verified + 1, threshold_accept)
+
         accept = torch.minimum(accept, self.max_len - self.seq_len)
-        cand_idx = torch.arange(candidates.shape[1], device=self.device)
+        cand_idx = torch.arange(candidates.shape[1], device=dev)
         is_stop = torch.isin(candidates, self.stop_ids) & (cand_idx < accept[:, None])
         stopped = is_stop.any(dim=1)
         accept = torch.where(stopped, is_stop.long().argmax(dim=1) + 1, accept)
         if idle is not None:
             accept = accept.masked_fill(idle, 0)
 
-        # Writing every candidate is harmless: only tokens below seq_len are ever read.
-        self.tokens.scatter_(1, self.seq_len[:, None] + cand_idx, candidates)
-        took_part = accept > 0
+        # --- record. Writing every candidate is harmless: only tokens below seq_len are read, and
+        # accepted ones always land below max_len, inside the row's room.
+        write_at = (self.seq_len[:, None] + cand_idx).clamp(max=self.tokens.shape[1] - 1)
+        self.tokens.scatter_(1, write_at, candidates)
         self.accept_log.scatter_(1, self.forwards[:, None], accept[:, None])
-        self.forwards += took_part.long()
-        committed_len = self.seq_len.clone()
-        self.seq_len += accept
+        self.forwards += (accept > 0).long()
+        seq_len_before = self.seq_len
+        self.seq_len = self.seq_len + accept
+        self._next_draft(mask_tokens, verified, accept, idle)
 
+        # --- commit: fed real tokens whose context was right keep their keys/values
         if self.kv is not None:
             if commit:
-                self.kv.crop(-n_masks)
-                self.slot_valid = torch.cat([self.slot_valid, pending_valid], dim=1)
-                self.cached_len = committed_len
+                self.kv.crop(-groups * n_masks)
+                kept_drafts = draft_cols < torch.where(self.lossless, verified, 0)[:, None]
+                self.slot_valid = torch.cat([self.slot_valid, pending_valid, kept_drafts & draft_valid], dim=1)
+                self.cached_len = seq_len_before + kept_drafts.sum(dim=1)
                 self._maybe_compact()
             else:
                 self.kv.crop(-input_ids.shape[1])
@@ -233,6 +271,37 @@ class DecodeBatch:
         if not bool(finished.any()):
             return []
         return self._pop(finished, stopped)
+
+    def _commit_policy(self, pending_len: torch.Tensor):
+        """(commit this step?, rows that sit this step out)."""
+        if self.cache_mode == "cursor":
+            return True, None
+        if self.cache_mode == "block":
+            full = pending_len >= self.block_cache_size
+            if bool(full.all()):
+                return True, None
+            return False, full
+        return False, None
+
+    def _next_draft(self, mask_tokens, verified, accept, idle) -> None:
+        """Lossless rows draft from the mask group that saw exactly the drafts that were accepted.
+
+        Without draft groups the one group saw the whole draft, so it is valid only when the
+        whole draft was accepted; otherwise the next step drafts afresh.
+        """
+        rows, groups, n_masks = mask_tokens.shape
+        if self.draft_groups:
+            chosen = mask_tokens.gather(1, verified.clamp(max=groups - 1)[:, None, None].expand(-1, 1, n_masks))[:, 0]
+            usable = self.lossless
+        else:
+            chosen = mask_tokens[:, 0]
+            usable = self.lossless & (verified == self.draft_len)
+        new_len = torch.where(usable & (accept > 0), self.n_masks, 0)
+        if idle is not None:   # an idle row keeps the draft it had
+            new_len = torch.where(idle, self.draft_len, new_len)
+            chosen = torch.where(idle[:, None], _pad_cols(self.draft, n_masks)[:, :n_masks], chosen)
+        self.draft = chosen
+        self.draft_len = new_len.clamp(max=n_masks)
 
     def _pop(self, finished: torch.Tensor, stopped: torch.Tensor) -> list[FinishedRow]:
         done = []
@@ -250,20 +319,21 @@ class DecodeBatch:
     def _maybe_compact(self) -> None:
         """Squeeze holes out of the cache once they are more than half of it.
 
-        Holes are the padding columns of rows that accepted fewer tokens than the widest row. A
-        gather per layer moves every row's valid slots to the front; keys carry their rotary
-        positions with them, so order in the cache does not matter to attention.
+        Holes are padding columns of rows that fed fewer tokens than the widest row. A gather per
+        layer moves each row's valid slots to the front; keys carry their rotary positions with
+        them, so slot order does not matter to attention.
         """
         slots = self.slot_valid.shape[1]
         valid = self.slot_valid.sum(dim=1)
-        widest = int(valid.max()) if len(valid) else 0
+        widest = int(valid.max())
         self.stats.peak_cache_slots = max(self.stats.peak_cache_slots, slots)
         if slots:
-            self.stats.peak_cache_holes = max(self.stats.peak_cache_holes, 1 - float(valid.sum()) / (slots * len(valid)))
+            holes = 1 - float(valid.sum()) / (slots * len(valid))
+            self.stats.peak_cache_holes = max(self.stats.peak_cache_holes, holes)
         if slots <= 2 * widest + 8:
             return
         order = (~self.slot_valid).long().argsort(dim=1, stable=True)[:, :widest]
-        for layer in self.kv.layers:
+        for layer in _filled_layers(self.kv):
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = layer.keys.gather(2, index)
             layer.values = layer.values.gather(2, index)
@@ -276,8 +346,12 @@ def _filled_layers(kv):
     return [layer for layer in kv.layers if getattr(layer, "keys", None) is not None]
 
 
-def _cat_padded(tensors: list[torch.Tensor], fill) -> torch.Tensor:
-    """Concatenate 2-D tensors along rows, right-padding the narrower ones."""
+def _pad_cols(t: torch.Tensor, width: int, value: int = 0) -> torch.Tensor:
+    """Right-pad (or keep) ``t`` to at least ``width`` columns."""
+    return torch.nn.functional.pad(t, (0, max(0, width - t.shape[1])), value=value)
+
+
+def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate 2-D tensors along rows, right-padding the narrower ones with zeros."""
     width = max(t.shape[1] for t in tensors)
-    padded = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in tensors]
-    return torch.cat(padded, dim=0)
+    return torch.cat([_pad_cols(t, width) for t in tensors], dim=0)

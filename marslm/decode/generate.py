@@ -8,7 +8,7 @@ from ..chat import encode_prompt, stop_token_ids
 from ..config import MASK_TOKEN, MarsConfig
 from ..errors import UserError
 from .acceptance import check_tau
-from .batch import CACHE_MODES, BatchStats, DecodeBatch, RowSettings
+from .batch import CACHE_MODES, MODES, BatchStats, DecodeBatch, RowSettings
 
 
 @dataclass
@@ -50,12 +50,19 @@ def default_block_size(model) -> int:
 
 def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | None = None,
              metric: str = "prob", max_new_tokens: int = 256, apply_chat_template: bool = True,
-             cache: str = "cursor", block_cache_size: int = 16, use_last_mask: bool = False,
+             cache: str = "cursor", mode: str = "threshold", block_cache_size: int = 16,
+             use_last_mask: bool = False, draft_groups: bool = False,
              mask_token_id: int | None = None) -> GenerationResult:
     """Decode ``prompts`` (strings, message lists or token-id lists) with the MARS sliding window.
 
     ``tau`` >= 1 (prob/margin) is one-token mode and equals greedy AR decoding. ``block_size`` and
     the mask token default to what the checkpoint's ``marslm.json`` records.
+
+    ``cache``: ``cursor`` (each row commits every step), ``block`` (the paper's block-level cache,
+    committing every ``block_cache_size`` tokens in lockstep) or ``none`` (recompute everything).
+    ``mode="lossless"`` ignores tau: the masks draft, the next forward verifies, and the output is
+    greedy AR decoding exactly. ``draft_groups`` adds one mask group per possible accepted-draft
+    count. ``use_last_mask`` also reads the last mask, whose prediction is B+1 tokens ahead.
     """
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
@@ -65,6 +72,10 @@ def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | N
         raise UserError(f"block size must be >= 1, got {block_size}")
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if mode not in MODES:
+        raise UserError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "lossless" and block_size + use_last_mask < 2:
+        raise UserError("lossless mode needs at least one mask to draft from (block size >= 2)")
     if cache not in CACHE_MODES:
         raise UserError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
 
@@ -73,8 +84,9 @@ def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | N
     batch = DecodeBatch(model, mask_token_id=resolve_mask_token_id(model, tokenizer, mask_token_id),
                         stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
                         pad_id=pad_id, cache=cache, block_cache_size=block_cache_size,
-                        use_last_mask=use_last_mask)
-    settings = RowSettings(tau=tau, metric=metric, block_size=block_size, max_new_tokens=max_new_tokens)
+                        use_last_mask=use_last_mask, draft_groups=draft_groups)
+    settings = RowSettings(tau=tau, metric=metric, block_size=block_size, max_new_tokens=max_new_tokens,
+                           mode=mode)
     batch.add(prompt_ids, [settings] * len(prompt_ids), list(range(len(prompt_ids))))
 
     finished = {}

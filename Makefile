@@ -1,0 +1,25 @@
+# Two commands for a fresh machine with Python 3.11:  make demo  /  make test
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: install test demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-ci.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-ci.txt
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest
+
+demo: install
+	$(BIN)/marslm demo --preset default --out runs/demo
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
