@@ -69,6 +69,46 @@ def _add_generate(sub) -> None:
     gen.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _add_eval(sub) -> None:
+    from .decode.acceptance import METRICS
+    from .decode.batch import CACHE_MODES
+
+    ev = sub.add_parser("eval", help="accuracy per task family and tokens per forward, for each tau",
+                        description="Decode an evaluation set with a model at each tau and score the answers.")
+    ev.add_argument("--model", required=True, help="checkpoint directory (or hub id)")
+    ev.add_argument("--data", default="toy", help="evaluation data (default: the toy suite's test split)")
+    ev.add_argument("--tau", type=_floats, default=[1.0, 0.95, 0.9], help="comma-separated taus (default 1,0.95,0.9)")
+    ev.add_argument("--metric", choices=METRICS, default="prob")
+    ev.add_argument("--block-size", type=int, default=None, help="masks per step (default: the trained B)")
+    ev.add_argument("--cache", choices=CACHE_MODES, default="cursor")
+    ev.add_argument("--n", type=int, default=500, help="number of test items (default 500)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--batch-size", type=int, default=32, help="rows decoded together")
+    ev.add_argument("--max-new-tokens", type=int, default=192)
+    ev.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+    ev.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_demo(sub) -> None:
+    from .demo import PRESETS
+
+    demo = sub.add_parser("demo", help="the whole method end to end on the embedded toy suite",
+                          description="Build the toy suite and tokenizer, train a small Qwen2 from scratch (AR "
+                          "SFT), fine-tune it with MARS, and compare both at several tau. Writes OUT/ar, "
+                          "OUT/mars and OUT/report.json.")
+    demo.add_argument("--out", default="runs/demo", help="output directory (replaced; default runs/demo)")
+    demo.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                      help="quick: a smoke run in minutes; default: the quoted numbers, <= 15 min on 2 cores")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="marslm",
@@ -77,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(sub)
     _add_generate(sub)
+    _add_eval(sub)
+    _add_demo(sub)
     return parser
 
 
@@ -123,12 +165,67 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate}
+def cmd_eval(args) -> int:
+    from .decode import check_tau
+    from .evaluate import evaluate, format_table, load_eval_set
+    from .modeling import check_model_source, load_model
+
+    for tau in args.tau:
+        check_tau(tau, args.metric)
+    if args.n < 1:
+        raise UserError(f"--n must be >= 1, got {args.n}")
+    check_model_source(args.model)
+    eval_set = load_eval_set(args.data, args.n, seed=args.seed)
+    model, tokenizer, _ = load_model(args.model)
+    report = evaluate(model, tokenizer, eval_set, taus=args.tau, metric=args.metric, block_size=args.block_size,
+                      cache=args.cache, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                      progress=not args.quiet, model_name=args.model)
+    print(format_table({args.model: report}))
+    if args.json:
+        _write_json(args.json, report)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(args.out, args.preset, progress=not args.quiet)
+    return 0
+
+
+def _write_json(path: str, payload: dict) -> None:
+    from pathlib import Path
+
+    try:
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc}") from None
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "demo": cmd_demo}
+
+
+def _quiet_libraries() -> None:
+    """Keep our progress bars; drop the per-file load/save bars and advisory warnings of the libraries."""
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="marslm: %(message)s")
     args = build_parser().parse_args(argv)
+    _quiet_libraries()
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:

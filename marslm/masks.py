@@ -94,8 +94,15 @@ def decode_step_mask(slot_valid: torch.Tensor, pending_valid: torch.Tensor, draf
     return torch.cat([cached, fed], dim=-1)[:, None]
 
 
+def unwrap_model(model):
+    """The model inside a DDP/DeepSpeed-style wrapper (those expose it as ``.module``, not ``.config``)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def attention_implementation(model) -> str:
-    return getattr(model.config, "_attn_implementation", None) or "eager"
+    return getattr(unwrap_model(model).config, "_attn_implementation", None) or "eager"
 
 
 def for_attention(mask: torch.Tensor, model, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -109,7 +116,7 @@ def for_attention(mask: torch.Tensor, model, dtype: torch.dtype | None = None) -
     if impl == "sdpa":
         return mask
     if impl == "eager":
-        dtype = dtype or model.dtype
+        dtype = dtype or unwrap_model(model).dtype
         additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         return additive.masked_fill_(~mask, torch.finfo(dtype).min)
     raise UserError(

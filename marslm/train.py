@@ -199,6 +199,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         remove_unused_columns=False,
         disable_tqdm=not cfg.progress,
         dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
     )
     trainer = MarsTrainer.build(model, tokenizer, examples, args, loss_fn, collator, callbacks)
     resume = cfg.resume and any(partial_dir.glob("checkpoint-*"))

@@ -14,8 +14,9 @@ Design
 
   - ``format``     (IFEval-like): JSON records, bullet lists, uppercase
     rewrites. Almost all of the answer is copied from the prompt or fixed text.
-  - ``code``       (HumanEval-like): tiny Python functions. ``def``, signature
-    and loop idioms are predictable; the operator and constant are not.
+  - ``code``       (HumanEval-like): tiny Python functions. ``def``, the
+    signature, a docstring restating the spec and loop idioms are
+    predictable; the operator and constant are not.
   - ``arithmetic`` (GSM8K-like): two-step word problems with a worked solution
     in a fixed format ending in "The answer is N.". Phrases are predictable,
     the computed numbers are not.
@@ -36,8 +37,11 @@ Design
   instances that belong to the other one. So no test instance can appear in
   train for any ``n`` or seed, not even reworded: every phrasing of the same
   content lands in the same split. Each phrasing renders all of the content,
-  so equal prompts imply equal content. Within a split, prompts are deduped
-  while the generator can still find fresh ones.
+  so equal prompts imply equal content. Within a split, generation prefers
+  unseen content, then an unseen wording; a prompt repeats only once a
+  family's pool for that split is used up (far beyond the sizes we use).
+  The price: at large n the families' sub-kinds with small pools (e.g.
+  ``max_of_two`` in ``code``) become rarer than the big ones.
 
 * **Strict scorers.** Each family is scored by checking what the instruction
   asked for (the final number; the JSON fields and values; the bullet count
@@ -583,7 +587,8 @@ def _fn_prefix(rng: random.Random) -> _Function:
 
 def _fn_list_sum(rng: random.Random) -> _Function:
     xs = rng.choice(_LIST_PARAMS)
-    name = rng.choice(("sum_list", "sum_numbers", "add_all", "list_total", "sum_of", "add_up", "sum_all", "grand_total"))
+    name = rng.choice(("sum_list", "sum_numbers", "add_all", "list_total",
+                       "sum_of", "add_up", "sum_all", "grand_total"))
     return _Function(name, (xs,), f"returns the sum of the numbers in the list {xs}",
                      ("total = 0", f"for v in {xs}:", "    total += v", "return total"),
                      [[[v], sum(v)] for v in ([], [1, 2, 3], [-4, 10], [7], [5, 5, 5, 5])])

@@ -8,7 +8,7 @@ from ..chat import encode_prompt, stop_token_ids
 from ..config import MASK_TOKEN, MarsConfig
 from ..errors import UserError
 from .acceptance import check_tau
-from .batch import CACHE_MODES, MODES, BatchStats, DecodeBatch, RowSettings
+from .batch import CACHE_MODES, MODES, BatchStats, DecodeBatch, FinishedRow, RowSettings
 
 
 @dataclass
@@ -28,6 +28,24 @@ class GenerationResult:
     @property
     def batch_forwards(self) -> int:
         return self.stats.forwards
+
+
+def run_to_completion(batch: DecodeBatch, prompt_ids: list[list[int]], settings: RowSettings,
+                      max_batch: int | None = None, on_finish=None) -> list[FinishedRow]:
+    """Decode every prompt, keeping at most ``max_batch`` rows in flight; results in input order."""
+    max_batch = max_batch or len(prompt_ids)
+    waiting = list(range(len(prompt_ids)))
+    finished: dict[int, FinishedRow] = {}
+    while waiting or len(batch):
+        free = max_batch - len(batch)
+        if free > 0 and waiting:
+            joining, waiting = waiting[:free], waiting[free:]
+            batch.add([prompt_ids[i] for i in joining], [settings] * len(joining), joining)
+        for row in batch.step():
+            finished[row.request_id] = row
+            if on_finish is not None:
+                on_finish(row)
+    return [finished[i] for i in range(len(prompt_ids))]
 
 
 def resolve_mask_token_id(model, tokenizer, mask_token_id: int | None = None) -> int:
@@ -52,7 +70,8 @@ def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | N
              metric: str = "prob", max_new_tokens: int = 256, apply_chat_template: bool = True,
              cache: str = "cursor", mode: str = "threshold", block_cache_size: int = 16,
              use_last_mask: bool = False, draft_groups: bool = False,
-             mask_token_id: int | None = None) -> GenerationResult:
+             mask_token_id: int | None = None, batch_size: int | None = None,
+             on_finish=None) -> GenerationResult:
     """Decode ``prompts`` (strings, message lists or token-id lists) with the MARS sliding window.
 
     ``tau`` >= 1 (prob/margin) is one-token mode and equals greedy AR decoding. ``block_size`` and
@@ -63,6 +82,9 @@ def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | N
     ``mode="lossless"`` ignores tau: the masks draft, the next forward verifies, and the output is
     greedy AR decoding exactly. ``draft_groups`` adds one mask group per possible accepted-draft
     count. ``use_last_mask`` also reads the last mask, whose prediction is B+1 tokens ahead.
+
+    ``batch_size`` caps the rows decoded together (default: all prompts at once); finished rows
+    are replaced by waiting prompts between steps. ``on_finish(row)`` is called as rows finish.
     """
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
@@ -87,13 +109,7 @@ def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | N
                         use_last_mask=use_last_mask, draft_groups=draft_groups)
     settings = RowSettings(tau=tau, metric=metric, block_size=block_size, max_new_tokens=max_new_tokens,
                            mode=mode)
-    batch.add(prompt_ids, [settings] * len(prompt_ids), list(range(len(prompt_ids))))
-
-    finished = {}
-    while len(batch):
-        for row in batch.step():
-            finished[row.request_id] = row
-    rows = [finished[i] for i in range(len(prompt_ids))]
+    rows = run_to_completion(batch, prompt_ids, settings, max_batch=batch_size, on_finish=on_finish)
     return GenerationResult(
         texts=[tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in rows],
         token_ids=[r.token_ids for r in rows],

@@ -1,0 +1,159 @@
+"""``marslm demo``: the whole method, end to end, on the embedded default.
+
+    1. the toy instruction suite (generated) and a BPE tokenizer trained on its train split
+    2. a small Qwen2 model initialised from scratch, saved as a plain HF directory
+    3. stage 1, AR SFT, with a learning curve on held-out items  -> OUT/ar
+    4. stage 2, MARS, from the AR checkpoint                     -> OUT/mars
+    5. AR vs MARS at several tau on the test split               -> OUT/report.json
+
+Stages 3-4 are the same ``train`` calls a user makes with a hub model; only the starting point
+(a from-scratch model instead of a downloaded instruction-tuned one) differs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class DemoPreset:
+    model: str              # toy_model preset
+    vocab_size: int
+    train_examples: int
+    test_examples: int
+    ar_steps: int
+    mars_steps: int
+    batch_size: int
+    ar_lr: float
+    mars_lr: float
+    block_size: int = 4
+    taus: tuple = (1.0, 0.95, 0.9)
+    curve_points: int = 6   # AR learning-curve evaluations
+    curve_items: int = 100
+    max_length: int = 192
+    seed: int = 0
+
+
+PRESETS = {
+    # Smoke runs and the test suite: minutes, no quality claims.
+    "quick": DemoPreset(model="test", vocab_size=512, train_examples=2000, test_examples=48, ar_steps=60,
+                        mars_steps=30, batch_size=16, ar_lr=3e-3, mars_lr=1e-3, curve_points=2, curve_items=16),
+    # The numbers we quote: at most 15 minutes on 2 CPU cores.
+    "default": DemoPreset(model="default", vocab_size=1024, train_examples=20000, test_examples=500,
+                          ar_steps=500, mars_steps=200, batch_size=32, ar_lr=2e-3, mars_lr=5e-4),
+}
+
+
+def _say(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
+
+
+def build_base_model(out: Path, preset: DemoPreset) -> Path:
+    """Tokenizer + from-scratch model, saved like any hub checkpoint."""
+    from .data import toy
+    from .data.tokenizer import train_chat_tokenizer
+    from .toy_model import count_parameters, make_tiny_qwen2
+
+    examples = toy.make_split("train", preset.train_examples, seed=preset.seed)
+    texts = [m["content"] for ex in examples for m in toy.to_chat_record(ex)["messages"]]
+    tokenizer = train_chat_tokenizer(texts, vocab_size=preset.vocab_size)
+    model = make_tiny_qwen2(tokenizer, preset.model, seed=preset.seed)
+    base = out / "base"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    _say(f"tokenizer: {len(tokenizer)} tokens; model: Qwen2 '{preset.model}', {count_parameters(model):,} parameters")
+    return base
+
+
+def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: list):
+    """Evaluates greedy accuracy on held-out items a few times during AR training."""
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from .evaluate import evaluate, load_eval_set
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eval_set = load_eval_set("toy", preset.curve_items, seed=preset.seed + 1)
+    every = max(1, preset.ar_steps // preset.curve_points)
+
+    class LearningCurve(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % every and state.global_step != state.max_steps:
+                return
+            was_training = model.training
+            model.eval()
+            report = evaluate(model, tokenizer, eval_set, taus=(1.0,), block_size=1, progress=False,
+                              max_new_tokens=preset.max_length)
+            model.train(was_training)
+            acc = report["results"][0]["accuracy"]
+            curve.append({"step": state.global_step, "accuracy": acc,
+                          "families": {k: v["accuracy"] for k, v in report["results"][0]["families"].items()}})
+            _say(f"AR step {state.global_step}: held-out accuracy {100 * acc:.1f}%")
+
+    return LearningCurve()
+
+
+def run_demo(out: str | Path = "runs/demo", preset: str | DemoPreset = "default", overwrite: bool = True,
+             progress: bool = True, **overrides) -> dict:
+    from .evaluate import evaluate, format_table, load_eval_set
+    from .modeling import load_model
+    from .train import TrainConfig, train
+
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise UserError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        preset = PRESETS[preset]
+    preset = replace(preset, **overrides)
+    out = Path(out)
+    if out.exists():
+        if not overwrite:
+            raise UserError(f"{out} exists; pass --overwrite")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    started = time.time()
+    timings = {}
+
+    _say(f"1/5 suite + tokenizer ({preset.train_examples} train examples)")
+    t = time.time()
+    base = build_base_model(out, preset)
+    timings["setup"] = time.time() - t
+
+    common = dict(data="toy", data_n=preset.train_examples, data_seed=preset.seed, batch_size=preset.batch_size,
+                  max_length=preset.max_length, seed=preset.seed, progress=progress, logging_steps=25,
+                  save_steps=10**9, warmup_ratio=0.03, weight_decay=0.0)
+    curve: list = []
+    _say(f"2/5 AR SFT: {preset.ar_steps} steps of {preset.batch_size}")
+    t = time.time()
+    train(TrainConfig(stage="ar", model=str(base), output=str(out / "ar"), max_steps=preset.ar_steps,
+                      learning_rate=preset.ar_lr, **common),
+          callbacks=[_learning_curve_callback(preset, base, curve)])
+    timings["train_ar"] = time.time() - t
+
+    _say(f"3/5 MARS (B={preset.block_size}): {preset.mars_steps} steps of {preset.batch_size}")
+    t = time.time()
+    train(TrainConfig(stage="mars", model=str(out / "ar"), output=str(out / "mars"), max_steps=preset.mars_steps,
+                      learning_rate=preset.mars_lr, block_size=preset.block_size, **common))
+    timings["train_mars"] = time.time() - t
+
+    _say(f"4/5 evaluating on {preset.test_examples} test items")
+    t = time.time()
+    eval_set = load_eval_set("toy", preset.test_examples, seed=preset.seed)
+    reports = {}
+    for name, taus in (("ar", (1.0,)), ("mars", preset.taus)):
+        model, tokenizer, _ = load_model(str(out / name))
+        reports[name] = evaluate(model, tokenizer, eval_set, taus=taus, block_size=preset.block_size,
+                                 max_new_tokens=preset.max_length, progress=progress, model_name=str(out / name))
+    timings["eval"] = time.time() - t
+
+    timings["total"] = time.time() - started
+    report = {**reports, "ar_learning_curve": curve, "preset": asdict(preset),
+              "seconds": {k: round(v, 1) for k, v in timings.items()}}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _say("5/5 results\n" + format_table({"AR SFT": reports["ar"], f"MARS B={preset.block_size}": reports["mars"]}))
+    _say(f"done in {timings['total'] / 60:.1f} min; report: {out / 'report.json'}")
+    return report
