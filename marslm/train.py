@@ -140,13 +140,14 @@ def encode_dataset(tokenizer, conversations, max_length: int, stop_ids):
 
 def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSummary:
     """Run one training stage end to end; returns a summary. ``model``/``tokenizer`` skip loading."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
-
     started = time.time()
     cfg.validate()
     if model is None:
         check_model_source(cfg.model)
     conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed)
+    # Imported only once the input is known to be good: bad input fails in a fraction of a second.
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
+
     set_seed(cfg.seed)
 
     if model is None:

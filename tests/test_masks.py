@@ -1,0 +1,204 @@
+"""The MARS visibility rule (MARS_METHOD.md section 2) and the masks built from it."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from marslm.chat import IGNORE
+from marslm.errors import UserError
+from marslm.masks import decode_step_mask, for_attention, two_stream_mask
+from marslm.objective import two_stream_batch
+
+MASK_ID = 3
+
+
+def brute_force_mask(L: int, B: int) -> torch.Tensor:
+    """Straight from the spec: z = [x ; x~], p(.) = position in its half, blk(p) = p // B."""
+    allowed = [[False] * (2 * L) for _ in range(2 * L)]
+    for i in range(2 * L):
+        for j in range(2 * L):
+            i_noisy, j_noisy = i >= L, j >= L
+            pi, pj = i % L, j % L
+            bi, bj = pi // B, pj // B
+            if not i_noisy and not j_noisy:
+                ok = pj <= pi                       # clean -> clean: causal
+            elif i_noisy and j_noisy:
+                ok = bj == bi and pj <= pi          # noisy -> noisy: causal inside the block
+            elif i_noisy and not j_noisy:
+                ok = bj < bi                        # noisy -> clean: every earlier block
+            else:
+                ok = False                          # clean -> noisy: never
+            allowed[i][j] = ok
+    return torch.tensor(allowed, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("L,B", list(itertools.product([1, 5, 8, 13], [1, 2, 3, 4, 16])))
+def test_two_stream_mask_matches_brute_force(L, B):
+    mask = two_stream_mask(L, B)
+    assert mask.dtype == torch.bool
+    assert mask.shape == (2 * L, 2 * L)
+    assert torch.equal(mask, brute_force_mask(L, B))
+
+
+def test_two_stream_mask_spot_checks():
+    L, B = 8, 4
+    mask = two_stream_mask(L, B)
+    clean, noisy = (lambda p: p), (lambda p: L + p)
+    assert mask[clean(5), clean(0)] and mask[clean(5), clean(5)] and not mask[clean(5), clean(6)]
+    # the first noisy block sees no clean token at all, only itself causally
+    assert not mask[noisy(0), clean(0)] and mask[noisy(0), noisy(0)]
+    assert not mask[noisy(3), clean(3)] and mask[noisy(3), noisy(0)] and not mask[noisy(2), noisy(3)]
+    # the second block sees the whole first block, clean, but not its own clean tokens
+    assert mask[noisy(4), clean(3)] and not mask[noisy(4), clean(4)] and not mask[noisy(4), noisy(3)]
+    # clean never sees noisy
+    assert not mask[:L, L:].any()
+    # every row keeps at least one visible key (no NaN rows under sdpa)
+    assert mask.any(dim=1).all()
+
+
+def test_two_stream_mask_rejects_bad_block():
+    with pytest.raises(UserError):
+        two_stream_mask(4, 0)
+
+
+@pytest.mark.parametrize("B", [1, 3, 4])
+def test_two_stream_batch_with_arbitrary_boundaries(B):
+    rng = random.Random(B)
+    L, batch = 13, 4
+    input_ids = torch.randint(4, 200, (batch, L))
+    labels = torch.full((batch, L), IGNORE)
+    boundaries = [0, 1, rng.randint(2, L - 2), L - 1]
+    for row, start in enumerate(boundaries):
+        labels[row, start:] = input_ids[row, start:]
+
+    tsb = two_stream_batch(input_ids, labels, B, MASK_ID)
+
+    assert tsb.input_ids.shape == (batch, 2 * L)
+    assert torch.equal(tsb.input_ids[:, :L], input_ids)
+    noisy = tsb.input_ids[:, L:]
+    for row, start in enumerate(boundaries):
+        assert torch.equal(noisy[row, :start], input_ids[row, :start])       # prompt stays
+        assert (noisy[row, start:] == MASK_ID).all()                          # response masked
+    assert ((noisy == MASK_ID) == (labels != IGNORE)).all()
+    expected_pos = torch.cat([torch.arange(L), torch.arange(L)])
+    assert tsb.position_ids.shape == (batch, 2 * L)
+    assert all(torch.equal(tsb.position_ids[r], expected_pos) for r in range(batch))
+    # one mask for all rows (broadcast over the batch) or one per row: either way the same rule
+    assert tsb.attention_mask.dtype == torch.bool
+    assert tsb.attention_mask.shape[0] in (1, batch)
+    assert tsb.attention_mask.shape[1:] == (1, 2 * L, 2 * L)
+    per_row = tsb.attention_mask.expand(batch, -1, -1, -1)
+    reference = brute_force_mask(L, B)
+    assert all(torch.equal(per_row[r, 0], reference) for r in range(batch))
+    assert torch.equal(tsb.labels, labels)
+
+
+# ------------------------------------------------------------------ decode_step_mask
+#
+# A decoding forward feeds [pending | drafts | group_0 .. group_{G-1}] per row. Threshold mode is
+# no drafts and one group of masks; the lossless (speculative) mode adds drafts and K+1 groups.
+
+
+def bools(rows):
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def threshold_step_mask(slot_valid, pending_valid, n_masks, group_valid=None):
+    batch = pending_valid.shape[0]
+    return decode_step_mask(slot_valid, pending_valid,
+                            draft_valid=torch.zeros(batch, 0, dtype=torch.bool),
+                            group_sees=torch.zeros(batch, 1, dtype=torch.long),
+                            group_valid=torch.ones(batch, 1, dtype=torch.bool) if group_valid is None else group_valid,
+                            n_masks=n_masks)
+
+
+def test_decode_step_mask_empty_cache_is_causal():
+    mask = threshold_step_mask(torch.zeros(1, 0, dtype=torch.bool), bools([[1, 1]]), n_masks=2)
+    assert mask.shape == (1, 1, 4, 4) and mask.dtype == torch.bool
+    # prefix tokens then masks appended after them: plain causal attention
+    assert torch.equal(mask[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_decode_step_mask_holes_and_padding():
+    slot_valid = bools([[1, 0, 1, 1],      # a hole at cached slot 1 (ragged acceptance)
+                    [0, 0, 1, 0]])
+    pending_valid = bools([[1, 1],
+                       [1, 0]])        # row 1 has one pending token and a padding column
+    mask = threshold_step_mask(slot_valid, pending_valid, n_masks=2)
+    assert mask.shape == (2, 1, 4, 4 + 4)
+    #                 cached      pending  masks
+    row0 = bools([[1, 0, 1, 1,   1, 0,   0, 0],
+              [1, 0, 1, 1,   1, 1,   0, 0],
+              [1, 0, 1, 1,   1, 1,   1, 0],
+              [1, 0, 1, 1,   1, 1,   1, 1]])
+    row1 = bools([[0, 0, 1, 0,   1, 0,   0, 0],
+              [0, 0, 1, 0,   1, 1,   0, 0],    # the padding query sees itself only extra (no NaN)
+              [0, 0, 1, 0,   1, 0,   1, 0],    # masks skip the padding column
+              [0, 0, 1, 0,   1, 0,   1, 1]])
+    assert torch.equal(mask[0, 0], row0)
+    assert torch.equal(mask[1, 0], row1)
+
+
+def test_decode_step_mask_every_query_sees_itself():
+    slot_valid = torch.zeros(2, 3, dtype=torch.bool)
+    pending_valid = bools([[0, 0], [1, 0]])
+    mask = threshold_step_mask(slot_valid, pending_valid, n_masks=2, group_valid=bools([[0], [1]]))
+    fed = mask[:, 0, :, 3:]
+    assert fed.diagonal(dim1=-2, dim2=-1).all()
+    assert mask.any(dim=-1).all()
+    assert not mask[:, 0, :, :3].any()
+    # a row with nothing valid sees nothing but itself
+    assert torch.equal(fed[0], torch.eye(4, dtype=torch.bool))
+
+
+def test_decode_step_mask_draft_groups():
+    # one pending token, K=2 drafts, K+1=3 groups of 2 masks; group g sees the first g drafts
+    slot_valid = bools([[1, 1]])
+    mask = decode_step_mask(slot_valid, bools([[1]]), draft_valid=bools([[1, 1]]),
+                            group_sees=torch.tensor([[0, 1, 2]]), group_valid=bools([[1, 1, 1]]), n_masks=2)
+    assert mask.shape == (1, 1, 9, 2 + 9)
+    #               cache  p  d0 d1  g0    g1    g2
+    want = bools([[1, 1,  1, 0, 0,  0, 0, 0, 0, 0, 0],   # pending
+              [1, 1,  1, 1, 0,  0, 0, 0, 0, 0, 0],   # draft 0
+              [1, 1,  1, 1, 1,  0, 0, 0, 0, 0, 0],   # draft 1
+              [1, 1,  1, 0, 0,  1, 0, 0, 0, 0, 0],   # group 0, mask 0
+              [1, 1,  1, 0, 0,  1, 1, 0, 0, 0, 0],   # group 0, mask 1
+              [1, 1,  1, 1, 0,  0, 0, 1, 0, 0, 0],   # group 1 sees draft 0
+              [1, 1,  1, 1, 0,  0, 0, 1, 1, 0, 0],
+              [1, 1,  1, 1, 1,  0, 0, 0, 0, 1, 0],   # group 2 sees both drafts
+              [1, 1,  1, 1, 1,  0, 0, 0, 0, 1, 1]])
+    assert torch.equal(mask[0, 0], want)
+
+
+# ------------------------------------------------------------------ for_attention
+
+
+def test_for_attention_sdpa_keeps_bool(make_tiny_model):
+    model = make_tiny_model("qwen2", "sdpa")
+    mask = two_stream_mask(6, 2)[None, None]
+    out = for_attention(mask, model)
+    assert out.dtype == torch.bool
+    assert torch.equal(out, mask)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16])
+def test_for_attention_eager_is_additive(make_tiny_model, dtype):
+    model = make_tiny_model("qwen2", "eager")
+    mask = two_stream_mask(6, 2)[None, None]
+    out = for_attention(mask, model, dtype=dtype)
+    want = dtype or model.dtype
+    assert out.dtype == want and out.is_floating_point()
+    assert out.shape == mask.shape
+    assert (out[mask] == 0).all()
+    assert (out[~mask] == torch.finfo(want).min).all()
+
+
+def test_for_attention_refuses_flash(make_tiny_model):
+    model = make_tiny_model("qwen2", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(UserError, match="sdpa"):
+        for_attention(two_stream_mask(4, 2)[None, None], model)

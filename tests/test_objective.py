@@ -1,0 +1,334 @@
+"""The MARS objective (MARS_METHOD.md section 2): two-stream forward, loss, labels and padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import chat_conversations
+from marslm.chat import IGNORE, encode_conversation
+from marslm.objective import ar_loss, collate, mars_loss, pad_to_block
+
+MASK_ID = 3
+EOS_ID = 2
+PAD_ID = 0
+
+
+def batch_of(tokenizer, n=3, block_size=4, seed=0):
+    examples = []
+    for messages in chat_conversations(n, seed=seed):
+        enc = encode_conversation(tokenizer, messages)
+        examples.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    return collate(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
+
+
+def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0):
+    """Run mars_loss and capture the [clean ; noisy] logits of its forward."""
+    captured = {}
+
+    def hook(module, args, kwargs, output):
+        captured["logits"] = output.logits          # returns None: the output is left as is
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        terms = mars_loss(model, input_ids, labels, block_size=block_size, mask_token_id=MASK_ID,
+                          ar_weight=ar_weight)
+    finally:
+        handle.remove()
+    L = input_ids.shape[1]
+    logits = captured["logits"].detach()
+    assert logits.shape[1] == 2 * L
+    return terms, logits[:, :L], logits[:, L:]
+
+
+def manual_ce(logits, labels):
+    """CE of output t-1 against response target t, written out position by position."""
+    losses = []
+    for row in range(labels.shape[0]):
+        for t in range(1, labels.shape[1]):
+            if labels[row, t] != IGNORE:
+                losses.append(F.cross_entropy(logits[row, t - 1].float()[None], labels[row, t][None]))
+    return torch.stack(losses).mean()
+
+
+# ------------------------------------------------------------------ no leakage
+
+
+@pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen2", "eager"), ("llama", "sdpa")])
+@pytest.mark.parametrize("block_size", [3, 4])
+def test_no_leakage_from_clean_block_to_its_own_noisy_outputs(tiny_tokenizer, make_tiny_model, arch, attn,
+                                                               block_size):
+    model = make_tiny_model(arch, attn)
+    batch = batch_of(tiny_tokenizer, n=1, block_size=block_size)
+    ids, labels = batch["input_ids"], batch["labels"]
+    L = ids.shape[1]
+    n_blocks = L // block_size
+    response = (labels[0] != IGNORE).nonzero().flatten()
+    _, _, noisy_ref = mars_forward(model, ids, labels, block_size)
+    gen = torch.Generator().manual_seed(0)
+
+    checked = 0
+    for k in range(n_blocks - 1):
+        in_block = response[(response >= k * block_size) & (response < (k + 1) * block_size)]
+        if not len(in_block):
+            continue
+        changed = ids.clone()
+        new = torch.randint(4, len(tiny_tokenizer), (len(in_block),), generator=gen)
+        new = torch.where(new == ids[0, in_block], 4 + (new - 3) % (len(tiny_tokenizer) - 4), new)
+        changed[0, in_block] = new
+        assert not torch.equal(changed, ids)
+        _, _, noisy = mars_forward(model, changed, labels, block_size)
+        upto = (k + 1) * block_size
+        assert torch.allclose(noisy[:, :upto], noisy_ref[:, :upto], atol=1e-6, rtol=0), \
+            f"clean block {k} leaked into noisy blocks <= {k}"
+        nxt = slice(upto, upto + block_size)
+        assert not torch.allclose(noisy[:, nxt], noisy_ref[:, nxt], atol=1e-4, rtol=0), \
+            f"noisy block {k + 1} does not see clean block {k}"
+        checked += 1
+    assert checked >= 3
+
+
+def test_noisy_response_tokens_do_not_matter(tiny_tokenizer, make_tiny_model):
+    """The noisy stream never sees the response tokens themselves, only <|mask|>."""
+    model = make_tiny_model()
+    batch = batch_of(tiny_tokenizer, n=2)
+    ids, labels = batch["input_ids"], batch["labels"]
+    # changing the LAST block's clean response tokens can change nothing in the noisy stream
+    L = ids.shape[1]
+    last = torch.zeros_like(ids, dtype=torch.bool)
+    last[:, L - 4:] = True
+    changed = torch.where(last & (labels != IGNORE), torch.full_like(ids, 7), ids)
+    assert not torch.equal(changed, ids)
+    _, _, noisy_ref = mars_forward(model, ids, labels, 4)
+    _, clean, noisy = mars_forward(model, changed, labels, 4)
+    assert torch.allclose(noisy, noisy_ref, atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------ clean half == AR
+
+
+@pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen2", "eager"), ("llama", "sdpa"), ("llama", "eager")])
+def test_clean_half_equals_plain_causal_forward(tiny_tokenizer, make_tiny_model, arch, attn):
+    model = make_tiny_model(arch, attn)
+    batch = batch_of(tiny_tokenizer, n=3)
+    _, clean, _ = mars_forward(model, batch["input_ids"], batch["labels"], 4)
+    with torch.no_grad():
+        plain = model(input_ids=batch["input_ids"]).logits
+    assert torch.allclose(clean, plain, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_sdpa_and_eager_agree(tiny_tokenizer, make_tiny_model, arch):
+    sdpa = make_tiny_model(arch, "sdpa", seed=1)
+    eager = make_tiny_model(arch, "eager", seed=2)
+    eager.load_state_dict(sdpa.state_dict())
+    assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    batch = batch_of(tiny_tokenizer, n=3, block_size=4)
+    terms_s, clean_s, noisy_s = mars_forward(sdpa, batch["input_ids"], batch["labels"], 4)
+    terms_e, clean_e, noisy_e = mars_forward(eager, batch["input_ids"], batch["labels"], 4)
+    assert torch.allclose(clean_s, clean_e, atol=1e-5, rtol=0)
+    assert torch.allclose(noisy_s, noisy_e, atol=1e-5, rtol=0)
+    assert torch.allclose(terms_s["loss"], terms_e["loss"], atol=1e-5)
+
+
+def test_eager_with_a_boolean_mask_would_be_wrong(tiny_tokenizer, make_tiny_model):
+    """Guards the sdpa/eager test: without for_attention's conversion eager really differs."""
+    from marslm.objective import two_stream_batch
+
+    eager = make_tiny_model("qwen2", "eager")
+    batch = batch_of(tiny_tokenizer, n=1)
+    tsb = two_stream_batch(batch["input_ids"], batch["labels"], 4, MASK_ID)
+    _, _, noisy_ok = mars_forward(eager, batch["input_ids"], batch["labels"], 4)
+    with torch.no_grad():
+        wrong = eager(input_ids=tsb.input_ids, position_ids=tsb.position_ids,
+                      attention_mask=tsb.attention_mask.float()).logits
+    L = batch["input_ids"].shape[1]
+    assert not torch.allclose(wrong[:, L:], noisy_ok, atol=1e-3)
+
+
+# ------------------------------------------------------------------ loss
+
+
+def test_loss_terms(tiny_tokenizer, make_tiny_model):
+    model = make_tiny_model()
+    batch = batch_of(tiny_tokenizer, n=3)
+    ids, labels = batch["input_ids"], batch["labels"]
+    with torch.no_grad():
+        t0, clean, noisy = mars_forward(model, ids, labels, 4, ar_weight=0.0)
+        t_half, _, _ = mars_forward(model, ids, labels, 4, ar_weight=0.5)
+        t_one, _, _ = mars_forward(model, ids, labels, 4)
+    noisy_ce, clean_ce = manual_ce(noisy, labels), manual_ce(clean, labels)
+    assert not torch.isclose(noisy_ce, clean_ce, atol=1e-3)
+    # ar_weight=0: the noisy-only loss (the paper's "w/o SFT loss")
+    assert torch.isclose(t0["loss"], noisy_ce, atol=1e-5)
+    assert torch.isclose(t0["noisy_loss"], noisy_ce, atol=1e-5)
+    assert torch.isclose(t0["clean_loss"], clean_ce, atol=1e-5)
+    assert torch.isclose(t_half["loss"], noisy_ce + 0.5 * clean_ce, atol=1e-5)
+    assert torch.isclose(t_one["loss"], noisy_ce + clean_ce, atol=1e-5)
+    # the clean term is exactly the AR SFT loss, and that is transformers' own causal LM loss
+    with torch.no_grad():
+        ar = ar_loss(model, ids, labels)
+        hf = model(input_ids=ids, labels=labels).loss
+    assert torch.isclose(ar["loss"], clean_ce, atol=1e-5)
+    assert torch.isclose(ar["loss"], hf, atol=1e-5)
+
+
+def test_loss_only_on_response_targets(tiny_tokenizer, make_tiny_model):
+    """Changing a prompt-side label to IGNORE-equivalent has no effect; changing targets does."""
+    model = make_tiny_model()
+    batch = batch_of(tiny_tokenizer, n=2)
+    ids, labels = batch["input_ids"], batch["labels"]
+    with torch.no_grad():
+        ref = mars_loss(model, ids, labels, block_size=4, mask_token_id=MASK_ID)
+        fewer = labels.clone()
+        first = (labels[0] != IGNORE).nonzero()[0, 0]
+        fewer[0, first] = IGNORE          # one target less: the loss must change
+        other = mars_loss(model, ids, fewer, block_size=4, mask_token_id=MASK_ID)
+    assert not torch.isclose(ref["loss"], other["loss"], atol=1e-6)
+
+
+def expected_labels(tokenizer, ids):
+    """Labels from the ChatML token stream: assistant content and its <|im_end|>, nothing else."""
+    im_start, im_end = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.eos_token_id
+    labels, t = [IGNORE] * len(ids), 0
+    while t < len(ids):
+        if ids[t] != im_start:
+            t += 1
+            continue
+        header_end = t + 1
+        while not tokenizer.decode(ids[t + 1: header_end + 1]).endswith("\n"):
+            header_end += 1
+        role = tokenizer.decode(ids[t + 1: header_end + 1]).strip()
+        t = header_end + 1
+        while t < len(ids) and ids[t] != im_end:
+            if role == "assistant":
+                labels[t] = ids[t]
+            t += 1
+        if t < len(ids) and role == "assistant":
+            labels[t] = ids[t]
+        t += 1
+    return labels
+
+
+def test_encode_conversation_labels(tiny_tokenizer):
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is 3 plus 4?"},
+                {"role": "assistant", "content": "3 plus 4 is 7. The answer is 7."},
+                {"role": "user", "content": "What is 9 minus 2?"},
+                {"role": "assistant", "content": "9 minus 2 is 7. The answer is 7."}]
+    enc = encode_conversation(tiny_tokenizer, messages)
+    ids, labels = enc.input_ids, enc.labels
+    assert len(ids) == len(labels) and not enc.truncated
+    assert labels == expected_labels(tiny_tokenizer, ids)
+    # both answers are targets, verbatim, each with its EOS
+    targets = [t for t in labels if t != IGNORE]
+    assert tiny_tokenizer.decode(targets) == (
+        "3 plus 4 is 7. The answer is 7.<|im_end|>9 minus 2 is 7. The answer is 7.<|im_end|>")
+    assert labels.count(EOS_ID) == 2
+    # the sequence ends with the EOS; the template's trailing newline is not part of it
+    assert ids[-1] == EOS_ID and labels[-1] == EOS_ID
+    full = tiny_tokenizer.apply_chat_template(messages, tokenize=False)
+    assert full.endswith("<|im_end|>\n")
+    assert tiny_tokenizer.decode(ids) == full[:-1]
+    # the newline after the first answer's EOS is context, not target
+    first_target = next(t for t, label in enumerate(labels) if label != IGNORE)
+    first_eos = ids.index(EOS_ID, first_target)
+    assert labels[first_eos] == EOS_ID and labels[first_eos + 1] == IGNORE
+    assert tiny_tokenizer.decode([ids[first_eos + 1]]) == "\n"
+    # the system and user text carries no label
+    assert tiny_tokenizer.decode(ids[:first_target]).endswith("<|im_start|>assistant\n")
+    assert "3 plus 4 is" not in tiny_tokenizer.decode(ids[:first_target])
+
+
+def test_encode_conversation_truncation(tiny_tokenizer):
+    messages = chat_conversations(1)[0]
+    full = encode_conversation(tiny_tokenizer, messages)
+    cut = encode_conversation(tiny_tokenizer, messages, max_length=len(full.input_ids) - 3)
+    assert cut.truncated and not full.truncated
+    assert cut.input_ids == full.input_ids[:-3] and cut.labels == full.labels[:-3]
+
+
+# ------------------------------------------------------------------ block padding
+
+
+def test_pad_to_block_trains_the_padding_eos():
+    ids, labels = [1, 5, 6, 7, 8, EOS_ID], [IGNORE, IGNORE, IGNORE, 7, 8, EOS_ID]
+    padded_ids, padded_labels = pad_to_block(ids, labels, 4, EOS_ID)
+    assert padded_ids == ids + [EOS_ID, EOS_ID]
+    assert padded_labels == labels + [EOS_ID, EOS_ID]
+    # already a block multiple: unchanged
+    assert pad_to_block(ids, labels, 3, EOS_ID) == (ids, labels)
+    assert pad_to_block(ids, labels, 1, EOS_ID) == (ids, labels)
+    # B larger than the sequence
+    assert pad_to_block(ids, labels, 16, EOS_ID) == (ids + [EOS_ID] * 10, labels + [EOS_ID] * 10)
+
+
+def test_pad_to_block_truncated_sequence_is_not_trained():
+    ids, labels = [1, 5, 6, 7, 8], [IGNORE, IGNORE, 6, 7, 8]     # cut mid-answer: no final EOS
+    padded_ids, padded_labels = pad_to_block(ids, labels, 4, EOS_ID)
+    assert padded_ids == ids + [EOS_ID] * 3
+    assert padded_labels == labels + [IGNORE] * 3
+
+
+def test_collate_pads_each_sequence_to_a_block_multiple():
+    a = {"input_ids": [1, 5, 6, EOS_ID], "labels": [IGNORE, IGNORE, 6, EOS_ID]}                  # 4
+    b = {"input_ids": [1, 5, 6, 7, 8, 9, EOS_ID], "labels": [IGNORE, 5, 6, 7, 8, 9, EOS_ID]}      # 7
+    c = {"input_ids": [1, 5, 6, 7, 8], "labels": [IGNORE, IGNORE, 6, 7, 8]}                        # 5, truncated
+    out = collate([a, b, c], pad_id=PAD_ID, block_size=4, eos_id=EOS_ID)
+    assert out["input_ids"].shape == out["labels"].shape == (3, 8)
+    assert out["input_ids"].dtype == out["labels"].dtype == torch.long
+    assert out["input_ids"][0].tolist() == [1, 5, 6, EOS_ID] + [PAD_ID] * 4
+    assert out["labels"][0].tolist() == [IGNORE, IGNORE, 6, EOS_ID] + [IGNORE] * 4
+    assert out["input_ids"][1].tolist() == [1, 5, 6, 7, 8, 9, EOS_ID, EOS_ID]
+    assert out["labels"][1].tolist() == [IGNORE, 5, 6, 7, 8, 9, EOS_ID, EOS_ID]
+    assert out["input_ids"][2].tolist() == [1, 5, 6, 7, 8, EOS_ID, EOS_ID, EOS_ID]
+    assert out["labels"][2].tolist() == [IGNORE, IGNORE, 6, 7, 8, IGNORE, IGNORE, IGNORE]
+    # AR collation (block 1) only right-pads, untrained
+    ar = collate([a, b], pad_id=PAD_ID)
+    assert ar["input_ids"][0].tolist() == [1, 5, 6, EOS_ID, PAD_ID, PAD_ID, PAD_ID]
+    assert ar["labels"][0].tolist() == [IGNORE, IGNORE, 6, EOS_ID, IGNORE, IGNORE, IGNORE]
+
+
+# ------------------------------------------------------------------ training
+
+
+def test_training_steps_lower_both_loss_terms(tiny_tokenizer, make_tiny_model):
+    torch.manual_seed(0)
+    model = make_tiny_model(seed=3)
+    batch = batch_of(tiny_tokenizer, n=4, block_size=4, seed=5)
+    ids, labels = batch["input_ids"], batch["labels"]
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            return mars_loss(model, ids, labels, block_size=4, mask_token_id=MASK_ID)
+
+    before = evaluate()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(8):
+        optimizer.zero_grad()
+        mars_loss(model, ids, labels, block_size=4, mask_token_id=MASK_ID)["loss"].backward()
+        optimizer.step()
+    after = evaluate()
+    assert after["noisy_loss"] < before["noisy_loss"] - 0.1
+    assert after["clean_loss"] < before["clean_loss"] - 0.1
+    assert after["loss"] < before["loss"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_mars_loss_backprops(tiny_tokenizer, make_tiny_model, arch, attn):
+    model = make_tiny_model(arch, attn).train()
+    batch = batch_of(tiny_tokenizer, n=2, block_size=4)
+    terms = mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=MASK_ID)
+    assert set(terms) == {"loss", "noisy_loss", "clean_loss"}
+    assert torch.isfinite(terms["loss"]) and terms["loss"].requires_grad
+    assert not terms["noisy_loss"].requires_grad and not terms["clean_loss"].requires_grad
+    terms["loss"].backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    embed = model.get_input_embeddings().weight.grad
+    assert embed[MASK_ID].abs().sum() > 0          # the mask token's embedding is trained
+    assert sum(float(g.abs().sum()) for g in grads) > 0

@@ -1,0 +1,52 @@
+"""A tiny checkpoint pair trained on the toy suite, shared by the decoding and serving tests.
+
+Seconds of training (AR SFT, then MARS) of the 'test' model preset on a few hundred toy
+examples, many epochs over: it memorises them, so on those prompts its confidences spread from
+near 0 to near 1 and every acceptance path gets exercised. ``TRAIN_N`` examples, test prompts
+should come from ``toy.make_split("train", TRAIN_N)``.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from marslm.data import toy
+from marslm.data.tokenizer import train_chat_tokenizer
+from marslm.modeling import load_model
+from marslm.toy_model import make_tiny_qwen2
+from marslm.train import TrainConfig, train
+
+
+TRAIN_N = 64
+
+
+def build_trained_checkpoints(root: Path) -> dict:
+    examples = toy.make_split("train", TRAIN_N, seed=0)
+    texts = [m["content"] for ex in examples for m in toy.to_chat_record(ex)["messages"]]
+    tokenizer = train_chat_tokenizer(texts, vocab_size=384)
+    model = make_tiny_qwen2(tokenizer, "test", seed=0)
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    common = dict(data="toy", data_n=TRAIN_N, batch_size=16, max_length=160, progress=False, save_steps=10**9,
+                  logging_steps=50)
+    train(TrainConfig(stage="ar", model=str(root / "base"), output=str(root / "ar"), max_steps=200,
+                      learning_rate=3e-3, **common))
+    train(TrainConfig(stage="mars", model=str(root / "ar"), output=str(root / "mars"), max_steps=200,
+                      learning_rate=3e-3, block_size=4, **common))
+    return {"dir": root}
+
+
+@pytest.fixture(scope="session")
+def trained_dirs(tmp_path_factory) -> dict:
+    return build_trained_checkpoints(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoints(trained_dirs) -> dict:
+    """``{"ar64" | "mars64": (float64 model, tokenizer)}`` plus the directories."""
+    root = trained_dirs["dir"]
+    loaded = {"ar_dir": root / "ar", "mars_dir": root / "mars"}
+    for name in ("ar", "mars"):
+        model, tokenizer, _ = load_model(str(root / name))
+        loaded[name + "64"] = (model.double(), tokenizer)
+    return loaded
