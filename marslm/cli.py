@@ -63,6 +63,11 @@ def _add_generate(sub) -> None:
     gen.add_argument("--cache", choices=CACHE_MODES, default="cursor",
                      help="KV cache policy: cursor (default), block (the paper's) or none (recompute)")
     gen.add_argument("--block-cache-size", type=int, default=16, help="commit granularity of --cache block")
+    gen.add_argument("--mode", choices=["threshold", "lossless"], default="threshold",
+                     help="threshold: accept while confident (tau); lossless: masks draft, the next forward "
+                     "verifies, output identical to greedy AR")
+    gen.add_argument("--draft-groups", action="store_true",
+                     help="lossless: one mask group per possible accepted-draft count")
     gen.add_argument("--use-last-mask", action="store_true",
                      help="also accept the last mask's prediction (B+1 candidates per step)")
     gen.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
@@ -109,6 +114,30 @@ def _add_demo(sub) -> None:
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="wall-clock speed of MARS decoding modes against HF generate",
+                           description="Decode the same test prompts with HF generate (AR and MARS checkpoints), "
+                           "HF prompt-lookup decoding and each MARS mode, after a warm-up and over several "
+                           "repeats; report tokens/s, tokens/forward, speed-up over AR, accuracy, peak KV.")
+    bench.add_argument("--model", required=True, help="MARS checkpoint directory")
+    bench.add_argument("--ar-model", required=True, help="AR SFT checkpoint directory (the baseline)")
+    bench.add_argument("--data", default="toy")
+    bench.add_argument("--batch-sizes", type=_ints, default=[1, 4, 8])
+    bench.add_argument("--n", type=int, default=32, help="prompts per contender and batch size")
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--taus", type=_floats, default=[0.95, 0.9])
+    bench.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+    bench.add_argument("--quiet", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="marslm",
@@ -119,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_eval(sub)
     _add_demo(sub)
+    _add_bench(sub)
     return parser
 
 
@@ -151,7 +181,8 @@ def cmd_generate(args) -> int:
     result = generate(model, tokenizer, [args.prompt], tau=args.tau, block_size=args.block_size,
                       metric=args.metric, max_new_tokens=args.max_new_tokens,
                       apply_chat_template=not args.no_chat_template, cache=args.cache,
-                      block_cache_size=args.block_cache_size, use_last_mask=args.use_last_mask)
+                      block_cache_size=args.block_cache_size, use_last_mask=args.use_last_mask,
+                      mode=args.mode, draft_groups=args.draft_groups)
     if args.json:
         print(json.dumps({
             "text": result.texts[0],
@@ -193,6 +224,23 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import default_contenders, format_bench_table, load_bench_models, run_bench
+    from .evaluate import load_eval_set
+
+    if args.n < 1 or args.repeats < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
+    models = load_bench_models(args.model, args.ar_model)
+    eval_set = load_eval_set(args.data, args.n)
+    report = run_bench(models, eval_set, batch_sizes=args.batch_sizes, n=args.n, repeats=args.repeats,
+                       max_new_tokens=args.max_new_tokens, contenders=default_contenders(taus=args.taus),
+                       progress=not args.quiet)
+    print(format_bench_table(report))
+    if args.json:
+        _write_json(args.json, report)
+    return 0
+
+
 def _write_json(path: str, payload: dict) -> None:
     from pathlib import Path
 
@@ -202,7 +250,7 @@ def _write_json(path: str, payload: dict) -> None:
         raise UserError(f"cannot write {path}: {exc}") from None
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "demo": cmd_demo}
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "demo": cmd_demo, "bench": cmd_bench}
 
 
 def _quiet_libraries() -> None:

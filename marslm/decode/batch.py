@@ -51,6 +51,7 @@ class RowSettings:
     block_size: int = 4
     max_new_tokens: int = 256
     mode: str = "threshold"
+    temperature: float = 0.0      # > 0: sample the step's first (AR) token; masks keep the tau rule
 
 
 @dataclass
@@ -76,12 +77,13 @@ class BatchStats:
 
 class DecodeBatch:
     # Per-row state, indexed alike; rows leave by indexing all of them at once.
-    ROW_STATE = ("tokens", "prompt_len", "seq_len", "cached_len", "max_len", "tau", "metric",
-                 "n_masks", "lossless", "draft", "draft_len", "accept_log", "forwards", "slot_valid")
+    ROW_STATE = ("tokens", "prompt_len", "seq_len", "cached_len", "max_len", "tau", "metric", "temperature",
+                 "n_masks", "lossless", "draft", "draft_len", "accept_log", "forwards", "slot_valid",
+                 "last_accept")
 
     def __init__(self, model, *, mask_token_id: int, stop_ids: list[int], pad_id: int = 0,
                  cache: str = "cursor", block_cache_size: int = 16, use_last_mask: bool = False,
-                 draft_groups: bool = False):
+                 draft_groups: bool = False, seed: int | None = None):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
         self.model = model
@@ -94,6 +96,9 @@ class DecodeBatch:
         self.use_last_mask = use_last_mask
         self.draft_groups = draft_groups
         self.stats = BatchStats()
+        self.generator = torch.Generator(device=self.device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
         self.request_ids: list = []
         self.kv = None   # a transformers Cache, created at the first forward
         long, dev = torch.long, self.device
@@ -104,6 +109,7 @@ class DecodeBatch:
         self.max_len = torch.zeros(0, dtype=long, device=dev)        # prompt + max_new_tokens
         self.tau = torch.zeros(0, dtype=torch.float64, device=dev)
         self.metric = torch.zeros(0, dtype=long, device=dev)
+        self.temperature = torch.zeros(0, dtype=torch.float32, device=dev)
         self.n_masks = torch.zeros(0, dtype=long, device=dev)        # masks this row reads per step
         self.lossless = torch.zeros(0, dtype=torch.bool, device=dev)
         self.draft = torch.zeros(0, 0, dtype=long, device=dev)       # lossless: tokens to verify
@@ -111,6 +117,7 @@ class DecodeBatch:
         self.accept_log = torch.zeros(0, 0, dtype=long, device=dev)  # [rows, steps] accepted per forward
         self.forwards = torch.zeros(0, dtype=long, device=dev)
         self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)
+        self.last_accept = torch.zeros(0, dtype=long, device=dev)   # tokens each row accepted last step
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -135,11 +142,13 @@ class DecodeBatch:
             "max_len": prompt_len + max_new,
             "tau": torch.tensor([s.tau for s in settings], dtype=torch.float64, device=dev),
             "metric": torch.tensor([metric_code(s.metric) for s in settings], dtype=long, device=dev),
+            "temperature": torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=dev),
             "n_masks": n_masks,
             "lossless": torch.tensor([s.mode == "lossless" for s in settings], device=dev),
             "draft": torch.zeros(n, 0, dtype=long, device=dev), "draft_len": zeros,
             "accept_log": torch.zeros(n, int(max_new.max()) + 1, dtype=long, device=dev), "forwards": zeros,
             "slot_valid": torch.zeros(n, self.slot_valid.shape[1], dtype=torch.bool, device=dev),
+            "last_accept": zeros,
         }
         for name in self.ROW_STATE:
             old, new = getattr(self, name), new_rows[name]
@@ -149,6 +158,21 @@ class DecodeBatch:
                 layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, *layer.keys.shape[1:])])
                 layer.values = torch.cat([layer.values, layer.values.new_zeros(n, *layer.values.shape[1:])])
         self.request_ids.extend(request_ids)
+
+    def set_tau(self, request_ids, tau: float) -> None:
+        """Change tau for running rows; it applies from the next step (no restart, no reload)."""
+        wanted = set(request_ids)
+        rows = [i for i, rid in enumerate(self.request_ids) if rid in wanted]
+        if rows:
+            self.tau[torch.tensor(rows, device=self.device)] = tau
+
+    def new_tokens(self) -> dict:
+        """Tokens each running row accepted in the last step (for streaming); finished rows are
+        reported by :meth:`step` itself."""
+        counts = self.last_accept.tolist()
+        ends = self.seq_len.tolist()
+        return {rid: self.tokens[i, ends[i] - n: ends[i]].tolist()
+                for i, (rid, n) in enumerate(zip(self.request_ids, counts)) if n}
 
     def cancel(self, request_ids) -> None:
         """Drop rows (a client went away); their places are free from the next step on."""
@@ -228,7 +252,10 @@ class DecodeBatch:
         mask_conf = conf[:, draft_width + 1:].reshape(rows, groups, n_masks)
 
         # threshold rows: [AR token, first group's masks] under the confidence rule
-        threshold_candidates = torch.cat([ar_tokens[:, :1], mask_tokens[:, 0]], dim=1)
+        first = ar_tokens[:, :1]
+        if bool((self.temperature > 0).any()):
+            first = torch.where(self.temperature[:, None] > 0, self._sample_first(logits[:, :1]), first)
+        threshold_candidates = torch.cat([first, mask_tokens[:, 0]], dim=1)
         threshold_conf = torch.cat([conf[:, :1], mask_conf[:, 0]], dim=1)
         threshold_accept = accept_length(threshold_conf, self.tau, self.metric, self.n_masks + 1)
         # lossless rows: drafts that equal the AR outputs, then the AR token after them
@@ -252,6 +279,7 @@ class DecodeBatch:
         self.tokens.scatter_(1, write_at, candidates)
         self.accept_log.scatter_(1, self.forwards[:, None], accept[:, None])
         self.forwards += (accept > 0).long()
+        self.last_accept = accept
         seq_len_before = self.seq_len
         self.seq_len = self.seq_len + accept
         self._next_draft(mask_tokens, verified, accept, idle)
@@ -271,6 +299,12 @@ class DecodeBatch:
         if not bool(finished.any()):
             return []
         return self._pop(finished, stopped)
+
+    def _sample_first(self, first_logits: torch.Tensor) -> torch.Tensor:
+        """Sample the AR token at temperature; masks are not resampled (they keep the tau rule)."""
+        temperature = self.temperature.clamp(min=1e-5)[:, None, None]
+        probs = (first_logits.float() / temperature).softmax(dim=-1)[:, 0]
+        return torch.multinomial(probs, 1, generator=self.generator)
 
     def _commit_policy(self, pending_len: torch.Tensor):
         """(commit this step?, rows that sit this step out)."""
