@@ -46,7 +46,7 @@ PRESETS = {
                         mars_steps=30, batch_size=16, ar_lr=3e-3, mars_lr=1e-3, curve_points=2, curve_items=16),
     # The numbers we quote: at most 15 minutes on 2 CPU cores.
     "default": DemoPreset(model="default", vocab_size=1024, train_examples=20000, test_examples=500,
-                          ar_steps=500, mars_steps=200, batch_size=32, ar_lr=2e-3, mars_lr=5e-4),
+                          ar_steps=450, mars_steps=250, batch_size=32, ar_lr=2e-3, mars_lr=1e-3),
 }
 
 

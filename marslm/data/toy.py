@@ -140,8 +140,9 @@ def _render_list(items: Sequence) -> str:
 # ---------------------------------------------------------------------------
 # Family: arithmetic (GSM8K-like two-step word problems)
 # ---------------------------------------------------------------------------
-# Each story returns (story text, worked steps, result). Operands are 2..9 so
-# every single step is a one-digit fact or a small addition/subtraction.
+# Each story returns (story text, worked steps, result). Factors are 2..5 and
+# every other operand one digit, so each step is a small fact: a from-scratch
+# model of a few million parameters must learn them in minutes on a CPU.
 
 _ARITHMETIC_PHRASINGS = (
     "{story}",
@@ -154,7 +155,7 @@ ANSWER_PHRASE = "The answer is"
 
 
 def _story_groups_minus(rng: random.Random, name: str, pron: str, item: str):
-    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    a, b = rng.randint(2, 5), rng.randint(2, 5)
     total = a * b
     c = rng.randint(2, min(9, total - 1))
     result = total - c
@@ -166,7 +167,7 @@ def _story_groups_minus(rng: random.Random, name: str, pron: str, item: str):
 
 
 def _story_groups_plus(rng: random.Random, name: str, pron: str, item: str):
-    a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 9)
+    a, b, c = rng.randint(2, 5), rng.randint(2, 5), rng.randint(2, 9)
     total = a * b
     result = total + c
     story = (f"{name} buys {a} bags with {b} {item} in each bag. Then {pron} finds {c} more {item}. "
@@ -177,9 +178,9 @@ def _story_groups_plus(rng: random.Random, name: str, pron: str, item: str):
 
 
 def _story_boxes_of_two_kinds(rng: random.Random, name: str, pron: str, item: str):
-    a, b, boxes = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 5)
+    a, b, boxes = rng.randint(1, 5), rng.randint(1, 5), rng.randint(2, 3)
     per_box = a + b
-    result = boxes * per_box  # at most 5 * 18 = 90
+    result = boxes * per_box  # at most 3 * 10 = 30
     story = (f"{name} has {boxes} boxes. Each box holds {a} big {item} and {b} small {item}. "
              f"How many {item} does {name} have in all?")
     steps = [f"Each box holds {a} + {b} = {per_box} {item}.",
@@ -201,7 +202,7 @@ def _story_lose_then_buy(rng: random.Random, name: str, pron: str, item: str):
 
 
 def _story_share_then_more(rng: random.Random, name: str, pron: str, item: str):
-    friends, each, extra = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 9)
+    friends, each, extra = rng.randint(2, 5), rng.randint(2, 5), rng.randint(2, 9)
     total = friends * each
     result = each + extra
     story = (f"{name} shares {total} {item} equally among {friends} friends. Then each friend gets {extra} more. "
@@ -363,17 +364,18 @@ def _score_format(example: Example, response: str) -> bool:
 
 
 def _numbers(rng: random.Random) -> list[int]:
-    return [rng.randint(1, 20) for _ in range(rng.randint(4, 7))]
+    # One-digit numbers are one token each: sorting 3-5 of them is within a tiny model's reach.
+    return [rng.randint(1, 9) for _ in range(rng.randint(3, 5))]
 
 
 def _numbers_or_words(rng: random.Random) -> list:
-    return _numbers(rng) if rng.random() < 0.5 else rng.sample(_SHORT_WORDS, rng.randint(4, 7))
+    return _numbers(rng) if rng.random() < 0.5 else rng.sample(_SHORT_WORDS, rng.randint(3, 5))
 
 
 def _with_repeats(rng: random.Random) -> list:
-    """4-7 items of which at least one appears twice."""
+    """3-6 items of which at least one appears twice."""
     pool = list(range(1, 10)) if rng.random() < 0.5 else list(_SHORT_WORDS[:8])
-    items = rng.sample(pool, rng.randint(3, 5))
+    items = rng.sample(pool, rng.randint(2, 4))
     for _ in range(rng.randint(1, 2)):
         items.insert(rng.randint(1, len(items)), rng.choice(items))
     return items
@@ -410,7 +412,7 @@ _LIST_OPS: dict[str, _ListOp] = {
     "sort_words": _ListOp(
         ("Sort these words alphabetically: {items}", "Put these words in alphabetical order: {items}",
          "Arrange these words from A to Z: {items}"),
-        lambda rng: rng.sample(_SHORT_WORDS, rng.randint(4, 7)), sorted),
+        lambda rng: rng.sample(_SHORT_WORDS, rng.randint(3, 5)), sorted),
     "reverse": _ListOp(
         ("Reverse this list: {items}", "Write this list in reverse order: {items}",
          "Give the items of this list backwards: {items}"),
