@@ -222,7 +222,9 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
 
 
 def _last_loss(trainer) -> float | None:
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    """The last logged loss, or the run's mean loss when it ended before the first log."""
+    history = trainer.state.log_history
+    losses = [e["loss"] for e in history if "loss" in e] or [e["train_loss"] for e in history if "train_loss" in e]
     return float(losses[-1]) if losses else None
 
 
