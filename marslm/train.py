@@ -102,8 +102,10 @@ class MarsTrainer:
         class _Trainer(Trainer):
             """Trainer with our loss; logs the noisy/clean terms next to the total."""
 
-            _sums: dict = {}
-            _count: int = 0
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self._sums: dict[str, float] = {}
+                self._count = 0
 
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
                 terms = loss_fn(model, inputs["input_ids"], inputs["labels"])
@@ -115,7 +117,12 @@ class MarsTrainer:
 
             def log(self, logs, *a, **kw):
                 if self._count and "loss" in logs:
-                    logs.update({k: round(v / self._count, 4) for k, v in self._sums.items()})
+                    # Every rank logs at the same step (Trainer gathers the loss there too), so the
+                    # per-term means can be averaged across processes like the total is.
+                    names = sorted(self._sums)
+                    local = torch.tensor([self._sums[k] / self._count for k in names], device=self.args.device)
+                    mean = self.accelerator.reduce(local, reduction="mean")
+                    logs.update({k: round(float(v), 4) for k, v in zip(names, mean)})
                     self._sums, self._count = {}, 0
                 super().log(logs, *a, **kw)
 
