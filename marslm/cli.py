@@ -81,24 +81,88 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _strings(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _add_eval(sub) -> None:
     from .decode.acceptance import METRICS
     from .decode.batch import CACHE_MODES
+    from .evaluate import ENTROPY_TAUS, EVAL_SOURCES
 
-    ev = sub.add_parser("eval", help="accuracy per task family and tokens per forward, for each tau",
-                        description="Decode an evaluation set with a model at each tau and score the answers.")
-    ev.add_argument("--model", required=True, help="checkpoint directory (or hub id)")
-    ev.add_argument("--data", default="toy", help="evaluation data (default: the toy suite's test split)")
-    ev.add_argument("--tau", type=_floats, default=[1.0, 0.95, 0.9], help="comma-separated taus (default 1,0.95,0.9)")
-    ev.add_argument("--metric", choices=METRICS, default="prob")
-    ev.add_argument("--block-size", type=int, default=None, help="masks per step (default: the trained B)")
+    ev = sub.add_parser(
+        "eval", help="accuracy per task family and tokens per forward: a sweep over models and settings",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Decode an evaluation set with each model at each (block size, metric, tau) and score the "
+        "answers.\n\n"
+        "  * --tau applies to the prob and margin metrics (accept while confidence >= tau; 1 = one token per\n"
+        "    forward). Entropy has another scale (accept while entropy <= tau, in nats; 0 = one token per\n"
+        "    forward), so its thresholds come from --entropy-tau.\n"
+        "  * An AR SFT checkpoint (marslm.json stage 'ar') is evaluated once, at tau=1: it is the baseline.\n"
+        "  * One-token cells of a model are decoded once and shared by every block size and metric.\n"
+        "  * With --json FILE every finished cell is saved at once; rerunning the same command skips them\n"
+        "    (key: model, data, n, seed, tau, metric, block size, cache, mode). A cell that fails (out of\n"
+        "    memory, say) is recorded as {\"failed\": reason}, the sweep goes on, and a rerun retries it.\n"
+        "  * Report shape: one model gives {\"model\", \"data\", \"results\": [...]}, as before; several give\n"
+        "    {\"models\": [one such report per model]}.")
+    ev.add_argument("--model", action="append", type=_strings, required=True, metavar="DIR",
+                    help="checkpoint directory or hub id; repeat or comma-separate for several")
+    ev.add_argument("--data", default="toy", help=f"evaluation data: {EVAL_SOURCES} (default toy)")
+    ev.add_argument("--tau", type=_floats, default=[1.0, 0.95, 0.9],
+                    help="comma-separated taus for the prob and margin metrics (default 1,0.95,0.9)")
+    ev.add_argument("--entropy-tau", type=_floats, default=list(ENTROPY_TAUS),
+                    help="comma-separated entropy thresholds in nats for --metric entropy "
+                    f"(default {','.join(f'{t:g}' for t in ENTROPY_TAUS)})")
+    ev.add_argument("--metric", type=_strings, default=["prob"],
+                    help=f"comma-separated confidence metrics from {','.join(METRICS)} (default prob)")
+    ev.add_argument("--block-size", type=_ints, default=None,
+                    help="comma-separated block sizes (masks per step; default: each checkpoint's trained B)")
     ev.add_argument("--cache", choices=CACHE_MODES, default="cursor")
+    ev.add_argument("--mode", choices=["threshold", "lossless"], default="threshold",
+                    help="threshold: MARS acceptance by tau; lossless: exact greedy output, tau ignored")
     ev.add_argument("--n", type=int, default=500, help="number of test items (default 500)")
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--seed", type=int, default=0, help="seed of the toy suite's test items")
     ev.add_argument("--batch-size", type=int, default=32, help="rows decoded together")
     ev.add_argument("--max-new-tokens", type=int, default=192)
-    ev.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
-    ev.add_argument("--quiet", action="store_true", help="no progress bar")
+    ev.add_argument("--device", default="auto", help="torch device (default: cuda if available, else cpu)")
+    ev.add_argument("--json", metavar="FILE", help="write the report to FILE after every cell; resume from it")
+    ev.add_argument("--markdown", metavar="FILE", help="also write the table as a markdown document")
+    ev.add_argument("--no-resume", action="store_true", help="with --json: start afresh, replacing FILE")
+    ev.add_argument("--quiet", action="store_true", help="no progress bars or per-cell lines")
+
+
+def _add_plot(sub) -> None:
+    plot = sub.add_parser(
+        "plot", help="accuracy vs tokens/forward frontier from eval reports (PNG)",
+        description="Draw accuracy against tokens per forward, one panel per task family plus 'overall', one "
+        "curve per (model, block size, metric) joining its Pareto-optimal taus. Reads eval reports, sweep "
+        "reports and the demo's report.json. The AR SFT baseline is a dotted line: the models of --baseline "
+        "(a report file or a model label), else any stage-'ar' checkpoint or model with only tau=1 results.")
+    plot.add_argument("reports", nargs="+", metavar="REPORT", help="JSON report(s) written by marslm")
+    plot.add_argument("--out", "-o", default="frontier.png", help="image to write (default frontier.png)")
+    plot.add_argument("--baseline", action="append", metavar="REPORT_OR_LABEL",
+                      help="the AR baseline: a report file or the label of a model in REPORT (repeatable)")
+    plot.add_argument("--title", help="figure title (default: names the data)")
+
+
+def _add_show(sub) -> None:
+    from .decode.acceptance import METRICS
+
+    show = sub.add_parser(
+        "show", help="one generation with the tokens of each forward shaded together",
+        description="Decode PROMPT once and shade each forward's run of accepted tokens, darker for longer "
+        "runs (neighbouring runs alternate blue/green): ANSI colours in the terminal, or a self-contained "
+        "HTML page with a legend and the stats.")
+    show.add_argument("--model", required=True, help="MARS checkpoint directory (or hub id)")
+    show.add_argument("--prompt", required=True, help="the user message")
+    show.add_argument("--tau", type=float, default=0.9, help="confidence threshold (default 0.9)")
+    show.add_argument("--metric", choices=METRICS, default="prob")
+    show.add_argument("--block-size", type=int, default=None, help="masks per step (default: the trained B)")
+    show.add_argument("--max-new-tokens", type=int, default=256)
+    show.add_argument("--device", default="auto", help="torch device (default: cuda if available, else cpu)")
+    show.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page to FILE")
+    show.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                      help="ANSI colours in the terminal (auto: when stdout is a terminal and NO_COLOR is unset)")
 
 
 def _add_demo(sub) -> None:
@@ -138,6 +202,61 @@ def _add_bench(sub) -> None:
     bench.add_argument("--quiet", action="store_true")
 
 
+def _add_serve(sub) -> None:
+    from .engine import DTYPES, POLICIES
+
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                         description="Start a FastAPI + uvicorn server with continuous batching: /v1/completions, "
+                         "/v1/chat/completions (both with stream), /v1/models, /health, /metrics (Prometheus), "
+                         "/admin/tau and /admin/policy. Requests may add tau, metric, block_size and mode.")
+    srv.add_argument("--model", required=True, help="MARS checkpoint directory (or hub id)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    srv.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
+    srv.add_argument("--max-queue", type=int, default=256,
+                     help="requests that may wait for a batch row; beyond it: 429 with Retry-After (default 256)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health, /metrics)")
+    srv.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                     help="weights dtype (default auto: as saved); float64 makes batching unable to flip near-ties")
+    srv.add_argument("--device", default="auto", help="torch device (default: cuda if available, else cpu)")
+    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    srv.add_argument("--tau", type=float, default=0.95,
+                     help="default tau for requests that name none; the adaptive policy's ceiling (default 0.95)")
+    srv.add_argument("--tau-policy", choices=POLICIES, default="fixed",
+                     help="fixed: the default tau stays put; adaptive: it falls toward --tau-floor as the queue "
+                     "grows or steps pass --slo-ms, and recovers as load falls")
+    srv.add_argument("--tau-floor", type=float, default=0.8, help="lowest default tau of the adaptive policy (0.8)")
+    srv.add_argument("--slo-ms", type=float, default=None, help="step latency above which adaptive lowers tau")
+    srv.add_argument("--max-tokens", type=int, default=256, help="max_tokens of a request that names none (256)")
+    srv.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted (4096)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
+    srv.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
+    srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def _add_loadtest(sub) -> None:
+    from .loadtest import POLICIES
+
+    lt = sub.add_parser("loadtest", help="throughput, latency and accuracy of a running server per tau policy",
+                        description="Send toy test-split prompts to a running `marslm serve` at each concurrency, "
+                        "under each tau policy (set through the server's admin API), and report throughput, "
+                        "latency percentiles, tokens per forward and accuracy.")
+    lt.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)")
+    lt.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="comma-separated levels (default 1,8,32)")
+    lt.add_argument("--requests", type=int, default=64, help="requests per policy and level (default 64)")
+    lt.add_argument("--policies", type=lambda t: [p for p in t.split(",") if p], default=list(POLICIES),
+                    help="comma-separated: fixed-<tau> or adaptive (default fixed-1.0,fixed-0.95,adaptive)")
+    lt.add_argument("--adaptive-tau", type=float, default=0.95, help="ceiling of the adaptive policy (0.95)")
+    lt.add_argument("--tau-floor", type=float, default=0.8, help="floor of the adaptive policy (0.8)")
+    lt.add_argument("--max-tokens", type=int, default=192)
+    lt.add_argument("--api-key", default=None, help="the server's --api-key (the admin API needs it)")
+    lt.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    lt.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    lt.add_argument("--deadline", type=float, default=3600.0, help="skip remaining runs after this many seconds")
+    lt.add_argument("--seed", type=int, default=0, help="seed of the toy test split")
+    lt.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="marslm",
@@ -147,8 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_generate(sub)
     _add_eval(sub)
+    _add_plot(sub)
+    _add_show(sub)
     _add_demo(sub)
     _add_bench(sub)
+    _add_serve(sub)
+    _add_loadtest(sub)
     return parser
 
 
@@ -197,23 +320,55 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .decode import check_tau
-    from .evaluate import evaluate, format_table, load_eval_set
-    from .modeling import check_model_source, load_model
+    from .decode.acceptance import METRICS
+    from .evaluate import format_markdown, format_table, labelled, model_reports, sweep, write_text_atomically
 
-    for tau in args.tau:
-        check_tau(tau, args.metric)
+    models = [m for group in args.model for m in group]
+    for metric in args.metric:
+        if metric not in METRICS:
+            raise UserError(f"unknown metric {metric!r} in --metric; choose from {', '.join(METRICS)}")
+    if not models or not args.tau or not args.metric or (args.block_size is not None and not args.block_size):
+        raise UserError("--model, --tau, --metric and --block-size need at least one value each")
     if args.n < 1:
         raise UserError(f"--n must be >= 1, got {args.n}")
+    payload = sweep(models, args.data, n=args.n, seed=args.seed, taus=args.tau, entropy_taus=args.entropy_tau,
+                    metrics=args.metric, block_sizes=args.block_size, cache=args.cache, mode=args.mode,
+                    batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, json_path=args.json,
+                    resume=not args.no_resume, progress=not args.quiet, device=args.device)
+    print(format_table(labelled(model_reports(payload))))
+    if args.markdown:
+        write_text_atomically(args.markdown, format_markdown(payload))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .plots import load_series, plot_frontier
+
+    out = plot_frontier(load_series(args.reports, args.baseline), args.out, title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    import os
+
+    from .decode import check_tau
+    from .evaluate import resolve_device, write_text_atomically
+    from .modeling import check_model_source, load_model
+    from .show import render_ansi, render_html, show_generation
+
+    check_tau(args.tau, args.metric)
+    if args.block_size is not None and args.block_size < 1:
+        raise UserError(f"--block-size must be >= 1, got {args.block_size}")
     check_model_source(args.model)
-    eval_set = load_eval_set(args.data, args.n, seed=args.seed)
-    model, tokenizer, _ = load_model(args.model)
-    report = evaluate(model, tokenizer, eval_set, taus=args.tau, metric=args.metric, block_size=args.block_size,
-                      cache=args.cache, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                      progress=not args.quiet, model_name=args.model)
-    print(format_table({args.model: report}))
-    if args.json:
-        _write_json(args.json, report)
+    model, tokenizer, _ = load_model(args.model, device=resolve_device(args.device))
+    shown = show_generation(model, tokenizer, args.prompt, tau=args.tau, metric=args.metric,
+                            block_size=args.block_size, max_new_tokens=args.max_new_tokens)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    print(render_ansi(shown, color=color))
+    if args.html:
+        write_text_atomically(args.html, render_html(shown))
+        print(f"wrote {args.html}")
     return 0
 
 
@@ -241,6 +396,49 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .decode import check_tau
+    from .modeling import check_model_source
+
+    check_tau(args.tau, "prob")
+    check_tau(args.tau_floor, "prob")
+    if args.tau_floor > args.tau:
+        raise UserError(f"--tau-floor {args.tau_floor} is above --tau {args.tau}")
+    if min(args.max_batch, args.max_queue, args.max_tokens, args.max_tokens_limit) < 1:
+        raise UserError("--max-batch, --max-queue, --max-tokens and --max-tokens-limit must be >= 1")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if args.slo_ms is not None and args.slo_ms <= 0:
+        raise UserError(f"--slo-ms must be > 0, got {args.slo_ms}")
+    check_model_source(args.model)
+    from .server import serve
+
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key, dtype=args.dtype, device=args.device,
+          served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+          max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
+          max_tokens_limit=args.max_tokens_limit, tau=args.tau, tau_policy=args.tau_policy, tau_floor=args.tau_floor,
+          slo_ms=args.slo_ms, seed=args.seed)
+    return 0
+
+
+def cmd_loadtest(args) -> int:
+    from .loadtest import format_table, policy_settings, run_loadtest
+
+    if args.requests < 1 or not args.concurrency or min(args.concurrency) < 1:
+        raise UserError("--requests and every --concurrency value must be >= 1")
+    if not args.policies:
+        raise UserError("--policies is empty")
+    for name in args.policies:
+        policy_settings(name)
+    report = run_loadtest(args.url, concurrencies=args.concurrency, requests=args.requests, policies=args.policies,
+                          max_tokens=args.max_tokens, api_key=args.api_key, model=args.model,
+                          adaptive_tau=args.adaptive_tau, tau_floor=args.tau_floor, timeout=args.timeout,
+                          deadline=args.deadline, seed=args.seed, log=lambda line: print(line, file=sys.stderr))
+    print(format_table(report))
+    if args.json:
+        _write_json(args.json, report)
+    return 0
+
 def _write_json(path: str, payload: dict) -> None:
     from pathlib import Path
 
@@ -250,7 +448,9 @@ def _write_json(path: str, payload: dict) -> None:
         raise UserError(f"cannot write {path}: {exc}") from None
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "demo": cmd_demo, "bench": cmd_bench}
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "plot": cmd_plot, "show": cmd_show,
+            "demo": cmd_demo, "bench": cmd_bench,
+            "serve": cmd_serve, "loadtest": cmd_loadtest}
 
 
 def _quiet_libraries() -> None:

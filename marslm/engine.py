@@ -1,0 +1,630 @@
+"""The serving engine: a request queue, a scheduler and a model runner on one background thread.
+
+vLLM's design, small:
+
+    submit()  (event loop)     -> waiting queue (FIFO, bounded: a full queue is refused, not grown)
+    engine thread, each turn:     apply cancellations and default-tau changes
+                                  admit waiting requests while the batch has free rows
+                                  DecodeBatch.step(): ONE forward for every running row
+                                  publish accepted tokens and finished requests
+    publish                    -> loop.call_soon_threadsafe -> each request's asyncio.Queue
+
+Why one thread owns the model: a model, its KV cache and the DecodeBatch are not thread-safe,
+and one owner needs no locks around torch. Running it off the event loop keeps HTTP responsive
+while a forward runs. Rows advance independently on the cursor cache, so admitting requests
+between steps *is* continuous batching: nobody waits for a batch to drain.
+
+Each row keeps its own tau. Requests that name no tau follow the server's *default* tau, which
+the :class:`TauController` may move with load (adaptive policy) or an admin may set; a change
+reaches running rows through ``DecodeBatch.set_tau`` before the next step.
+
+Greedy decoding is the contract. ``temperature`` > 0 samples only the first (AR) token of each
+step; the mask positions keep the confidence rule (``RowSettings.temperature``). Lossless mode
+ignores temperature: it is exact greedy decoding by definition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .chat import stop_token_ids
+from .decode.acceptance import METRICS, check_tau
+from .decode.batch import MODES, DecodeBatch, RowSettings
+from .decode.generate import default_block_size, resolve_mask_token_id
+from .errors import UserError
+
+log = logging.getLogger("marslm.engine")
+
+POLICIES = ("fixed", "adaptive")
+DTYPES = {"auto": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+# The metrics whose tau lives in (0, 1] with "higher = stricter": the server's default tau applies
+# to them. Entropy runs the other way (accept while H <= tau), so an entropy request names its tau.
+DEFAULT_TAU_METRICS = ("prob", "margin")
+
+
+# ---------------------------------------------------------------------------------------- requests
+class InvalidRequest(UserError):
+    """A request the engine refuses; ``param`` names the offending field (OpenAI error object)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class QueueFull(Exception):
+    """The waiting queue is at ``max_queue``: the caller should retry after ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"the request queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down (or has died) and takes no new requests."""
+
+
+class EngineError(Exception):
+    """Decoding failed for a request (the engine itself keeps serving)."""
+
+
+@dataclass
+class SamplingParams:
+    """What a request asks for; ``None`` means the server's default."""
+
+    max_tokens: int | None = None
+    tau: float | None = None          # None: follow the server's (possibly adaptive) default tau
+    metric: str = "prob"
+    block_size: int | None = None     # masks per step + 1; at most the block size the model was trained with
+    mode: str = "threshold"           # or "lossless": the masks draft, the next forward verifies
+    temperature: float = 0.0          # > 0 samples the step's first (AR) token only
+
+
+@dataclass
+class Result:
+    token_ids: list[int]              # new tokens, the stop token excluded
+    finish_reason: str                # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    accepted_per_step: list[int]      # tokens accepted in each forward the request took part in
+    tau: float | None                 # the row's tau when it finished (None: lossless)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def forwards(self) -> int:
+        return len(self.accepted_per_step)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Decoded tokens (the stop token included) per forward, as ``GenerationResult`` counts them."""
+        return sum(self.accepted_per_step) / self.forwards if self.forwards else 0.0
+
+
+class RequestStream:
+    """What a request handler holds: ``async for ids in stream`` yields each step's new tokens;
+    ``stream.result`` holds the :class:`Result` once iteration ends. A decoding failure raises
+    :class:`EngineError` from the iteration."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.result: Result | None = None
+
+    def __aiter__(self):
+        return self._chunks()
+
+    async def _chunks(self):
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, Result):
+                self.result = item
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    prompt_ids: list[int]
+    settings: RowSettings
+    follows_default: bool             # named no tau: the default tau reaches it, live
+    stream: RequestStream
+    arrived: float
+    admitted: float | None = None
+    first_token: float | None = None
+    tokens: list[int] = field(default_factory=list)   # tokens already published
+
+
+# ------------------------------------------------------------------------------------ tau control
+class TauController:
+    """The default tau: fixed, or adaptive between ``floor`` and ``ceiling``.
+
+    Adaptive, every engine turn:
+
+        pressure = max(queue_depth / max_batch, step_latency / slo - 1), clipped to [0, 1]
+        target   = ceiling - pressure * (ceiling - floor)
+
+    tau drops to the target at once (requests are waiting now, and waiting makes the queue
+    longer) but climbs back at most ``recover_per_s`` per second, so a queue that empties for a
+    step does not make tau flap. A lower tau accepts more tokens per forward: requests finish in
+    fewer steps and free their rows sooner, which is what drains the queue. Values are rounded to
+    0.01 so running rows are touched only when the default really changes.
+    """
+
+    def __init__(self, tau: float = 0.95, policy: str = "fixed", floor: float = 0.8,
+                 slo_ms: float | None = None, max_batch: int = 16, recover_per_s: float = 0.1):
+        self._lock = threading.Lock()
+        self.max_batch = max_batch
+        self.recover_per_s = recover_per_s
+        self.changes = {"down": 0, "up": 0}
+        self._latency_ema: float | None = None
+        self._last: float | None = None
+        self.configure(policy=policy, tau=tau, floor=floor, slo_ms=slo_ms)
+
+    def configure(self, *, policy: str | None = None, tau: float | None = None, floor: float | None = None,
+                  slo_ms: float | None | str = "keep") -> None:
+        """Change the policy and its bounds (admin); ``tau`` is the ceiling, and the default now."""
+        with self._lock:
+            policy = policy if policy is not None else self.policy
+            ceiling = tau if tau is not None else self.ceiling
+            floor = floor if floor is not None else self.floor
+            slo_ms = self.slo_ms if slo_ms == "keep" else slo_ms
+            if policy not in POLICIES:
+                raise UserError(f"tau policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+            check_tau(ceiling, "prob")
+            check_tau(floor, "prob")
+            if floor > ceiling:
+                raise UserError(f"tau floor {floor} is above the default tau {ceiling}")
+            if slo_ms is not None and not slo_ms > 0:
+                raise UserError(f"slo_ms must be > 0, got {slo_ms}")
+            self.policy, self.ceiling, self.floor, self.slo_ms = policy, float(ceiling), float(floor), slo_ms
+            self._level = self.ceiling
+            self._set(self.ceiling)
+
+    def _set(self, tau: float) -> None:
+        tau = round(tau, 2)
+        current = getattr(self, "tau", None)
+        if current is not None and tau != current:
+            self.changes["down" if tau < current else "up"] += 1
+        self.tau = tau
+
+    def observe(self, now: float, queue_depth: int, step_ms: float | None) -> float:
+        """Feed one engine turn (``step_ms`` None: the batch was idle); returns the default tau."""
+        with self._lock:
+            dt = 0.0 if self._last is None else now - self._last
+            self._last = now
+            if step_ms is None:
+                self._latency_ema = None   # no batch, no latency pressure
+            else:
+                self._latency_ema = step_ms if self._latency_ema is None else 0.7 * self._latency_ema + 0.3 * step_ms
+            if self.policy == "fixed":
+                return self.tau
+            pressure = queue_depth / self.max_batch
+            if self.slo_ms and self._latency_ema is not None:
+                pressure = max(pressure, self._latency_ema / self.slo_ms - 1)
+            pressure = min(max(pressure, 0.0), 1.0)
+            target = self.ceiling - pressure * (self.ceiling - self.floor)
+            # _level is the unrounded tau: many short turns add up to a visible climb
+            if target < self._level:
+                self._level = target
+            else:
+                self._level = min(target, self._level + self.recover_per_s * dt)
+            self._set(self._level)
+            return self.tau
+
+    def state(self) -> dict:
+        with self._lock:
+            return {"policy": self.policy, "tau": self.tau, "ceiling": self.ceiling, "floor": self.floor,
+                    "slo_ms": self.slo_ms, "changes": dict(self.changes)}
+
+
+# ----------------------------------------------------------------------------------------- metrics
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    def __init__(self, buckets=LATENCY_BUCKETS):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)   # per bucket, not cumulative; rendering accumulates
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        self.sum += value
+        self.count += 1
+
+    def copy(self) -> "Histogram":
+        other = Histogram(self.buckets)
+        other.counts, other.sum, other.count = list(self.counts), self.sum, self.count
+        return other
+
+
+@dataclass
+class EngineMetrics:
+    requests: dict = field(default_factory=lambda: {"finished": 0, "cancelled": 0, "error": 0, "rejected": 0})
+    prompt_tokens: int = 0
+    generation_tokens: int = 0     # tokens sent to clients (stop tokens excluded)
+    accepted_tokens: int = 0       # tokens accepted by forwards (stop tokens included)
+    forwards: int = 0              # model calls (one per step, whatever the batch)
+    row_forwards: int = 0          # sum over requests of the forwards each took part in
+    histograms: dict = field(default_factory=lambda: {
+        name: Histogram() for name in ("request_latency_seconds", "time_to_first_token_seconds",
+                                       "queue_wait_seconds", "step_latency_seconds")})
+
+
+# ------------------------------------------------------------------------------------------ engine
+class Engine:
+    """One model copy, one DecodeBatch, one thread that loops admit -> step -> publish."""
+
+    def __init__(self, model, tokenizer, *, model_name: str = "marslm", max_batch: int = 16, max_queue: int = 256,
+                 default_max_tokens: int = 256, max_tokens_limit: int = 4096, tau: float = 0.95,
+                 tau_policy: str = "fixed", tau_floor: float = 0.8, slo_ms: float | None = None,
+                 seed: int | None = 0, idle_tick_s: float = 0.05):
+        if max_batch < 1 or max_queue < 1 or default_max_tokens < 1 or max_tokens_limit < 1:
+            raise UserError("max_batch, max_queue, default_max_tokens and max_tokens_limit must be >= 1")
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
+        self.max_tokens_limit = max_tokens_limit
+        self.trained_block_size = default_block_size(model)
+        self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self.controller = TauController(tau, tau_policy, tau_floor, slo_ms, max_batch=max_batch)
+        self.metrics = EngineMetrics()
+        self.idle_tick_s = idle_tick_s   # how often an idle engine lets the controller restore tau
+
+        self._batch_args = dict(mask_token_id=resolve_mask_token_id(model, tokenizer),
+                                stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
+                                pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+                                cache="cursor", seed=seed)
+        self._batch = DecodeBatch(model, **self._batch_args)
+        self._lock = threading.Lock()                  # guards the waiting queue, cancellations, metrics
+        self._wake = threading.Condition(self._lock)
+        self._waiting: deque[_Request] = deque()
+        self._cancel: set[str] = set()
+        self._running: dict[str, _Request] = {}        # engine thread only
+        self._applied_tau = self.controller.tau        # the default the running rows were last given
+        self._active = 0
+        self._ids = itertools.count()
+        self._accepting = False
+        self._stopping = False
+        self._abort = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: str = "auto", device: str | None = "auto", **kwargs) -> "Engine":
+        from .modeling import load_model
+
+        if dtype not in DTYPES:
+            raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else None
+        model, tokenizer, _ = load_model(path, dtype=DTYPES[dtype], device=device)
+        return cls(model, tokenizer, model_name=kwargs.pop("model_name", None) or path, **kwargs)
+
+    # ---------------------------------------------------------------------------- lifecycle
+    @property
+    def alive(self) -> bool:
+        return self._accepting and self._thread is not None and self._thread.is_alive()
+
+    def start(self, warmup: bool = True) -> None:
+        if self._thread is not None:
+            return
+        if warmup:   # first-call work (allocator, kernels) happens here, not in a user's latency
+            batch = DecodeBatch(self.model, **self._batch_args)
+            batch.add([[self._batch_args["pad_id"]] * 4], [RowSettings(tau=0.5, block_size=self.trained_block_size,
+                                                                        max_new_tokens=2)], ["warmup"])
+            while len(batch):
+                batch.step()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._loop, name="marslm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Take no new requests; let queued and running ones finish for up to ``timeout`` seconds,
+        then cancel what is left (each waiter gets a ``cancelled`` result) and join the thread."""
+        with self._lock:
+            self._accepting = False
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._lock:
+                self._abort = True
+                self._wake.notify_all()
+            self._thread.join(10.0)
+
+    # ------------------------------------------------------------------------ submitting
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> RowSettings:
+        """Resolve defaults and check a request against the model; raises :class:`InvalidRequest`."""
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", "prompt", "empty_prompt")
+        if params.metric not in METRICS:
+            raise InvalidRequest(f"unknown metric {params.metric!r}; choose from {', '.join(METRICS)}", "metric")
+        if params.mode not in MODES:
+            raise InvalidRequest(f"mode must be one of {', '.join(MODES)}, got {params.mode!r}", "mode")
+        if params.tau is not None:
+            try:
+                check_tau(params.tau, params.metric)
+            except UserError as exc:
+                raise InvalidRequest(str(exc), "tau", "invalid_tau") from None
+        elif params.metric not in DEFAULT_TAU_METRICS and params.mode == "threshold":
+            raise InvalidRequest(f"the server's default tau is a probability; a request with metric "
+                                 f"{params.metric!r} must set its own tau", "tau")
+        block_size = params.block_size if params.block_size is not None else self.trained_block_size
+        if not 1 <= block_size <= self.trained_block_size:
+            raise InvalidRequest(f"block_size must be in 1..{self.trained_block_size} (the block size the model "
+                                 f"was trained with), got {block_size}", "block_size")
+        if params.mode == "lossless" and block_size < 2:
+            raise InvalidRequest("lossless mode needs at least one mask to draft from (block_size >= 2)",
+                                 "block_size")
+        if not 0 <= params.temperature <= 2:
+            raise InvalidRequest(f"temperature must be in [0, 2], got {params.temperature}", "temperature")
+
+        room = None if self.max_context is None else self.max_context - len(prompt_ids)
+        if room is not None and room < 1:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                                 f"{self.max_context}", "messages", "context_length_exceeded")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
+        if not 1 <= max_tokens <= self.max_tokens_limit:
+            raise InvalidRequest(f"max_tokens must be in 1..{self.max_tokens_limit}, got {max_tokens}",
+                                 "max_tokens", "max_tokens_exceeded" if max_tokens > 1 else "invalid_value")
+        if room is not None and max_tokens > room:
+            raise InvalidRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                                 f"the model's context of {self.max_context} tokens", "max_tokens",
+                                 "context_length_exceeded")
+        tau = params.tau if params.tau is not None else self.controller.tau
+        return RowSettings(tau=tau, metric=params.metric, block_size=block_size, max_new_tokens=max_tokens,
+                           mode=params.mode, temperature=params.temperature)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Queue a request; call from the event loop (or pass ``loop``). Raises InvalidRequest,
+        QueueFull or EngineStopped; never blocks."""
+        settings = self.validate(prompt_ids, params)
+        loop = loop or asyncio.get_running_loop()
+        request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        stream = RequestStream(request_id, len(prompt_ids), loop)
+        follows = params.tau is None and params.mode == "threshold"
+        request = _Request(request_id, list(prompt_ids), settings, follows, stream, time.perf_counter())
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                self.metrics.requests["rejected"] += 1
+                raise QueueFull(self._retry_after())
+            self._waiting.append(request)
+            self._wake.notify()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (its client went away); its row is freed before the next step."""
+        with self._lock:
+            self._cancel.add(request_id)
+            self._wake.notify()
+
+    def _retry_after(self) -> int:
+        """Seconds until the queue has likely moved on: its waves times the mean request time."""
+        latency = self.metrics.histograms["request_latency_seconds"]
+        mean = latency.sum / latency.count if latency.count else 1.0
+        return max(1, min(60, math.ceil(len(self._waiting) / self.max_batch * mean)))
+
+    # ---------------------------------------------------------------------------- admin
+    def set_default_tau(self, tau: float) -> dict:
+        """The default tau (the adaptive ceiling); running rows that follow it switch at the next step."""
+        self.controller.configure(tau=tau)
+        self._nudge()
+        return self.controller.state()
+
+    def set_policy(self, policy: str | None = None, *, tau: float | None = None, floor: float | None = None,
+                   slo_ms="keep") -> dict:
+        self.controller.configure(policy=policy, tau=tau, floor=floor, slo_ms=slo_ms)
+        self._nudge()
+        return self.controller.state()
+
+    def _nudge(self) -> None:
+        with self._lock:
+            self._wake.notify()
+
+    def snapshot(self) -> dict:
+        """A consistent copy of the counters and gauges, for /metrics."""
+        with self._lock:
+            m = self.metrics
+            return {"requests": dict(m.requests), "prompt_tokens": m.prompt_tokens,
+                    "generation_tokens": m.generation_tokens, "accepted_tokens": m.accepted_tokens,
+                    "forwards": m.forwards, "row_forwards": m.row_forwards,
+                    "tokens_per_forward": m.accepted_tokens / m.row_forwards if m.row_forwards else 0.0,
+                    "queue_depth": len(self._waiting), "active_batch": self._active, "max_batch": self.max_batch,
+                    "tau": self.controller.state(),
+                    "histograms": {name: h.copy() for name, h in m.histograms.items()}}
+
+    # ---------------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._abort or (self._stopping and not self._waiting and not self._running):
+                    break
+                if not self._running and not self._waiting and not self._cancel:
+                    self._wake.wait(self.idle_tick_s)
+            try:
+                self._turn()
+            except Exception as exc:   # a bug or an OOM must not kill the server: fail the batch, go on
+                log.exception("decoding step failed")
+                self._fail_running(exc)
+        self._finish_all_cancelled()
+
+    def _turn(self) -> None:
+        self._apply_cancellations()
+        self._admit()
+        self._apply_default_tau()
+        if not self._running:
+            self.controller.observe(time.perf_counter(), len(self._waiting), None)
+            return
+        started = time.perf_counter()
+        finished = self._batch.step()
+        new_tokens = self._batch.new_tokens()
+        now = time.perf_counter()
+        # Bookkeeping before waking anyone: a client holding its answer sees metrics that count it.
+        with self._lock:
+            self.metrics.forwards += 1
+            self.metrics.histograms["step_latency_seconds"].observe(now - started)
+            self._active = len(self._batch)
+            queue_depth = len(self._waiting)
+        self._publish(new_tokens, finished, now)
+        self.controller.observe(now, queue_depth, 1000 * (now - started))
+
+    def _admit(self) -> None:
+        joining = []
+        with self._lock:
+            while self._waiting and len(self._running) + len(joining) < self.max_batch:
+                joining.append(self._waiting.popleft())
+        if not joining:
+            return
+        now = time.perf_counter()
+        tau = self.controller.tau
+        for r in joining:
+            if r.follows_default:   # the default may have moved while it waited
+                r.settings.tau = tau
+            r.admitted = now
+            self._running[r.id] = r
+        self._batch.add([r.prompt_ids for r in joining], [r.settings for r in joining], [r.id for r in joining])
+        with self._lock:
+            self._active = len(self._batch)
+            self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in joining)
+            for r in joining:
+                self.metrics.histograms["queue_wait_seconds"].observe(now - r.arrived)
+
+    def _apply_default_tau(self) -> None:
+        tau = self.controller.tau
+        if tau == self._applied_tau:
+            return
+        self._applied_tau = tau
+        following = [r.id for r in self._running.values() if r.follows_default]
+        if following:
+            self._batch.set_tau(following, tau)
+            for rid in following:
+                self._running[rid].settings.tau = tau
+
+    def _apply_cancellations(self) -> None:
+        with self._lock:
+            if not self._cancel:
+                return
+            cancel, self._cancel = self._cancel, set()
+            queued = [r for r in self._waiting if r.id in cancel]
+            for r in queued:
+                self._waiting.remove(r)
+        running = [self._running.pop(rid) for rid in cancel if rid in self._running]
+        if running:
+            self._batch.cancel([r.id for r in running])
+        with self._lock:
+            self._active = len(self._batch)
+        for r in queued + running:
+            self._deliver(r, self._cancelled_result(r))
+
+    def _cancelled_result(self, r: _Request) -> Result:
+        """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
+        return Result(list(r.tokens), "cancelled", len(r.prompt_ids), [],
+                      r.settings.tau if r.settings.mode == "threshold" else None)
+
+    def _publish(self, new_tokens: dict, finished: list, now: float) -> None:
+        by_loop: dict = {}
+        for rid, ids in new_tokens.items():
+            r = self._running[rid]
+            r.tokens += ids
+            if r.first_token is None:
+                r.first_token = now
+            by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, ids))
+        done = []
+        for row in finished:
+            r = self._running.pop(row.request_id)
+            rest = row.token_ids[len(r.tokens):]   # the finishing step's tokens are not in new_tokens()
+            if rest:
+                by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, rest))
+            if r.first_token is None:
+                r.first_token = now
+            result = Result(row.token_ids, "stop" if row.stopped else "length", len(r.prompt_ids),
+                            row.accepted_per_step, r.settings.tau if r.settings.mode == "threshold" else None)
+            by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, result))
+            done.append((r, result))
+        with self._lock:
+            for r, result in done:
+                self._count_finished(r, result, now)
+        for loop, items in by_loop.items():   # one wake-up of each event loop per step
+            _call_soon(loop, _put_all, items)
+
+    def _deliver(self, r: _Request, item) -> None:
+        """End a request outside the normal finish path: cancelled (a Result) or failed (an exception)."""
+        with self._lock:
+            if isinstance(item, Result):
+                self.metrics.requests["cancelled"] += 1
+                self.metrics.generation_tokens += len(r.tokens)
+            elif isinstance(item, BaseException):
+                self.metrics.requests["error"] += 1
+        _call_soon(r.stream.loop, _put_all, [(r.stream.queue, item)])
+
+    def _count_finished(self, r: _Request, result: Result, now: float) -> None:
+        m = self.metrics
+        m.requests["finished"] += 1
+        m.generation_tokens += result.completion_tokens
+        m.accepted_tokens += sum(result.accepted_per_step)
+        m.row_forwards += result.forwards
+        m.histograms["request_latency_seconds"].observe(now - r.arrived)
+        m.histograms["time_to_first_token_seconds"].observe(r.first_token - r.arrived)
+
+    def _fail_running(self, exc: Exception) -> None:
+        failed = list(self._running.values())
+        self._running.clear()
+        self._batch = DecodeBatch(self.model, **self._batch_args)   # its cache may be half-updated
+        with self._lock:
+            self._active = 0
+        for r in failed:
+            self._deliver(r, EngineError(f"decoding failed: {exc}"))
+
+    def _finish_all_cancelled(self) -> None:
+        """On exit: whatever is still queued or running ends as cancelled, so no waiter hangs."""
+        with self._lock:
+            left = list(self._waiting)
+            self._waiting.clear()
+        left += list(self._running.values())
+        self._running.clear()
+        if left:
+            self._batch.cancel([r.id for r in left])
+        with self._lock:
+            self._active = 0
+        for r in left:
+            self._deliver(r, self._cancelled_result(r))
+
+
+def _put_all(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:   # the loop is closed (shutdown): nobody is listening any more
+        pass

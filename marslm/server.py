@@ -1,0 +1,564 @@
+"""An OpenAI-compatible HTTP front end over :class:`marslm.engine.Engine` (FastAPI + uvicorn).
+
+    POST /v1/chat/completions   POST /v1/completions      (``stream: true``: server-sent events)
+    GET  /v1/models             GET  /health               GET /metrics (Prometheus text format)
+    POST /admin/tau             GET|POST /admin/policy     (live default tau and tau policy)
+
+Beyond OpenAI's fields a request may carry (``extra_body`` in the openai client) ``tau``,
+``metric``, ``block_size`` and ``mode``; ``usage`` adds ``forwards`` and ``tokens_per_forward``.
+Completions take raw text (as OpenAI's do); ``chat_template: true`` wraps the prompt as one
+user message instead. Sampling knobs the engine does not have (top_p, penalties, seed, ...) are
+ignored; ones that would change the answer's shape (``n`` > 1, ``stop``, ``logprobs``) are refused.
+
+This module only translates: it parses and checks JSON, turns text into token ids (chat
+formatting goes through ``marslm.chat.encode_prompt``), hands the ids to the engine and turns
+the engine's tokens back into OpenAI objects. Every refusal is an OpenAI error object
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import signal
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .chat import encode_prompt
+from .engine import (Engine, EngineError, EngineStopped, Histogram, InvalidRequest, QueueFull, Result,
+                     SamplingParams)
+from .errors import UserError
+
+log = logging.getLogger("marslm.server")
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """Answered as an OpenAI error object; the server carries on."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------------------- request fields
+_MISSING = object()
+
+
+def _field(body: dict, name: str, kind: str, default=None, *, required: bool = False):
+    """``body[name]`` checked against ``kind`` (int, number, str, bool, list, dict); None counts as absent."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if required:
+            raise APIError(400, f"missing required parameter '{name}'", param=name, code="missing_required_parameter")
+        return default
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str), "bool": isinstance(value, bool),
+        "list": isinstance(value, list), "dict": isinstance(value, dict),
+    }[kind]
+    if not ok:
+        kind_name = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a boolean",
+                     "list": "an array", "dict": "an object"}[kind]
+        raise APIError(400, f"'{name}' must be {kind_name}, got {json.dumps(value)[:80]}", param=name,
+                       code="invalid_type")
+    return float(value) if kind == "number" else value
+
+
+def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
+    """``(params, stream, include_usage)`` from a request body; range checks are the engine's."""
+    max_tokens = _field(body, "max_completion_tokens", "int") if chat else None
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", "int")
+    if _field(body, "n", "int", 1) != 1:
+        raise APIError(400, "only n=1 is supported (decoding is greedy: more choices would be equal)", param="n")
+    if _field(body, "best_of", "int", 1) != 1:
+        raise APIError(400, "best_of is not supported", param="best_of")
+    if body.get("stop") not in (None, [], ""):
+        raise APIError(400, "stop sequences are not supported; the answer ends at the model's EOS token",
+                       param="stop", code="unsupported_parameter")
+    if body.get("logprobs") not in (None, False, 0):
+        raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+    stream = _field(body, "stream", "bool", False)
+    options = _field(body, "stream_options", "dict", {})
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
+    params = SamplingParams(max_tokens=max_tokens, tau=_field(body, "tau", "number"),
+                            metric=_field(body, "metric", "str", "prob"),
+                            block_size=_field(body, "block_size", "int"),
+                            mode=_field(body, "mode", "str", "threshold"),
+                            temperature=_field(body, "temperature", "number", 0.0))
+    return params, stream, include_usage
+
+
+def _content_text(content, where: str) -> str:
+    """A message's content: a string, or OpenAI's list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise APIError(400, f"{where}.content must be a string or a list of text parts", param="messages",
+                   code="invalid_type")
+
+
+def chat_prompt_ids(tokenizer, body: dict) -> list[int]:
+    messages = _field(body, "messages", "list", required=True)
+    if not messages:
+        raise APIError(400, "'messages' is empty", param="messages", code="empty_prompt")
+    clean = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(400, f"{where} must be an object", param="messages", code="invalid_type")
+        role = message.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+                           param="messages")
+        clean.append({"role": role, "content": _content_text(message.get("content"), where)})
+    if not any(m["content"] for m in clean):
+        raise APIError(400, "the prompt is empty: every message has empty content", param="messages",
+                       code="empty_prompt")
+    return _encode(tokenizer, clean, True, "messages")
+
+
+def completion_prompt_ids(tokenizer, body: dict) -> list[int]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError(400, "missing required parameter 'prompt'", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "one prompt per request (send several requests; they are batched)", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        vocab = len(tokenizer)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"a token-id prompt must hold integers in 0..{vocab - 1}", param="prompt",
+                           code="invalid_type")
+    elif not isinstance(prompt, str):
+        raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
+    chat_template = _field(body, "chat_template", "bool", False)
+    return _encode(tokenizer, prompt, chat_template, "prompt")
+
+
+def _encode(tokenizer, prompt, apply_chat_template: bool, param: str) -> list[int]:
+    try:
+        return encode_prompt(tokenizer, prompt, apply_chat_template)
+    except UserError as exc:
+        raise APIError(400, str(exc), param=param) from None
+    except Exception as exc:   # a chat template that rejects these messages (jinja raise_exception)
+        raise APIError(400, f"cannot format the prompt: {exc}", param=param) from None
+
+
+# ---------------------------------------------------------------------------- response objects
+class _Detokenizer:
+    """Token ids in, text deltas out, in O(new tokens): decode a short window and emit what it adds
+    beyond the previous window (TGI/vLLM's scheme). A trailing U+FFFD is a multi-byte character
+    cut across steps: hold it back. ``finish`` reconciles with the full decode, so the deltas add
+    up to exactly the non-streaming text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.emitted = ""
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        before = self._decode(self.ids[self.prefix_offset: self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        delta = after[len(before):]
+        self.emitted += delta
+        return delta
+
+    def finish(self) -> str:
+        full = self._decode(self.ids)
+        delta = full[len(self.emitted):] if full.startswith(self.emitted) else ""
+        self.emitted += delta
+        return delta
+
+
+def _usage(result: Result) -> dict:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "forwards": result.forwards, "tokens_per_forward": round(result.tokens_per_forward, 4)}
+
+
+def _finish_reason(result: Result) -> str:
+    # OpenAI has no "cancelled"; a request cut off by shutdown ended early, like a length stop.
+    return "length" if result.finish_reason == "cancelled" else result.finish_reason
+
+
+# ------------------------------------------------------------------------------ Prometheus text
+def render_metrics(snap: dict, model_name: str) -> str:
+    lines: list[str] = []
+
+    def metric(name, kind, help_text, samples):
+        lines.append(f"# HELP marslm_{name} {help_text}")
+        lines.append(f"# TYPE marslm_{name} {kind}")
+        for labels, value in samples:
+            label_text = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+            lines.append(f"marslm_{name}{label_text} {_num(value)}")
+
+    tau = snap["tau"]
+    metric("requests_total", "counter", "Requests by outcome (rejected: queue full).",
+           [({"status": k}, v) for k, v in snap["requests"].items()])
+    metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [({}, snap["prompt_tokens"])])
+    metric("generation_tokens_total", "counter", "Tokens generated (stop tokens excluded).",
+           [({}, snap["generation_tokens"])])
+    metric("forwards_total", "counter", "Model forwards (one per engine step, for the whole batch).",
+           [({}, snap["forwards"])])
+    metric("row_forwards_total", "counter", "Forwards summed over finished requests.", [({}, snap["row_forwards"])])
+    metric("tokens_per_forward", "gauge", "Tokens accepted per forward, over finished requests.",
+           [({}, snap["tokens_per_forward"])])
+    metric("queue_depth", "gauge", "Requests waiting for a batch row.", [({}, snap["queue_depth"])])
+    metric("active_batch", "gauge", "Requests in the running batch.", [({}, snap["active_batch"])])
+    metric("max_batch", "gauge", "Rows the batch may hold.", [({}, snap["max_batch"])])
+    metric("default_tau", "gauge", "Default tau, for requests that name none.", [({}, tau["tau"])])
+    metric("tau_ceiling", "gauge", "Default tau at low load (adaptive) or always (fixed).", [({}, tau["ceiling"])])
+    metric("tau_floor", "gauge", "Lowest default tau the adaptive policy may set.", [({}, tau["floor"])])
+    metric("tau_policy", "gauge", "Active default-tau policy (1 = active).",
+           [({"policy": p}, int(p == tau["policy"])) for p in ("fixed", "adaptive")])
+    metric("tau_changes_total", "counter", "Changes of the default tau, by direction.",
+           [({"direction": d}, n) for d, n in tau["changes"].items()])
+    metric("model_info", "gauge", "The served model.", [({"model": model_name}, 1)])
+    for name, hist in snap["histograms"].items():
+        _histogram(lines, name, hist)
+    return "\n".join(lines) + "\n"
+
+
+_HISTOGRAM_HELP = {"request_latency_seconds": "Arrival to last token, per finished request.",
+                   "time_to_first_token_seconds": "Arrival to first token, per finished request.",
+                   "queue_wait_seconds": "Arrival to admission into the batch.",
+                   "step_latency_seconds": "Wall time of one engine step (one forward)."}
+
+
+def _histogram(lines: list[str], name: str, hist: Histogram) -> None:
+    lines.append(f"# HELP marslm_{name} {_HISTOGRAM_HELP.get(name, name)}")
+    lines.append(f"# TYPE marslm_{name} histogram")
+    cumulative = 0
+    for bound, count in zip(hist.buckets, hist.counts):
+        cumulative += count
+        lines.append(f'marslm_{name}_bucket{{le="{bound}"}} {cumulative}')
+    lines.append(f'marslm_{name}_bucket{{le="+Inf"}} {hist.count}')
+    lines.append(f"marslm_{name}_sum {_num(hist.sum)}")
+    lines.append(f"marslm_{name}_count {hist.count}")
+
+
+def _num(value) -> str:
+    return str(value) if isinstance(value, int) else repr(round(float(value), 6))
+
+
+# ------------------------------------------------------------------------------------ the app
+def create_app(engine: Engine, *, api_key: str | None = None, served_model_name: str | None = None,
+               shutdown_timeout: float = 30.0):
+    """The FastAPI app. Its lifespan starts the engine (if not yet running) and stops it."""
+    model_name = served_model_name or engine.model_name
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        yield
+        # uvicorn has already waited (up to its graceful timeout) for in-flight requests; what is
+        # left gets cancelled. Joining the engine thread blocks, so it runs off the loop.
+        await asyncio.to_thread(engine.stop, shutdown_timeout)
+
+    app = FastAPI(title="marslm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                            headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, exc):
+        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request, exc):   # starlette re-raises it afterwards: uvicorn logs the traceback
+        return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           type="authentication_error", code="invalid_api_key")
+
+    auth = [Depends(authorize)]
+
+    async def json_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        return body
+
+    def check_model(body: dict) -> None:
+        name = _field(body, "model", "str")
+        if name is not None and name not in (model_name, engine.model_name):
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+
+    def submit(prompt_ids: list[int], params: SamplingParams, prompt_param: str):
+        try:
+            return engine.submit(prompt_ids, params)
+        except InvalidRequest as exc:
+            param = prompt_param if exc.param in ("prompt", "messages") else exc.param
+            raise APIError(400, str(exc), param=param, code=exc.code) from None
+        except QueueFull as exc:
+            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(exc.retry_after)}) from None
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
+
+    async def collect(request: Request, stream) -> tuple[Result, str]:
+        """Wait for the whole answer; a client that hangs up meanwhile cancels its request."""
+        async def tokens():
+            async for _ in stream:
+                pass
+            return stream.result
+
+        task = asyncio.ensure_future(tokens())
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:
+                raise APIError(499, "client closed the request")   # nobody reads this
+            result = task.result()
+        except EngineError as exc:
+            raise APIError(500, str(exc), type="server_error") from None
+        finally:
+            watch.cancel()
+            if not task.done():   # the client hung up, or shutdown cancelled us: free the row
+                engine.cancel(stream.request_id)
+                task.cancel()
+        return result, tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+    async def events(stream, make_chunk, include_usage: bool, first_chunk=None):
+        """Server-sent events: one chunk per step that produced text, then finish, usage, [DONE]."""
+        detok = _Detokenizer(tokenizer)
+        try:
+            if first_chunk is not None:
+                yield _sse(first_chunk)
+            async for ids in stream:
+                delta = detok.push(ids)
+                if delta:
+                    yield _sse(make_chunk(delta, None))
+            result = stream.result
+            yield _sse(make_chunk(detok.finish(), _finish_reason(result)))
+            if include_usage:
+                yield _sse(make_chunk(None, None, usage=_usage(result)))
+        except EngineError as exc:
+            yield _sse(error_body(str(exc), "server_error"))
+        finally:
+            # Normal end: a no-op. A client that hung up (starlette cancels this generator) or a
+            # shutdown that ran out of patience: the row is freed before the next step.
+            if stream.result is None:
+                engine.cancel(stream.request_id)
+        yield "data: [DONE]\n\n"
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(engine.snapshot(), model_name),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "marslm",
+            "max_model_len": engine.max_context, "block_size": engine.trained_block_size}]}
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request):
+        body = await json_body(request)
+        check_model(body)
+        params, stream_mode, include_usage = parse_sampling(body, chat=True)
+        stream = submit(chat_prompt_ids(tokenizer, body), params, "messages")
+        rid, now = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+
+        def chunk(text, finish_reason, usage=None, role=None):
+            choices = [] if usage is not None else [{
+                "index": 0, "delta": ({"role": role} if role else {}) | ({"content": text} if text else {}),
+                "logprobs": None, "finish_reason": finish_reason}]
+            out = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                   "choices": choices}
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if stream_mode:
+            opening = chunk("", None, role="assistant")   # OpenAI's first chunk names the role
+            return StreamingResponse(events(stream, chunk, include_usage, opening), media_type="text/event-stream")
+        result, text = await collect(request, stream)
+        return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": _finish_reason(result)}],
+                "usage": _usage(result)}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        body = await json_body(request)
+        check_model(body)
+        params, stream_mode, include_usage = parse_sampling(body, chat=False)
+        stream = submit(completion_prompt_ids(tokenizer, body), params, "prompt")
+        rid, now = "cmpl-" + secrets.token_hex(12), int(time.time())
+
+        def chunk(text, finish_reason, usage=None):
+            choices = [] if usage is not None else [{"index": 0, "text": text or "", "logprobs": None,
+                                                     "finish_reason": finish_reason}]
+            out = {"id": rid, "object": "text_completion", "created": now, "model": model_name, "choices": choices}
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if stream_mode:
+            return StreamingResponse(events(stream, chunk, include_usage), media_type="text/event-stream")
+        result, text = await collect(request, stream)
+        return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(result)}],
+                "usage": _usage(result)}
+
+    # --- admin: the default tau and its policy, live (from the next step on, no restart)
+    @app.post("/admin/tau", dependencies=auth)
+    async def admin_tau(request: Request):
+        body = await json_body(request)
+        tau = _field(body, "tau", "number", required=True)
+        try:
+            return engine.set_default_tau(tau)
+        except UserError as exc:
+            raise APIError(400, str(exc), param="tau") from None
+
+    @app.get("/admin/policy", dependencies=auth)
+    async def admin_policy_get():
+        return engine.controller.state()
+
+    @app.post("/admin/policy", dependencies=auth)
+    async def admin_policy(request: Request):
+        body = await json_body(request)
+        slo = _field(body, "slo_ms", "number") if "slo_ms" in body else "keep"   # null switches the SLO off
+        try:
+            return engine.set_policy(_field(body, "policy", "str"), tau=_field(body, "tau", "number"),
+                                     floor=_field(body, "tau_floor", "number"), slo_ms=slo)
+        except UserError as exc:
+            raise APIError(400, str(exc)) from None
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client hangs up (uvicorn answers ``receive`` with http.disconnect then;
+    it also does so once the response is complete, by which time nobody waits on this)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# --------------------------------------------------------------------------------------- serve
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          dtype: str = "auto", device: str | None = "auto", served_model_name: str | None = None,
+          shutdown_timeout: float = 30.0, log_level: str = "info", **engine_kwargs) -> None:
+    """Load ``model``, bind ``host:port`` (0: any free port) and serve until SIGINT/SIGTERM.
+
+    SIGTERM: stop accepting connections, let in-flight requests finish for up to
+    ``shutdown_timeout`` seconds, cancel the rest, stop the engine, return (exit status 0).
+    """
+    import uvicorn
+
+    sock = _bind(host, port)   # before the slow model load: a taken port fails at once
+    try:
+        engine = Engine.from_pretrained(model, dtype=dtype, device=device, model_name=served_model_name,
+                                        **engine_kwargs)
+    except BaseException:
+        sock.close()
+        raise
+    sock.listen(2048)
+    app = create_app(engine, api_key=api_key, served_model_name=served_model_name,
+                     shutdown_timeout=shutdown_timeout)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=max(1, round(shutdown_timeout)))
+    server = uvicorn.Server(config)
+    bound_host, bound_port = sock.getsockname()[:2]
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
+    print(f"marslm serve: {engine.model_name} listening on http://{_url_host(bound_host)}:{bound_port} "
+          f"(max batch {engine.max_batch}, tau {engine.controller.tau}, policy {engine.controller.policy})",
+          flush=True)
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with the
+    # default SIGTERM action that would kill the process (status -15) after a clean shutdown.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: shut down"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop(0)
+        sock.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
