@@ -3,17 +3,35 @@
 An eval set is a list of examples (each with chat ``messages`` and a ``family``) and a scorer
 that takes them with the model's responses. Decoding is batched with continuous refill, so a
 long answer does not hold up a whole batch.
+
+    evaluate(model, ...)   one loaded model, several taus      -> one model report
+    sweep(models, ...)     models x block sizes x metrics x taus, resumable from its JSON file
+
+A *model report* is ``{"model", "data", "results": [cell, ...]}``; a *cell* is one decoding
+setting's numbers (see :func:`_summarise`). :func:`sweep` writes a single model report as is,
+and several as ``{"models": [model report, ...]}``.
 """
 
 from __future__ import annotations
 
+import gc
+import json
+import os
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from .decode import generate
 from .errors import UserError
+
+# Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
+# mode, and a confident prediction has H well below 0.5.
+ENTROPY_TAUS = (0.0, 0.25, 0.5, 1.0)
+EVAL_SOURCES = "toy, gsm8k:PATH, humaneval:PATH, or a GSM8K/HumanEval-format JSONL path"
 
 
 @dataclass
@@ -24,11 +42,40 @@ class EvalSet:
 
 
 def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
+    """``toy`` (the embedded suite's test split), ``gsm8k:PATH``, ``humaneval:PATH``, or a path whose
+    first record tells the format (GSM8K: question/answer; HumanEval: task_id/prompt/test/entry_point).
+
+    Files give their first ``n`` records in file order; ``seed`` only applies to ``toy``.
+    """
     if source == "toy":
         from .data import toy
 
         return EvalSet("toy", toy.make_split("test", n, seed=seed), toy.score_many)
-    raise UserError(f"unknown evaluation data {source!r} (available: toy)")
+    kind, _, path = source.partition(":")
+    if kind not in ("gsm8k", "humaneval") or not path:
+        kind, path = _detect_eval_format(source), source
+    if kind == "gsm8k":
+        from .data import gsm8k
+
+        return EvalSet(source, gsm8k.load_gsm8k(path, n), gsm8k.score_many)
+    from .data import humaneval
+
+    return EvalSet(source, humaneval.load_humaneval(path, n), humaneval.score_many)
+
+
+def _detect_eval_format(path: str) -> str:
+    from .data import gsm8k, humaneval
+    from .data.jsonl import first_record
+
+    if not Path(path).is_file():
+        raise UserError(f"unknown evaluation data {path!r} (use {EVAL_SOURCES})")
+    keys = set(first_record(path))
+    if set(humaneval.KEYS) <= keys:
+        return "humaneval"
+    if set(gsm8k.KEYS) <= keys:
+        return "gsm8k"
+    raise UserError(f"{path}: not a GSM8K (question, answer) or HumanEval (task_id, prompt, test, entry_point) "
+                    f"file; its first record has keys {sorted(keys)}")
 
 
 def evaluate(model, tokenizer, eval_set: EvalSet, *, taus=(1.0,), metric: str = "prob",
@@ -79,15 +126,281 @@ def _summarise(examples, correct, accepted_per_step, seconds) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------- sweeps
+
+def is_one_token(cell: dict) -> bool:
+    """Whether a setting is plain greedy AR decoding (prob/margin tau >= 1, entropy tau <= 0)."""
+    if cell.get("mode", "threshold") != "threshold":
+        return False
+    return cell["tau"] <= 0 if cell.get("metric") == "entropy" else cell["tau"] >= 1
+
+
+def _checkpoint_facts(model: str) -> tuple[str | None, int | None]:
+    """(stage, trained block size) from the checkpoint's marslm.json; (None, None) if it has none."""
+    from .config import MarsConfig
+
+    config = MarsConfig.load(model) if Path(model).is_dir() else None
+    return (config.stage, config.block_size) if config else (None, None)
+
+
+def plan_cells(stage: str | None, trained_block: int | None, *, taus, entropy_taus, metrics, block_sizes,
+               cache: str, mode: str) -> list[dict]:
+    """The decoding settings a sweep runs for one model, in order.
+
+    An AR SFT checkpoint (stage "ar") gets one cell, one-token mode: it has no trained masks to
+    read, and it is the baseline the MARS curves are measured against. Lossless mode ignores tau,
+    so it gets one cell per block size. A MARS checkpoint gets every (block size, metric, tau);
+    the entropy metric takes its taus from ``entropy_taus``, the others from ``taus``.
+    """
+    if stage == "ar":
+        return [{"tau": 1.0, "metric": "prob", "block_size": 1, "cache": cache, "mode": "threshold"}]
+    cells = []
+    for block_size in block_sizes or [trained_block or 4]:
+        if mode == "lossless":
+            cells.append({"tau": 1.0, "metric": "prob", "block_size": block_size, "cache": cache, "mode": mode})
+            continue
+        for metric in metrics:
+            for tau in entropy_taus if metric == "entropy" else taus:
+                cells.append({"tau": tau, "metric": metric, "block_size": block_size, "cache": cache, "mode": mode})
+    return cells
+
+
+SETTING_KEYS = ("tau", "metric", "block_size", "cache", "mode")
+DATA_KEYS = ("model", "data", "data_n", "data_seed")
+
+
+def _setting_key(cell: dict) -> tuple:
+    return tuple(cell.get(k) for k in SETTING_KEYS)
+
+
+def _data_key(model_report: dict) -> tuple:
+    return tuple(model_report.get(k) for k in DATA_KEYS)
+
+
+def model_reports(payload, source: str = "report") -> list[dict]:
+    """The model reports in an eval report (``{"model", "results"}``) or a sweep report (``{"models"}``)."""
+    if isinstance(payload, dict) and isinstance(payload.get("models"), list):
+        reports = payload["models"]
+    elif isinstance(payload, dict) and "results" in payload:
+        reports = [payload]
+    else:
+        raise UserError(f"{source} is not a marslm eval report (expected 'results' or 'models')")
+    for rep in reports:
+        if not isinstance(rep, dict) or not isinstance(rep.get("results"), list) or \
+                not all(isinstance(cell, dict) for cell in rep["results"]):
+            raise UserError(f"{source} is not a marslm eval report (a model report lacks a 'results' list)")
+    return reports
+
+
+def sweep_payload(reports: list[dict]) -> dict:
+    """What a sweep writes: one model report as is (the shape of ``marslm eval``), else ``{"models"}``."""
+    return reports[0] if len(reports) == 1 else {"models": reports}
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """Write to a temporary file beside ``path`` and rename it into place: a crash never leaves half a file."""
+    path = Path(path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise UserError(f"cannot write {path}: {exc}") from None
+
+
+def write_json_atomically(path: str | Path, payload: dict) -> None:
+    write_text_atomically(path, json.dumps(payload, indent=2) + "\n")
+
+
+def resolve_device(device: str | None) -> str | None:
+    """``auto``: the GPU when there is one, else the CPU (load_model's None)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def _load_previous(json_path: str | Path | None) -> list[dict]:
+    if json_path is None or not Path(json_path).exists():
+        return []
+    try:
+        payload = json.loads(Path(json_path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot resume from {json_path}: {exc.__class__.__name__}: {exc} "
+                        "(remove it or pass --no-resume)") from None
+    return model_reports(payload, f"{json_path} (to resume from)")
+
+
+def _failure(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{exc.__class__.__name__}: {lines[0]}" if lines else exc.__class__.__name__
+
+
+def sweep(models: list[str], data: str = "toy", *, n: int = 500, seed: int = 0, taus=(1.0, 0.95, 0.9),
+          entropy_taus=ENTROPY_TAUS, metrics=("prob",), block_sizes=None, cache: str = "cursor",
+          mode: str = "threshold", batch_size: int = 32, max_new_tokens: int = 192,
+          json_path: str | Path | None = None, resume: bool = True, progress: bool = True,
+          device: str | None = "auto") -> dict:
+    """Evaluate every model at every setting of :func:`plan_cells`; return the report (see module doc).
+
+    With ``json_path`` the report is rewritten (atomically) after every cell, and a rerun skips
+    the cells already there: a cell is identified by (model, data, n, seed, tau, metric,
+    block_size, cache, mode). A cell that raises (out of memory, say) is recorded as
+    ``{..setting.., "failed": "<reason>"}`` and the sweep goes on; a rerun tries it again.
+    One-token cells of a model are decoded once and shared: whatever the block size or metric,
+    their output is greedy AR decoding.
+    """
+    from .decode import check_tau
+    from .modeling import check_model_source, load_model
+
+    for model in models:
+        check_model_source(model)
+    for metric in metrics:
+        for tau in entropy_taus if metric == "entropy" else taus:
+            check_tau(tau, metric)
+    if any(b < 1 for b in block_sizes or ()):
+        raise UserError(f"block sizes must be >= 1, got {list(block_sizes)}")
+    eval_set = load_eval_set(data, n, seed=seed)
+
+    reports = _load_previous(json_path) if resume else []
+    by_key = {_data_key(rep): rep for rep in reports}
+    plans = []
+    for model in models:
+        stage, trained_block = _checkpoint_facts(model)
+        key = (model, data, n, seed)
+        if key not in by_key:
+            by_key[key] = {"model": model, "data": data, "data_n": n, "data_seed": seed, "stage": stage,
+                           "trained_block_size": trained_block, "results": []}
+            reports.append(by_key[key])
+        report = by_key[key]
+        cells = plan_cells(stage, trained_block, taus=taus, entropy_taus=entropy_taus, metrics=metrics,
+                           block_sizes=block_sizes, cache=cache, mode=mode)
+        plans.append((report, cells))
+
+    total = sum(len(cells) for _, cells in plans)
+    done_count = 0
+    for report, cells in plans:
+        finished = {_setting_key(c): c for c in report["results"] if "failed" not in c}
+        loaded = None
+        for cell in cells:
+            done_count += 1
+            if _setting_key(cell) in finished:
+                continue
+            shared = None
+            if is_one_token(cell):
+                shared = next((c for c in finished.values() if is_one_token(c) and c["cache"] == cell["cache"]), None)
+            if shared is not None:
+                origin = shared.get("shared_with") or {k: shared[k] for k in SETTING_KEYS}
+                entry = {**shared, **cell, "shared_with": origin}
+            else:
+                if loaded is None:
+                    loaded = load_model(report["model"], device=resolve_device(device))[:2]
+                entry = _run_cell(loaded, eval_set, cell, report["model"], batch_size, max_new_tokens, progress)
+            if "failed" not in entry:
+                finished[_setting_key(cell)] = entry
+            _store(report, entry)
+            if progress:
+                _say_cell(done_count, total, report["model"], entry)
+            if json_path is not None:
+                write_json_atomically(json_path, sweep_payload(reports))
+        del loaded
+        gc.collect()
+    payload = sweep_payload(reports)
+    if json_path is not None:
+        write_json_atomically(json_path, payload)
+    return payload
+
+
+def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, batch_size: int, max_new_tokens: int,
+              progress: bool) -> dict:
+    model, tokenizer = loaded
+    try:
+        report = evaluate(model, tokenizer, eval_set, taus=(cell["tau"],), metric=cell["metric"],
+                          block_size=cell["block_size"], cache=cell["cache"], mode=cell["mode"],
+                          batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress,
+                          model_name=model_name)
+    except Exception as exc:  # noqa: BLE001 - one bad cell (OOM, a model without masks) must not end a long sweep
+        _free_accelerator_memory()
+        return {**cell, "failed": _failure(exc)}
+    return {**report["results"][0], **cell}
+
+
+def _free_accelerator_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _store(report: dict, entry: dict) -> None:
+    """Put a cell into its model report, replacing an earlier try of the same setting."""
+    key = _setting_key(entry)
+    for i, cell in enumerate(report["results"]):
+        if _setting_key(cell) == key:
+            report["results"][i] = entry
+            return
+    report["results"].append(entry)
+
+
+def _say_cell(index: int, total: int, model: str, cell: dict) -> None:
+    setting = f"B={cell['block_size']} {cell['metric']} tau={cell['tau']:g}" + \
+        (f" {cell['mode']}" if cell["mode"] != "threshold" else "")
+    if "failed" in cell:
+        outcome = f"FAILED ({cell['failed']})"
+    else:
+        outcome = f"accuracy {100 * cell['accuracy']:.1f}%, {cell['tokens_per_forward']:.2f} tok/fwd"
+    print(f"[{index}/{total}] {model} {setting}: {outcome}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- tables
+
 def format_table(reports: dict[str, dict]) -> str:
-    """A markdown table: one row per (model, setting), accuracy per family, tokens per forward."""
-    families = sorted({f for rep in reports.values() for r in rep["results"] for f in r["families"]})
-    head = ["model", "tau", "accuracy", *families, "tok/fwd", "fwd/answer"]
+    """A markdown table: one row per (model, setting), accuracy per family, tokens per forward.
+
+    Block size, metric and mode get columns only when they vary; a failed cell shows its reason.
+    """
+    cells = [r for rep in reports.values() for r in rep["results"]]
+    families = sorted({f for r in cells for f in r.get("families", {})})
+    varying = [k for k in ("block_size", "metric", "mode") if len({r.get(k) for r in cells}) > 1]
+    head = ["model", *[{"block_size": "B"}.get(k, k) for k in varying], "tau", "accuracy", *families,
+            "tok/fwd", "fwd/answer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, rep in reports.items():
         for r in rep["results"]:
-            cells = [label, f"{r['tau']:g}", f"{100 * r['accuracy']:.1f}"]
-            cells += [f"{100 * r['families'][f]['accuracy']:.1f}" if f in r["families"] else "-" for f in families]
-            cells += [f"{r['tokens_per_forward']:.2f}", f"{r['forwards_per_answer']:.1f}"]
-            lines.append("| " + " | ".join(cells) + " |")
+            cells_out = [label, *[str(r.get(k)) for k in varying], f"{r['tau']:g}"]
+            if "failed" in r:
+                cells_out += [f"failed: {r['failed']}"] + ["-"] * (len(head) - len(cells_out) - 1)
+            else:
+                cells_out.append(f"{100 * r['accuracy']:.1f}")
+                cells_out += [f"{100 * r['families'][f]['accuracy']:.1f}" if f in r["families"] else "-"
+                              for f in families]
+                cells_out += [f"{r['tokens_per_forward']:.2f}", f"{r['forwards_per_answer']:.1f}"]
+            lines.append("| " + " | ".join(cells_out) + " |")
     return "\n".join(lines)
+
+
+def labelled(reports: list[dict]) -> dict[str, dict]:
+    """Model reports keyed by a display label: the model name, plus the data where that repeats."""
+    names = [rep.get("model", "") for rep in reports]
+    out = {}
+    for rep in reports:
+        label = rep.get("model", "")
+        if names.count(label) > 1:
+            label = f"{label} ({rep.get('data')}, n={rep.get('data_n')}, seed={rep.get('data_seed')})"
+        out[label] = rep
+    return out
+
+
+def format_markdown(payload: dict, title: str = "marslm evaluation") -> str:
+    """A small markdown document for a sweep report: the data, then the table."""
+    reports = model_reports(payload)
+    data = sorted({f"{rep.get('data')} (n={rep.get('data_n', '?')}, seed={rep.get('data_seed', '?')})"
+                   for rep in reports})
+    return (f"# {title}\n\nData: {', '.join(data)}. Accuracy in percent; tok/fwd = decoded tokens per "
+            f"forward pass; fwd/answer = forward passes per answer.\n\n{format_table(labelled(reports))}\n")
