@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml requirements-ci.txt
 	touch $(STAMP)
 
 test: install
+	-bash scripts/ensure-chromium.sh   # headless Chromium for the `show --html` screenshot test (needs root)
 	$(BIN)/python -m pytest
 
 demo: install
