@@ -31,10 +31,9 @@ import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 from .jsonl import read_jsonl_records, require_strings
-from .toy import CODE_CPU_LIMIT_S, CODE_MEMORY_LIMIT_BYTES, CODE_WORKERS, _kill_group, extract_code
+from .toy import CODE_CPU_LIMIT_S, CODE_MEMORY_LIMIT_BYTES, CODE_WORKERS, extract_code, run_isolated
 
 log = logging.getLogger("marslm")
 
@@ -156,16 +155,5 @@ _exit(0)
 def _run_in_sandbox(problem: dict, completion: str, timeout: float) -> bool:
     program = (problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})")
     child = _SANDBOX_PROGRAM.format(memory=CODE_MEMORY_LIMIT_BYTES, cpu=CODE_CPU_LIMIT_S, program=program)
-    with tempfile.TemporaryDirectory(prefix="marslm-humaneval-") as workdir:
-        path = Path(workdir) / "check_program.py"
-        path.write_text(child, encoding="utf-8")
-        process = subprocess.Popen([sys.executable, "-I", "-S", str(path)], cwd=workdir, env={},
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            return process.wait(timeout=timeout) == 0
-        except subprocess.TimeoutExpired:
-            return False
-        finally:
-            _kill_group(process)
+    return run_isolated(child, timeout, prefix="marslm-humaneval-")
 

@@ -715,12 +715,19 @@ def _child_program(code: str, entry_point: str, tests: list) -> str:
 
 
 def _passes_hidden_tests(code: str, entry_point: str, tests: list, timeout: float) -> bool:
-    """Run one program in a sandboxed child; True iff it exits 0 before the timeout."""
-    with tempfile.TemporaryDirectory(prefix="marslm-code-") as workdir:
-        program = Path(workdir) / "check_solution.py"
-        program.write_text(_child_program(code, entry_point, tests), encoding="utf-8")
+    return run_isolated(_child_program(code, entry_point, tests), timeout)
+
+
+def run_isolated(program: str, timeout: float, prefix: str = "marslm-code-") -> bool:
+    """Run a Python program in a child (``-I -S``, empty env, throw-away cwd, own process group).
+
+    True iff it exits 0 before ``timeout`` seconds; the whole group is killed either way.
+    """
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
+        path = Path(workdir) / "program.py"
+        path.write_text(program, encoding="utf-8")
         process = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(program)], cwd=workdir, env={},
+            [sys.executable, "-I", "-S", str(path)], cwd=workdir, env={},
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
