@@ -68,8 +68,9 @@ def _add_generate(sub) -> None:
                      "verifies, output identical to greedy AR")
     gen.add_argument("--draft-groups", action="store_true",
                      help="lossless: one mask group per possible accepted-draft count")
-    gen.add_argument("--use-last-mask", action="store_true",
-                     help="also accept the last mask's prediction (B+1 candidates per step)")
+    gen.add_argument("--no-last-mask", dest="use_last_mask", action="store_false",
+                     help="ignore the last mask's prediction (the authors' sampler; default: use it, "
+                     "B+1 candidates per step)")
     gen.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     gen.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
 

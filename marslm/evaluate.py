@@ -80,7 +80,7 @@ def _detect_eval_format(path: str) -> str:
 
 def evaluate(model, tokenizer, eval_set: EvalSet, *, taus=(1.0,), metric: str = "prob",
              block_size: int | None = None, cache: str = "cursor", mode: str = "threshold",
-             batch_size: int = 32, max_new_tokens: int = 192, use_last_mask: bool = False,
+             batch_size: int = 32, max_new_tokens: int = 192, use_last_mask: bool = True,
              progress: bool = True, model_name: str | None = None) -> dict:
     """``{"model", "data", "results": [one entry per tau]}``; see :func:`_summarise` for an entry."""
     from tqdm.auto import tqdm

@@ -110,7 +110,7 @@ def accepted_runs(accepted_per_step: list[int], n_tokens: int) -> list[tuple[int
 
 def show_generation(model, tokenizer, prompt: str, *, tau: float = 0.9, metric: str = "prob",
                     block_size: int | None = None, max_new_tokens: int = 256, cache: str = "cursor",
-                    mode: str = "threshold", use_last_mask: bool = False) -> Shown:
+                    mode: str = "threshold", use_last_mask: bool = True) -> Shown:
     """Decode ``prompt`` (a user message) once and keep what the rendering needs."""
     from .decode import generate
     from .decode.generate import default_block_size

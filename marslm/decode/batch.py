@@ -82,7 +82,7 @@ class DecodeBatch:
                  "last_accept")
 
     def __init__(self, model, *, mask_token_id: int, stop_ids: list[int], pad_id: int = 0,
-                 cache: str = "cursor", block_cache_size: int = 16, use_last_mask: bool = False,
+                 cache: str = "cursor", block_cache_size: int = 16, use_last_mask: bool = True,
                  draft_groups: bool = False, seed: int | None = None):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
@@ -266,12 +266,12 @@ class DecodeBatch:
         accept = torch.where(self.lossless, verified + 1, threshold_accept)
 
         accept = torch.minimum(accept, self.max_len - self.seq_len)
+        if idle is not None:   # before the stop check: an idle row's outputs are not its tokens
+            accept = accept.masked_fill(idle, 0)
         cand_idx = torch.arange(candidates.shape[1], device=dev)
         is_stop = torch.isin(candidates, self.stop_ids) & (cand_idx < accept[:, None])
         stopped = is_stop.any(dim=1)
         accept = torch.where(stopped, is_stop.long().argmax(dim=1) + 1, accept)
-        if idle is not None:
-            accept = accept.masked_fill(idle, 0)
 
         # --- record. Writing every candidate is harmless: only tokens below seq_len are read, and
         # accepted ones always land below max_len, inside the row's room.

@@ -69,7 +69,7 @@ def default_block_size(model) -> int:
 def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | None = None,
              metric: str = "prob", max_new_tokens: int = 256, apply_chat_template: bool = True,
              cache: str = "cursor", mode: str = "threshold", block_cache_size: int = 16,
-             use_last_mask: bool = False, draft_groups: bool = False,
+             use_last_mask: bool = True, draft_groups: bool = False,
              mask_token_id: int | None = None, batch_size: int | None = None,
              on_finish=None) -> GenerationResult:
     """Decode ``prompts`` (strings, message lists or token-id lists) with the MARS sliding window.
@@ -81,7 +81,9 @@ def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | N
     committing every ``block_cache_size`` tokens in lockstep) or ``none`` (recompute everything).
     ``mode="lossless"`` ignores tau: the masks draft, the next forward verifies, and the output is
     greedy AR decoding exactly. ``draft_groups`` adds one mask group per possible accepted-draft
-    count. ``use_last_mask`` also reads the last mask, whose prediction is B+1 tokens ahead.
+    count. ``use_last_mask`` (default) also reads the last mask, whose prediction is B+1 tokens
+    ahead: training teaches exactly that case, and on the demo model it lifts tokens per forward
+    at tau 0.95 from 2.05 to 2.19 at the same accuracy.
 
     ``batch_size`` caps the rows decoded together (default: all prompts at once); finished rows
     are replaced by waiting prompts between steps. ``on_finish(row)`` is called as rows finish.
