@@ -67,6 +67,14 @@ def decode_step_mask(slot_valid: torch.Tensor, pending_valid: torch.Tensor, draf
     batch, width_pending = pending_valid.shape
     draft_width, groups = draft_valid.shape[1], group_sees.shape[1]
     dev = pending_valid.device
+    if draft_width == 0 and groups == 1:
+        # Threshold mode: one mask group right after the pending tokens, so the whole fed block
+        # is plain causal attention. The common case, and a hot path on small models.
+        width = width_pending + n_masks
+        fed_valid = torch.cat([pending_valid, group_valid.expand(batch, n_masks)], dim=1)
+        fed = torch.ones(width, width, dtype=torch.bool, device=dev).tril() & fed_valid[:, None, :]
+        fed |= torch.eye(width, dtype=torch.bool, device=dev)
+        return torch.cat([slot_valid[:, None, :].expand(batch, width, -1), fed], dim=-1)[:, None]
 
     def segment(width, value):
         return torch.full((width,), value, dtype=torch.long, device=dev)
