@@ -162,9 +162,11 @@ def run_bench(models: dict, eval_set, *, batch_sizes=(1, 4, 8), n: int = 32, rep
     _mark_identical_outputs(rows)
     for row in rows:
         row.pop("token_ids", None)
-    return {"n": len(examples), "repeats": repeats, "max_new_tokens": max_new_tokens,
-            "device": str(next(iter(models.values()))[0].device), "threads": torch.get_num_threads(),
-            "paper_reference": PAPER_REFERENCE, "rows": rows}
+    report = {"n": len(examples), "repeats": repeats, "max_new_tokens": max_new_tokens,
+              "device": str(next(iter(models.values()))[0].device), "threads": torch.get_num_threads(),
+              "paper_reference": PAPER_REFERENCE, "rows": rows}
+    report["targets"] = check_targets(report)
+    return report
 
 
 def _mark_identical_outputs(rows) -> None:
@@ -174,6 +176,36 @@ def _mark_identical_outputs(rows) -> None:
                     and r["contender"] == f"HF generate ({row['checkpoint'].upper()} ckpt)"), None)
         if ref is not None and row.get("token_ids") is not None:
             row["same_as_greedy"] = row["token_ids"] == ref["token_ids"]
+
+
+# The issue's targets for this benchmark: (contender, batch size, minimum speed-up over AR).
+TARGETS = (("MARS cursor tau=0.95", 1, 1.6), ("MARS cursor tau=0.95", 8, 1.4), ("MARS lossless", 1, 1.3))
+
+
+def check_targets(report: dict) -> list[str]:
+    """One line per target: met or missed, and by how much."""
+    rows = {(r["contender"], r["batch_size"]): r for r in report["rows"] if "speedup" in r}
+    lines = []
+    for name, batch, want in TARGETS:
+        row = rows.get((name, batch))
+        if row is not None:
+            got = row["speedup"]
+            verdict = "met" if got >= want else f"MISSED by {want - got:.2f}x"
+            lines.append(f"{name} at batch {batch}: {got:.2f}x vs target {want:.1f}x -- {verdict}")
+    for batch in sorted({b for _, b in rows}):
+        cursor = [r["speedup"] for (n, b), r in rows.items() if b == batch and n.startswith("MARS cursor")]
+        block = [r["speedup"] for (n, b), r in rows.items() if b == batch and n.startswith("MARS block")]
+        if cursor and block:
+            verdict = "met" if min(cursor) > max(block) else "MISSED"
+            lines.append(f"cursor beats block at batch {batch}: slowest cursor {min(cursor):.2f}x vs fastest "
+                         f"block {max(block):.2f}x -- {verdict}")
+    lookup = rows.get(("HF prompt lookup (MARS ckpt)", 1))
+    mars = rows.get(("MARS cursor tau=0.95", 1))
+    if lookup and mars:
+        verdict = "met" if mars["speedup"] > lookup["speedup"] else "MISSED"
+        lines.append(f"MARS tau=0.95 vs HF prompt lookup at batch 1: {mars['speedup']:.2f}x vs "
+                     f"{lookup['speedup']:.2f}x -- {verdict}")
+    return lines
 
 
 def format_bench_table(report: dict) -> str:
@@ -190,6 +222,8 @@ def format_bench_table(report: dict) -> str:
             f"{r['tokens_per_forward']:.2f}", f"{r.get('speedup', float('nan')):.2f}x",
             f"{100 * r['accuracy']:.1f}", "yes" if r.get("same_as_greedy") else "no",
             f"{r['peak_kv_mib']:.2f}"]) + " |")
+    lines.append("")
+    lines += [f"- {line}" for line in check_targets(report)]
     lines.append("")
     lines.append(f"n={report['n']} prompts, {report['repeats']} repeats, max {report['max_new_tokens']} new tokens, "
                  f"device {report['device']}, {report['threads']} threads. Reference: {report['paper_reference']}")
