@@ -167,7 +167,7 @@ class TauController:
     0.01 so running rows are touched only when the default really changes.
     """
 
-    def __init__(self, tau: float = 0.95, policy: str = "fixed", floor: float = 0.8,
+    def __init__(self, tau: float = 0.95, policy: str = "fixed", floor: float = 0.9,
                  slo_ms: float | None = None, max_batch: int = 16, recover_per_s: float = 0.1):
         self._lock = threading.Lock()
         self.max_batch = max_batch
@@ -278,7 +278,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, model_name: str = "marslm", max_batch: int = 16, max_queue: int = 256,
                  default_max_tokens: int = 256, max_tokens_limit: int = 4096, tau: float = 0.95,
-                 tau_policy: str = "fixed", tau_floor: float = 0.8, slo_ms: float | None = None,
+                 tau_policy: str = "fixed", tau_floor: float = 0.9, slo_ms: float | None = None,
                  seed: int | None = 0, idle_tick_s: float = 0.05):
         if max_batch < 1 or max_queue < 1 or default_max_tokens < 1 or max_tokens_limit < 1:
             raise UserError("max_batch, max_queue, default_max_tokens and max_tokens_limit must be >= 1")

@@ -30,7 +30,7 @@ from .errors import UserError
 POLICIES = ("fixed-1.0", "fixed-0.95", "adaptive")
 
 
-def policy_settings(name: str, adaptive_tau: float = 0.95, tau_floor: float = 0.8) -> dict:
+def policy_settings(name: str, adaptive_tau: float = 0.95, tau_floor: float = 0.9) -> dict:
     """The ``POST /admin/policy`` body for a policy name: ``fixed-<tau>`` or ``adaptive``."""
     if name == "adaptive":
         return {"policy": "adaptive", "tau": adaptive_tau, "tau_floor": min(tau_floor, adaptive_tau)}
@@ -142,7 +142,7 @@ def _round(value, digits: int = 4):
 
 async def run_loadtest_async(url: str, *, concurrencies=(1, 8, 32), requests: int = 64,
                              policies=POLICIES, max_tokens: int = 192, api_key: str | None = None,
-                             model: str | None = None, adaptive_tau: float = 0.95, tau_floor: float = 0.8,
+                             model: str | None = None, adaptive_tau: float = 0.95, tau_floor: float = 0.9,
                              timeout: float = 300.0, deadline: float = 3600.0, seed: int = 0,
                              log=print) -> dict:
     import httpx
