@@ -186,6 +186,33 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _add_ablate(sub) -> None:
+    from .demo import PRESETS
+
+    ablate = sub.add_parser(
+        "ablate", help="the paper's comparison set (AR, compute-matched AR, MARS w=1/0 x B, Jacobi) on the toy suite",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train and evaluate the paper's comparison set (Tables 2-3) on the embedded toy suite,\n"
+        "from the demo's from-scratch Qwen2 (N = the preset's AR steps):\n"
+        "  AR N            AR SFT for N steps (the control)\n"
+        "  AR 2N           AR N continued for N more steps: compute-matched AR\n"
+        "  MARS B=b w=1    MARS from AR N at each block size b, with the AR loss term\n"
+        "  MARS B=b w=0    the same without it (the paper's 'MARS w/o SFT loss')\n"
+        "  Jacobi (AR N)   training-free Jacobi decoding of AR N (window 4)\n"
+        "AR rows are evaluated at tau 1, MARS rows at tau 1, 0.95, 0.9, 0.8. Writes OUT/<config>/ checkpoints,\n"
+        "OUT/ablation.json (readable by 'marslm plot'), OUT/ablation.md and OUT/frontier.png. Resumable: rerun\n"
+        "with the same --out and finished configurations are skipped.\n\n"
+        "Time on 2 CPU cores, default preset and B=4,8,16: about an hour, up to ~80 min (AR: 2 x ~5 min; each MARS run\n"
+        "~5.6 min at B=4 and longer at larger B, since sequences are padded to a block multiple; 6 runs;\n"
+        "evaluation ~30 s per model and tau, Jacobi a few minutes). The quick preset: a few minutes.")
+    ablate.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                        help="quick: a smoke run; default: the demo's quoted setting (about an hour)")
+    ablate.add_argument("--out", default="runs/ablate", help="output directory, resumed if it exists "
+                        "(default runs/ablate)")
+    ablate.add_argument("--block-sizes", type=_ints, default=[4, 8, 16], help="MARS block sizes (default 4,8,16)")
+    ablate.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="wall-clock speed of MARS decoding modes against HF generate",
                            description="Decode the same test prompts with HF generate (AR and MARS checkpoints), "
@@ -271,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_show(sub)
     _add_demo(sub)
+    _add_ablate(sub)
     _add_bench(sub)
     _add_serve(sub)
     _add_loadtest(sub)
@@ -381,6 +409,13 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_ablate(args) -> int:
+    from .ablate import run_ablation
+
+    run_ablation(args.out, args.preset, block_sizes=args.block_sizes, progress=not args.quiet)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import default_contenders, format_bench_table, load_bench_models, run_bench
     from .evaluate import load_eval_set
@@ -451,7 +486,7 @@ def _write_json(path: str, payload: dict) -> None:
 
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "plot": cmd_plot, "show": cmd_show,
-            "demo": cmd_demo, "bench": cmd_bench,
+            "demo": cmd_demo, "ablate": cmd_ablate, "bench": cmd_bench,
             "serve": cmd_serve, "loadtest": cmd_loadtest}
 
 

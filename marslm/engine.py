@@ -183,7 +183,9 @@ class TauController:
         with self._lock:
             policy = policy if policy is not None else self.policy
             ceiling = tau if tau is not None else self.ceiling
-            floor = floor if floor is not None else self.floor
+            # A new default below the current floor (and no new floor) takes the floor down with it:
+            # under the fixed policy the floor is unused, and an admin's explicit tau should win.
+            floor = floor if floor is not None else min(self.floor, ceiling)
             slo_ms = self.slo_ms if slo_ms == "keep" else slo_ms
             if policy not in POLICIES:
                 raise UserError(f"tau policy must be one of {', '.join(POLICIES)}, got {policy!r}")
