@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .demo import PRESETS, DemoPreset, build_base_model
+from .demo import DemoPreset, build_base_model, resolve_preset, train_arguments
 from .errors import UserError
 from .evaluate import _summarise, evaluate, load_eval_set, write_json_atomically, write_text_atomically
 from .train import TrainConfig, train
@@ -67,19 +67,12 @@ def _say(message: str) -> None:
     print(f"[ablate] {message}", flush=True)
 
 
-def _train_arguments(preset: DemoPreset, progress: bool) -> dict:
-    """The TrainConfig arguments run_demo uses, so ablation rows are comparable with the demo."""
-    return dict(data="toy", data_n=preset.train_examples, data_seed=preset.seed, batch_size=preset.batch_size,
-                max_length=preset.max_length, seed=preset.seed, progress=progress, logging_steps=25,
-                save_steps=10**9, warmup_ratio=0.03, weight_decay=0.0)
-
-
 def _is_finished_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "marslm.json").is_file()
 
 
 def _train_configuration(config: Configuration, out: Path, preset: DemoPreset, progress: bool) -> None:
-    common = _train_arguments(preset, progress)
+    common = train_arguments(preset, progress)
     if config.kind == "ar":
         cfg = TrainConfig(stage="ar", model=str(out / config.start_from), output=str(out / config.slug),
                           max_steps=config.steps, learning_rate=preset.ar_lr, **common)
@@ -174,11 +167,7 @@ def run_ablation(out: str | Path = "runs/ablate", preset: str | DemoPreset = "de
 
     ``overrides`` replace fields of the preset (e.g. ``ar_steps=10`` for a smoke run).
     """
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise UserError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-        preset = PRESETS[preset]
-    preset = replace(preset, **overrides)
+    preset = resolve_preset(preset, **overrides)
     block_sizes = tuple(block_sizes)
     if not block_sizes or min(block_sizes) < 1:
         raise UserError(f"block sizes must be >= 1, got {block_sizes}")

@@ -322,14 +322,22 @@ def cmd_train(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    from .decode import check_tau, generate
-    from .modeling import check_model_source, load_model
+def _check_decoding_args(args) -> None:
+    """The checks `generate` and `show` share, done before any model is loaded."""
+    from .decode import check_tau
+    from .modeling import check_model_source
 
     check_tau(args.tau, args.metric)
     if args.block_size is not None and args.block_size < 1:
         raise UserError(f"--block-size must be >= 1, got {args.block_size}")
     check_model_source(args.model)
+
+
+def cmd_generate(args) -> int:
+    from .decode import generate
+    from .modeling import load_model
+
+    _check_decoding_args(args)
     model, tokenizer, _ = load_model(args.model)
     result = generate(model, tokenizer, [args.prompt], tau=args.tau, block_size=args.block_size,
                       metric=args.metric, max_new_tokens=args.max_new_tokens,
@@ -382,15 +390,11 @@ def cmd_plot(args) -> int:
 def cmd_show(args) -> int:
     import os
 
-    from .decode import check_tau
     from .evaluate import resolve_device, write_text_atomically
-    from .modeling import check_model_source, load_model
+    from .modeling import load_model
     from .show import render_ansi, render_html, show_generation
 
-    check_tau(args.tau, args.metric)
-    if args.block_size is not None and args.block_size < 1:
-        raise UserError(f"--block-size must be >= 1, got {args.block_size}")
-    check_model_source(args.model)
+    _check_decoding_args(args)
     model, tokenizer, _ = load_model(args.model, device=resolve_device(args.device))
     shown = show_generation(model, tokenizer, args.prompt, tau=args.tau, metric=args.metric,
                             block_size=args.block_size, max_new_tokens=args.max_new_tokens)

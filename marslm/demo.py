@@ -50,6 +50,21 @@ PRESETS = {
 }
 
 
+def resolve_preset(preset: "str | DemoPreset", **overrides) -> DemoPreset:
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise UserError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        preset = PRESETS[preset]
+    return replace(preset, **overrides)
+
+
+def train_arguments(preset: DemoPreset, progress: bool) -> dict:
+    """TrainConfig arguments shared by both stages (and by the ablation, so its rows compare)."""
+    return dict(data="toy", data_n=preset.train_examples, data_seed=preset.seed, batch_size=preset.batch_size,
+                max_length=preset.max_length, seed=preset.seed, progress=progress, logging_steps=25,
+                save_steps=10**9, warmup_ratio=0.03, weight_decay=0.0)
+
+
 def _say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
@@ -104,11 +119,7 @@ def run_demo(out: str | Path = "runs/demo", preset: str | DemoPreset = "default"
     from .modeling import load_model
     from .train import TrainConfig, train
 
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise UserError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-        preset = PRESETS[preset]
-    preset = replace(preset, **overrides)
+    preset = resolve_preset(preset, **overrides)
     out = Path(out)
     if out.exists():
         if not overwrite:
@@ -123,9 +134,7 @@ def run_demo(out: str | Path = "runs/demo", preset: str | DemoPreset = "default"
     base = build_base_model(out, preset)
     timings["setup"] = time.time() - t
 
-    common = dict(data="toy", data_n=preset.train_examples, data_seed=preset.seed, batch_size=preset.batch_size,
-                  max_length=preset.max_length, seed=preset.seed, progress=progress, logging_steps=25,
-                  save_steps=10**9, warmup_ratio=0.03, weight_decay=0.0)
+    common = train_arguments(preset, progress)
     curve: list = []
     _say(f"2/5 AR SFT: {preset.ar_steps} steps of {preset.batch_size}")
     t = time.time()
