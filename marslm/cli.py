@@ -305,6 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _end_distributed() -> None:
+    """Under `accelerate launch`, leave the process group cleanly: torch asks for it, and a rank
+    that exits with gloo's threads still running can abort ("terminate called without an active
+    exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def cmd_train(args) -> int:
     from .train import TrainConfig, train
 
@@ -316,9 +327,13 @@ def cmd_train(args) -> int:
                       resume=not args.no_resume, save_steps=args.save_steps, logging_steps=args.logging_steps,
                       data_n=args.data_n, progress=not args.quiet)
     summary = train(cfg)
-    print(f"trained {summary.stage} -> {summary.output}: {summary.examples} examples "
-          f"({summary.truncated} truncated, {summary.dropped} dropped), {summary.steps} steps, "
-          f"final loss {summary.final_loss}, {summary.parameters:,} parameters, {summary.seconds}s")
+    _end_distributed()
+    # One write per line: under `accelerate launch` every rank prints its summary to the same
+    # pipe, and print()'s separate write of the newline lets two ranks' lines run together.
+    sys.stdout.write(f"trained {summary.stage} -> {summary.output}: {summary.examples} examples "
+                     f"({summary.truncated} truncated, {summary.dropped} dropped), {summary.steps} steps, "
+                     f"final loss {summary.final_loss}, {summary.parameters:,} parameters, {summary.seconds}s\n")
+    sys.stdout.flush()
     return 0
 
 
