@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .demo import DemoPreset, build_base_model, resolve_preset, train_arguments
 from .errors import UserError
-from .evaluate import _summarise, evaluate, load_eval_set, write_json_atomically, write_text_atomically
+from .evaluate import evaluate, load_eval_set, summarise_result, write_json_atomically, write_text_atomically
 from .train import TrainConfig, train
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)
@@ -92,7 +92,7 @@ def jacobi_report(model, tokenizer, eval_set, window: int, max_new_tokens: int, 
     out = jacobi_generate(model, tokenizer, prompts, window=window, max_new_tokens=max_new_tokens)
     seconds = time.perf_counter() - started
     correct = eval_set.score_many(eval_set.examples, out.texts)
-    cell = _summarise(eval_set.examples, correct, out.accepted_per_step, seconds)
+    cell = summarise_result(eval_set.examples, correct, out.accepted_per_step, seconds)
     # mode "jacobi" keeps the plot from taking it for the AR baseline (that rule wants threshold tau=1).
     cell.update(tau=1.0, metric="greedy", block_size=window, mode="jacobi")
     return {"model": model_name, "data": eval_set.name, "results": [cell]}

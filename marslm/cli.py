@@ -31,7 +31,9 @@ def _add_train(sub) -> None:
                        help="weight of the clean-stream (SFT) loss; 0 is the paper's ablation (default 1)")
     train.add_argument("--epochs", type=float, default=3.0, help="training epochs (default 3)")
     train.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps")
-    train.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (cosine, 3%% warmup)")
+    train.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (default 2e-5)")
+    train.add_argument("--lr-schedule", default="cosine", choices=["cosine", "linear", "constant_with_warmup"],
+                       help="learning-rate schedule after the warmup (default cosine)")
     train.add_argument("--warmup-ratio", type=float, default=0.03, help="warmup share of the steps")
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--batch-size", type=int, default=8, help="per-device batch size")
@@ -175,7 +177,8 @@ def _add_demo(sub) -> None:
                           "OUT/mars and OUT/report.json.")
     demo.add_argument("--out", default="runs/demo", help="output directory (replaced; default runs/demo)")
     demo.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                      help="quick: a smoke run in minutes; default: the quoted numbers, <= 15 min on 2 cores")
+                      help="quick: a smoke run in minutes; default: the quoted numbers, <= 15 min on 2 cores; "
+                      "short: the first default (AR stopped before its plateau)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -202,11 +205,13 @@ def _add_ablate(sub) -> None:
         "AR rows are evaluated at tau 1, MARS rows at tau 1, 0.95, 0.9, 0.8. Writes OUT/<config>/ checkpoints,\n"
         "OUT/ablation.json (readable by 'marslm plot'), OUT/ablation.md and OUT/frontier.png. Resumable: rerun\n"
         "with the same --out and finished configurations are skipped.\n\n"
-        "Time on 2 CPU cores, default preset and B=4,8,16: about an hour, up to ~80 min (AR: 2 x ~5 min; each MARS run\n"
-        "~5.6 min at B=4 and longer at larger B, since sequences are padded to a block multiple; 6 runs;\n"
-        "evaluation ~30 s per model and tau, Jacobi a few minutes). The quick preset: a few minutes.")
+        "Time on 2 CPU cores and B=4,8,16: about an hour (short preset: AR 2 x ~5 min, MARS 6 x ~6 min and\n"
+        "longer at larger B, since sequences are padded to a block multiple; evaluation ~30 s per model and\n"
+        "tau; Jacobi a few minutes; default preset: AR 2 x ~10 min, MARS 6 x ~3 min). The quick preset: a few\n"
+        "minutes.")
     ablate.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                        help="quick: a smoke run; default: the demo's quoted setting (about an hour)")
+                        help="quick: a smoke run; default: the demo's setting; short: the README's ablation "
+                        "(AR N = 1,600 steps, half the AR plateau)")
     ablate.add_argument("--out", default="runs/ablate", help="output directory, resumed if it exists "
                         "(default runs/ablate)")
     ablate.add_argument("--block-sizes", type=_ints, default=[4, 8, 16], help="MARS block sizes (default 4,8,16)")
@@ -321,7 +326,8 @@ def cmd_train(args) -> int:
 
     cfg = TrainConfig(stage=args.stage, model=args.model, data=args.data, output=args.output,
                       block_size=args.block_size, ar_weight=args.ar_weight, epochs=args.epochs,
-                      max_steps=args.max_steps, learning_rate=args.lr, warmup_ratio=args.warmup_ratio,
+                      max_steps=args.max_steps, learning_rate=args.lr, lr_schedule=args.lr_schedule,
+                      warmup_ratio=args.warmup_ratio,
                       weight_decay=args.weight_decay, batch_size=args.batch_size, grad_accum=args.grad_accum,
                       max_length=args.max_length, seed=args.seed, bf16=args.bf16, overwrite=args.overwrite,
                       resume=not args.no_resume, save_steps=args.save_steps, logging_steps=args.logging_steps,

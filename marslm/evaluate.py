@@ -8,7 +8,7 @@ long answer does not hold up a whole batch.
     sweep(models, ...)     models x block sizes x metrics x taus, resumable from its JSON file
 
 A *model report* is ``{"model", "data", "results": [cell, ...]}``; a *cell* is one decoding
-setting's numbers (see :func:`_summarise`). :func:`sweep` writes a single model report as is,
+setting's numbers (see :func:`summarise_result`). :func:`sweep` writes a single model report as is,
 and several as ``{"models": [model report, ...]}``.
 """
 
@@ -82,7 +82,7 @@ def evaluate(model, tokenizer, eval_set: EvalSet, *, taus=(1.0,), metric: str = 
              block_size: int | None = None, cache: str = "cursor", mode: str = "threshold",
              batch_size: int = 32, max_new_tokens: int = 192, use_last_mask: bool = True,
              progress: bool = True, model_name: str | None = None) -> dict:
-    """``{"model", "data", "results": [one entry per tau]}``; see :func:`_summarise` for an entry."""
+    """``{"model", "data", "results": [one entry per tau]}``; see :func:`summarise_result` for an entry."""
     from tqdm.auto import tqdm
 
     prompts = [ex.messages for ex in eval_set.examples]
@@ -96,14 +96,18 @@ def evaluate(model, tokenizer, eval_set: EvalSet, *, taus=(1.0,), metric: str = 
         seconds = time.perf_counter() - started
         bar.close()
         correct = eval_set.score_many(eval_set.examples, out.texts)
-        entry = _summarise(eval_set.examples, correct, out.accepted_per_step, seconds)
+        entry = summarise_result(eval_set.examples, correct, out.accepted_per_step, seconds)
         entry.update(tau=tau, metric=metric, block_size=block_size, cache=cache, mode=mode,
                      use_last_mask=use_last_mask)
         results.append(entry)
     return {"model": model_name or getattr(model, "name_or_path", ""), "data": eval_set.name, "results": results}
 
 
-def _summarise(examples, correct, accepted_per_step, seconds) -> dict:
+def summarise_result(examples, correct, accepted_per_step, seconds) -> dict:
+    """One result entry: accuracy, speed and per-family numbers for one decoding setting.
+
+    ``correct`` and ``accepted_per_step`` (tokens accepted at each forward) align with ``examples``.
+    """
     by_family = defaultdict(lambda: {"correct": 0, "n": 0, "tokens": 0, "forwards": 0})
     for ex, ok, steps in zip(examples, correct, accepted_per_step):
         fam = by_family[ex.family]

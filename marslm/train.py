@@ -32,6 +32,8 @@ from .objective import ar_loss, collate, mars_loss
 
 log = logging.getLogger("marslm.train")
 STAGES = ("ar", "mars")
+# Schedules that need nothing beyond warmup and the step count (Trainer's names).
+LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")
 
 
 @dataclass
@@ -45,6 +47,7 @@ class TrainConfig:
     epochs: float = 3.0
     max_steps: int = -1
     learning_rate: float = 2e-5
+    lr_schedule: str = "cosine"
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
     batch_size: int = 8
@@ -68,6 +71,8 @@ class TrainConfig:
             raise UserError(f"--block-size must be >= 1, got {self.block_size}")
         if self.ar_weight < 0:
             raise UserError(f"--ar-weight must be >= 0, got {self.ar_weight}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise UserError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.max_length < 2:
             raise UserError(f"--max-length must be >= 2, got {self.max_length}")
         if self.batch_size < 1 or self.grad_accum < 1:
@@ -191,7 +196,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         num_train_epochs=cfg.epochs if cfg.epochs > 0 else 1.0,
         max_steps=cfg.max_steps,
         learning_rate=cfg.learning_rate,
-        lr_scheduler_type="cosine",
+        lr_scheduler_type=cfg.lr_schedule,
         warmup_steps=cfg.warmup_ratio,
         weight_decay=cfg.weight_decay,
         per_device_train_batch_size=cfg.batch_size,

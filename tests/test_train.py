@@ -452,3 +452,24 @@ def test_accelerate_launch_two_processes_matches_one(trained, tmp_path):
     assert rc == 0 and "3 steps" in out
     dist_loss, single_loss = train_loss(dist_out), train_loss(single_out)
     assert dist_loss == pytest.approx(single_loss, rel=0.05)
+
+
+def test_lr_schedule_reaches_the_trainer(tiny_model_dir, write_chat_jsonl, tmp_path):
+    from marslm.errors import UserError
+    from marslm.train import TrainConfig, train
+
+    data = write_chat_jsonl(tmp_path / "data.jsonl", 8)
+    cfg = dict(stage="ar", model=str(tiny_model_dir), data=str(data), max_steps=6, batch_size=2,
+               learning_rate=1e-3, warmup_ratio=0.0, logging_steps=1, progress=False)
+    with pytest.raises(UserError, match="lr-schedule"):
+        TrainConfig(**cfg, output=str(tmp_path / "bad"), lr_schedule="cosine_with_min_lr").validate()
+
+    rates = {}
+    for schedule in ("constant_with_warmup", "cosine"):
+        out = tmp_path / schedule
+        train(TrainConfig(**cfg, output=str(out), lr_schedule=schedule))
+        log = json.loads((out / "training_log.json").read_text())
+        rates[schedule] = [e["learning_rate"] for e in log if "learning_rate" in e]
+    assert rates["constant_with_warmup"] == [1e-3] * 6
+    cosine = rates["cosine"]
+    assert len(cosine) == 6 and all(a > b for a, b in zip(cosine, cosine[1:])) and cosine[-1] < cosine[0] / 2
