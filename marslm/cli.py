@@ -17,6 +17,8 @@ EXIT_USAGE = 2
 
 
 def _add_train(sub) -> None:
+    from .config import LR_SCHEDULES
+
     train = sub.add_parser("train", help="fine-tune a model: stage 'ar' (SFT) or 'mars' (the MARS objective)",
                            description="Fine-tune a Hugging Face causal LM on chat data. Stage 1 ('ar') is "
                            "ordinary SFT; stage 2 ('mars') continues from it with the two-stream MARS objective. "
@@ -32,7 +34,7 @@ def _add_train(sub) -> None:
     train.add_argument("--epochs", type=float, default=3.0, help="training epochs (default 3)")
     train.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps")
     train.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (default 2e-5)")
-    train.add_argument("--lr-schedule", default="cosine", choices=["cosine", "linear", "constant_with_warmup"],
+    train.add_argument("--lr-schedule", default="cosine", choices=LR_SCHEDULES,
                        help="learning-rate schedule after the warmup (default cosine)")
     train.add_argument("--warmup-ratio", type=float, default=0.03, help="warmup share of the steps")
     train.add_argument("--weight-decay", type=float, default=0.0)
@@ -178,7 +180,7 @@ def _add_demo(sub) -> None:
     demo.add_argument("--out", default="runs/demo", help="output directory (replaced; default runs/demo)")
     demo.add_argument("--preset", choices=sorted(PRESETS), default="default",
                       help="quick: a smoke run in minutes; default: the quoted numbers, <= 15 min on 2 cores; "
-                      "short: the first default (AR stopped before its plateau)")
+                      "short: the first default (AR stopped half way up its learning curve)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -211,7 +213,7 @@ def _add_ablate(sub) -> None:
         "minutes.")
     ablate.add_argument("--preset", choices=sorted(PRESETS), default="default",
                         help="quick: a smoke run; default: the demo's setting; short: the README's ablation "
-                        "(AR N = 1,600 steps, half the AR plateau)")
+                        "(AR N = 1,600 steps, half way up the AR learning curve)")
     ablate.add_argument("--out", default="runs/ablate", help="output directory, resumed if it exists "
                         "(default runs/ablate)")
     ablate.add_argument("--block-sizes", type=_ints, default=[4, 8, 16], help="MARS block sizes (default 4,8,16)")

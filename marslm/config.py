@@ -13,6 +13,9 @@ from pathlib import Path
 
 FILENAME = "marslm.json"
 MASK_TOKEN = "<|mask|>"
+# Learning-rate schedules `train` offers: Trainer's names for those that need nothing beyond the
+# warmup and the step count. Here rather than in train.py so the CLI can list them without torch.
+LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")
 
 
 @dataclass

@@ -52,8 +52,8 @@ PRESETS = {
     "default": DemoPreset(model="quick", vocab_size=1024, train_examples=20000, test_examples=500,
                           ar_steps=3000, mars_steps=450, batch_size=32, ar_lr=3e-3, mars_lr=1e-3,
                           mars_ar_weight=2.0),
-    # The first default: AR stopped at half its plateau, MARS twice as long. The README's ablation
-    # table was measured with it (its AR 2N row is where the AR curve flattens).
+    # The first default: AR stopped half way up its learning curve, MARS twice as long. The
+    # README's ablation table was measured with it.
     "short": DemoPreset(model="quick", vocab_size=1024, train_examples=20000, test_examples=500,
                         ar_steps=1600, mars_steps=800, batch_size=32, ar_lr=3e-3, mars_lr=1e-3),
 }

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .chat import encode_conversation, stop_token_ids
-from .config import MASK_TOKEN, MarsConfig
+from .config import LR_SCHEDULES, MASK_TOKEN, MarsConfig
 from .data import load_conversations
 from .errors import UserError
 from .modeling import check_model_source, count_parameters, ensure_mask_token
@@ -32,8 +32,6 @@ from .objective import ar_loss, collate, mars_loss
 
 log = logging.getLogger("marslm.train")
 STAGES = ("ar", "mars")
-# Schedules that need nothing beyond warmup and the step count (Trainer's names).
-LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")
 
 
 @dataclass
