@@ -72,12 +72,12 @@ def _is_finished_checkpoint(path: Path) -> bool:
 
 
 def _train_configuration(config: Configuration, out: Path, preset: DemoPreset, progress: bool) -> None:
-    common = train_arguments(preset, progress)
+    common = train_arguments(preset, progress, config.kind)
     if config.kind == "ar":
-        cfg = TrainConfig(stage="ar", model=str(out / config.start_from), output=str(out / config.slug),
+        cfg = TrainConfig(model=str(out / config.start_from), output=str(out / config.slug),
                           max_steps=config.steps, learning_rate=preset.ar_lr, **common)
     else:
-        cfg = TrainConfig(stage="mars", model=str(out / config.start_from), output=str(out / config.slug),
+        cfg = TrainConfig(model=str(out / config.start_from), output=str(out / config.slug),
                           max_steps=config.steps, learning_rate=preset.mars_lr, block_size=config.block_size,
                           ar_weight=config.ar_weight, **common)
     train(cfg)

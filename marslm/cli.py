@@ -42,13 +42,33 @@ def _add_train(sub) -> None:
     train.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     train.add_argument("--max-length", type=int, default=1024, help="truncate longer sequences (with a warning)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--packing", action="store_true",
+                       help="pack several sequences into each row (position ids restart, attention stays "
+                       "inside each one): the same loss as padded batches without computing the padding")
     train.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
     train.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (for resuming)")
     train.add_argument("--logging-steps", type=int, default=10)
     train.add_argument("--data-n", type=int, default=None, help="examples to draw from a generated source (toy)")
+    train.add_argument("--data-mix", default=None, metavar="FAMILY=W[,FAMILY=W]",
+                       help="toy only: relative share of task families in the training mixture, 1 unless "
+                       "given (e.g. lists=2 draws twice as many list items as each other family)")
     train.add_argument("--overwrite", action="store_true", help="replace an output directory that holds something")
     train.add_argument("--no-resume", action="store_true", help="ignore checkpoints left by an interrupted run")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _family_weights(text: str) -> dict[str, float]:
+    """``"format=2,lists=3"`` -> ``{"format": 2.0, "lists": 3.0}``; the family names are checked later."""
+    weights = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        try:
+            weights[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise UserError(f"--data-mix: expected FAMILY=WEIGHT pairs such as lists=2, got {part!r}")
+    return weights
 
 
 def _add_generate(sub) -> None:
@@ -180,6 +200,7 @@ def _add_demo(sub) -> None:
     demo.add_argument("--out", default="runs/demo", help="output directory (replaced; default runs/demo)")
     demo.add_argument("--preset", choices=sorted(PRESETS), default="default",
                       help="quick: a smoke run in minutes; default: the quoted numbers, <= 15 min on 2 cores; "
+                      "plateau: an AR stage trained to its plateau (weighted mixture, packed rows), <= 15 min; "
                       "short: the first default (AR stopped half way up its learning curve)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -333,7 +354,9 @@ def cmd_train(args) -> int:
                       weight_decay=args.weight_decay, batch_size=args.batch_size, grad_accum=args.grad_accum,
                       max_length=args.max_length, seed=args.seed, bf16=args.bf16, overwrite=args.overwrite,
                       resume=not args.no_resume, save_steps=args.save_steps, logging_steps=args.logging_steps,
-                      data_n=args.data_n, progress=not args.quiet)
+                      data_n=args.data_n, data_mix=_family_weights(args.data_mix) if args.data_mix else None,
+                      packing=args.packing,
+                      progress=not args.quiet)
     summary = train(cfg)
     _end_distributed()
     # One write per line: under `accelerate launch` every rank prints its summary to the same

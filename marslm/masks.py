@@ -28,21 +28,43 @@ from .errors import UserError
 
 def two_stream_mask(seq_len: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The ``[2L, 2L]`` training mask over ``[clean ; noisy]``, True where a query may attend."""
+    positions = torch.arange(seq_len, device=device)
+    return packed_two_stream_mask(positions[None], torch.zeros_like(positions)[None], block_size)[0, 0]
+
+
+def packed_two_stream_mask(position_ids: torch.Tensor, segment_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[rows, 1, 2T, 2T]`` training mask for rows that pack several sequences end to end.
+
+    ``position_ids`` / ``segment_ids`` ``[rows, T]``: each token's position inside its own sequence
+    and which sequence of the row it belongs to. Attention never crosses a sequence; inside one,
+    the rule above holds with ``p`` the position inside the sequence. Blocks are counted from each
+    sequence's start, so every sequence must be EOS-padded to a multiple of B (objective.pad_to_block).
+    """
     if block_size < 1:
         raise UserError(f"block size must be >= 1, got {block_size}")
-    pos = torch.arange(seq_len, device=device).repeat(2)
-    noisy = torch.arange(2 * seq_len, device=device) >= seq_len
+    rows, width = position_ids.shape
+    pos = position_ids.repeat(1, 2)
+    seg = segment_ids.repeat(1, 2)
+    noisy = (torch.arange(2 * width, device=position_ids.device) >= width)[None].expand(rows, -1)
     blk = pos // block_size
 
-    q_pos, k_pos = pos[:, None], pos[None, :]
-    q_blk, k_blk = blk[:, None], blk[None, :]
-    q_noisy, k_noisy = noisy[:, None], noisy[None, :]
+    q_pos, k_pos = pos[:, :, None], pos[:, None, :]
+    q_blk, k_blk = blk[:, :, None], blk[:, None, :]
+    q_noisy, k_noisy = noisy[:, :, None], noisy[:, None, :]
 
     causal = k_pos <= q_pos
     clean_to_clean = ~q_noisy & ~k_noisy & causal
     noisy_to_noisy = q_noisy & k_noisy & (k_blk == q_blk) & causal
     noisy_to_clean = q_noisy & ~k_noisy & (k_blk < q_blk)
-    return clean_to_clean | noisy_to_noisy | noisy_to_clean
+    same_sequence = seg[:, :, None] == seg[:, None, :]
+    return ((clean_to_clean | noisy_to_noisy | noisy_to_clean) & same_sequence)[:, None]
+
+
+def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1, T, T]``: plain causal attention inside each packed sequence (AR training)."""
+    width = segment_ids.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
+    return (causal & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
 
 
 def decode_step_mask(slot_valid: torch.Tensor, pending_valid: torch.Tensor, draft_valid: torch.Tensor,

@@ -28,7 +28,7 @@ from .config import LR_SCHEDULES, MASK_TOKEN, MarsConfig
 from .data import load_conversations
 from .errors import UserError
 from .modeling import check_model_source, count_parameters, ensure_mask_token
-from .objective import ar_loss, collate, mars_loss
+from .objective import ar_loss, collate, collate_packed, mars_loss
 
 log = logging.getLogger("marslm.train")
 STAGES = ("ar", "mars")
@@ -59,6 +59,8 @@ class TrainConfig:
     logging_steps: int = 10
     data_n: int | None = None          # examples to draw from a generated source such as 'toy'
     data_seed: int = 0
+    packing: bool = False              # several sequences per row: same loss, no padding FLOPs
+    data_mix: dict | None = None       # toy family weights, e.g. {"lists": 2}; None = balanced
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -75,6 +77,15 @@ class TrainConfig:
             raise UserError(f"--max-length must be >= 2, got {self.max_length}")
         if self.batch_size < 1 or self.grad_accum < 1:
             raise UserError("--batch-size and --grad-accum must be >= 1")
+        if self.data_mix:
+            from .data import TOY, toy
+
+            if self.data != TOY:
+                raise UserError(f"--data-mix applies to --data {TOY} only, not {self.data}")
+            try:
+                toy.check_weights(self.data_mix)
+            except ValueError as exc:
+                raise UserError(f"--data-mix: {exc}") from None
         if self.epochs <= 0 and self.max_steps <= 0:
             raise UserError("give a positive --epochs or --max-steps")
         out = Path(self.output)
@@ -111,7 +122,8 @@ class MarsTrainer:
                 self._count = 0
 
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-                terms = loss_fn(model, inputs["input_ids"], inputs["labels"])
+                packing = {k: inputs[k] for k in ("position_ids", "segment_ids") if k in inputs}
+                terms = loss_fn(model, inputs["input_ids"], inputs["labels"], **packing)
                 for key, value in terms.items():
                     if key != "loss":
                         self._sums[key] = self._sums.get(key, 0.0) + float(value)
@@ -154,7 +166,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     cfg.validate()
     if model is None:
         check_model_source(cfg.model)
-    conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed)
+    conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed, mix=cfg.data_mix)
     # Imported only once the input is known to be good: bad input fails in a fraction of a second.
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
 
@@ -177,15 +189,16 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         log.warning("%d of %d conversations were longer than --max-length %d and were truncated",
                     truncated, len(conversations), cfg.max_length)
 
+    collate_fn = collate_packed if cfg.packing else collate
     if cfg.stage == "mars":
         mask_id = ensure_mask_token(model, tokenizer)
         loss_fn = partial(mars_loss, block_size=cfg.block_size, mask_token_id=mask_id, ar_weight=cfg.ar_weight)
-        collator = partial(collate, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
+        collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
         block_size = cfg.block_size
     else:
         mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
         loss_fn = ar_loss
-        collator = partial(collate, pad_id=pad_id)
+        collator = partial(collate_fn, pad_id=pad_id)
         block_size = 1
 
     partial_dir = Path(str(Path(cfg.output)) + ".partial")

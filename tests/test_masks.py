@@ -10,7 +10,8 @@ import torch
 
 from marslm.chat import IGNORE
 from marslm.errors import UserError
-from marslm.masks import decode_step_mask, for_attention, two_stream_mask
+from marslm.masks import (decode_step_mask, for_attention, packed_causal_mask, packed_two_stream_mask,
+                          two_stream_mask)
 from marslm.objective import two_stream_batch
 
 MASK_ID = 3
@@ -58,6 +59,31 @@ def test_two_stream_mask_spot_checks():
     assert not mask[:L, L:].any()
     # every row keeps at least one visible key (no NaN rows under sdpa)
     assert mask.any(dim=1).all()
+
+
+@pytest.mark.parametrize("B", [1, 2, 4])
+def test_packed_two_stream_mask_is_each_sequence_s_own_mask(B):
+    lengths = (8, 4, 3)                                   # two sequences and a padding tail (segment -1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    segment_ids = torch.tensor([0] * 8 + [1] * 4 + [-1] * 3)[None]
+    T = sum(lengths)
+    mask = packed_two_stream_mask(position_ids, segment_ids, B)
+    assert mask.shape == (1, 1, 2 * T, 2 * T)
+    starts = (0, 8, 12)
+    expected = torch.zeros(2 * T, 2 * T, dtype=torch.bool)
+    for start, n in zip(starts, lengths):
+        own = two_stream_mask(n, B)                        # [clean ; noisy] of this sequence alone
+        rows_cols = torch.cat([torch.arange(start, start + n), T + torch.arange(start, start + n)])
+        expected[rows_cols[:, None], rows_cols[None, :]] = own
+    assert torch.equal(mask[0, 0], expected)
+    assert mask[0, 0].any(dim=-1).all()                    # no query row is left with nothing to attend
+
+
+def test_packed_causal_mask_keeps_sequences_apart():
+    segment_ids = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    mask = packed_causal_mask(segment_ids)[0, 0]
+    assert torch.equal(mask, packed_two_stream_mask(torch.tensor([[0, 1, 0, 1, 2, 0]]), segment_ids, 1)[0, 0, :6, :6])
+    assert mask.tolist()[3] == [False, False, True, True, False, False]
 
 
 def test_two_stream_mask_rejects_bad_block():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import chat_conversations
 from marslm.chat import IGNORE, encode_conversation
-from marslm.objective import ar_loss, collate, mars_loss, pad_to_block
+from marslm.objective import ar_loss, collate, collate_packed, mars_loss, pad_to_block
 
 MASK_ID = 3
 EOS_ID = 2
@@ -288,6 +288,62 @@ def test_collate_pads_each_sequence_to_a_block_multiple():
     ar = collate([a, b], pad_id=PAD_ID)
     assert ar["input_ids"][0].tolist() == [1, 5, 6, EOS_ID, PAD_ID, PAD_ID, PAD_ID]
     assert ar["labels"][0].tolist() == [IGNORE, IGNORE, 6, EOS_ID, IGNORE, IGNORE, IGNORE]
+
+
+def test_collate_packed_fills_rows_first_fit_longest_first():
+    a = {"input_ids": [1, 5, 6, EOS_ID], "labels": [IGNORE, IGNORE, 6, EOS_ID]}                  # 4
+    b = {"input_ids": [1, 5, 6, 7, 8, 9, EOS_ID], "labels": [IGNORE, 5, 6, 7, 8, 9, EOS_ID]}      # 7
+    c = {"input_ids": [1, 7, EOS_ID], "labels": [9, IGNORE, EOS_ID]}                               # 3
+    out = collate_packed([a, b, c], pad_id=PAD_ID, row_width=7)
+    # rows of 7: b alone, then a + c
+    assert out["input_ids"].tolist() == [[1, 5, 6, 7, 8, 9, EOS_ID], [1, 5, 6, EOS_ID, 1, 7, EOS_ID]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 0, 1, 2]]
+    assert out["segment_ids"].tolist() == [[0] * 7, [0, 0, 0, 0, 1, 1, 1]]
+    # a sequence's first label is never a target: the previous sequence's last token would predict it
+    assert out["labels"].tolist() == [[IGNORE, 5, 6, 7, 8, 9, EOS_ID], [IGNORE, IGNORE, 6, EOS_ID, IGNORE, IGNORE,
+                                                                        EOS_ID]]
+    blocks = collate_packed([a, c], pad_id=PAD_ID, block_size=4, eos_id=EOS_ID, row_width=4)   # c EOS-padded to 4
+    assert blocks["input_ids"].tolist() == [[1, 5, 6, EOS_ID], [1, 7, EOS_ID, EOS_ID]]
+    assert blocks["segment_ids"].tolist() == [[0] * 4, [0] * 4]
+    padded_row = collate_packed([b, a], pad_id=PAD_ID, row_width=7)
+    assert padded_row["segment_ids"][1].tolist() == [0, 0, 0, 0, -1, -1, -1]
+    assert padded_row["labels"][1, 4:].tolist() == [IGNORE] * 3
+    default = collate_packed([a, b, c], pad_id=PAD_ID)     # rows 1.5x the longest (7 -> 11): b + a, then c
+    assert default["input_ids"].shape == (2, 11)
+    assert default["segment_ids"][0].tolist() == [0] * 7 + [1] * 4
+
+
+@pytest.mark.parametrize("stage", ["ar", "mars"])
+def test_packed_batches_give_the_padded_loss_and_gradients(tiny_tokenizer, make_tiny_model, stage):
+    from marslm.data import toy
+
+    examples = []
+    for example in toy.make_split("train", 8):   # lengths differ by family: lists are short
+        enc = encode_conversation(tiny_tokenizer, toy.to_chat_record(example)["messages"])
+        examples.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    block_size = 4 if stage == "mars" else 1
+    padded = collate(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
+    packed = collate_packed(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
+    assert packed["input_ids"].numel() < padded["input_ids"].numel()   # it did pack something
+
+    def loss_and_grads(batch):
+        model = make_tiny_model(seed=4)
+        extra = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+        if stage == "mars":
+            terms = mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=MASK_ID,
+                              **extra)
+        else:
+            terms = ar_loss(model, batch["input_ids"], batch["labels"], **extra)
+        terms["loss"].backward()
+        return terms, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    padded_terms, padded_grads = loss_and_grads(padded)
+    packed_terms, packed_grads = loss_and_grads(packed)
+    for key in padded_terms:
+        torch.testing.assert_close(packed_terms[key], padded_terms[key], rtol=1e-5, atol=1e-5)
+    assert padded_grads.keys() == packed_grads.keys()
+    for name in padded_grads:
+        torch.testing.assert_close(packed_grads[name], padded_grads[name], rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------ training

@@ -54,6 +54,28 @@ def test_family_subset():
     assert [ex.family for ex in examples] == ["lists", "code"] * 5
 
 
+def test_weighted_mixture_is_an_even_interleave_with_the_asked_shares():
+    examples = toy.make_split("train", 100, weights={"lists": 2})
+    counts = collections.Counter(ex.family for ex in examples)
+    assert counts == {"lists": 40, "arithmetic": 20, "format": 20, "code": 20}
+    first_ten = collections.Counter(ex.family for ex in examples[:10])
+    assert first_ten == {"lists": 4, "arithmetic": 2, "format": 2, "code": 2}   # any prefix, same mixture
+    # A family's items are its own stream: the mixture changes how many, not which.
+    lists = [ex for ex in examples if ex.family == "lists"]
+    assert lists == toy.make_split("train", 40, families=["lists"])
+
+
+def test_equal_weights_are_the_balanced_default():
+    assert toy.make_split("train", 50, weights={"code": 3, "lists": 3, "format": 3, "arithmetic": 3}) == \
+        toy.make_split("train", 50)
+
+
+@pytest.mark.parametrize("weights", [{"poetry": 2}, {"lists": 0}, {"lists": -1}, {"lists": float("nan")}])
+def test_bad_weights_raise_value_error(weights):
+    with pytest.raises(ValueError, match="mixture weights"):
+        toy.make_split("train", 4, weights=weights)
+
+
 @pytest.mark.parametrize("kwargs", [{"split": "validation"}, {"split": "train", "families": ["poetry"]},
                                     {"split": "train", "families": []}, {"split": "train", "n": -1}])
 def test_bad_arguments_raise_value_error(kwargs):

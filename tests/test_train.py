@@ -248,6 +248,11 @@ def bad_cases(root: Path, model_dir: Path) -> dict:
         "malformed_jsonl": (*train("malformed_jsonl", data=root / "malformed.jsonl"), "malformed.jsonl:3:"),
         "no_assistant_turn": (*train("no_assistant_turn", data=root / "no_assistant.jsonl"), "assistant"),
         "block_size_0": (*train("block_size_0", extra=["--block-size", "0"]), "--block-size"),
+        "data_mix_on_a_file": (*train("data_mix_on_a_file", extra=["--data-mix", "lists=2"]), "toy only"),
+        "data_mix_unknown_family": (*train("data_mix_unknown_family", data="toy", extra=["--data-mix", "list=2"]),
+                                    "unknown families"),
+        "data_mix_not_a_pair": (*train("data_mix_not_a_pair", data="toy", extra=["--data-mix", "lists"]),
+                                "FAMILY=WEIGHT"),
         "output_taken": (["train", "mars", "--model", str(model_dir), "--data", str(good), "-o", str(root / "taken")],
                          None, "--overwrite"),
         "tau_0": (*generate("--tau", "0"), "tau"),
@@ -279,7 +284,8 @@ def bad_runs(tiny_model_dir, tmp_path_factory):
 
 
 BAD_CASES = ["missing_model", "no_config_json", "missing_data", "empty_jsonl", "malformed_jsonl",
-             "no_assistant_turn", "block_size_0", "output_taken", "tau_0", "tau_1.5", "entropy_tau_-1",
+             "no_assistant_turn", "block_size_0", "data_mix_on_a_file", "data_mix_unknown_family",
+             "data_mix_not_a_pair", "output_taken", "tau_0", "tau_1.5", "entropy_tau_-1",
              "generate_missing_model"]
 
 
@@ -473,3 +479,21 @@ def test_lr_schedule_reaches_the_trainer(tiny_model_dir, write_chat_jsonl, tmp_p
     assert rates["constant_with_warmup"] == [1e-3] * 6
     cosine = rates["cosine"]
     assert len(cosine) == 6 and all(a > b for a, b in zip(cosine, cosine[1:])) and cosine[-1] < cosine[0] / 2
+
+
+def test_data_mix_skews_the_toy_training_mixture(tiny_model_dir, tmp_path):
+    from marslm.data import load_conversations
+    from marslm.errors import UserError
+    from marslm.train import TrainConfig
+
+    from marslm.data import toy
+
+    conversations = load_conversations("toy", n=40, mix={"lists": 3})
+    examples = toy.make_split("train", 40, weights={"lists": 3})
+    assert conversations == [toy.to_chat_record(ex)["messages"] for ex in examples]
+    assert sum(ex.family == "lists" for ex in examples) == 20   # 3 / (1 + 1 + 1 + 3) of 40
+    cfg = dict(stage="ar", model=str(tiny_model_dir), output=str(tmp_path / "out"), max_steps=1)
+    with pytest.raises(UserError, match="applies to --data toy only"):
+        TrainConfig(**cfg, data=str(tmp_path / "chat.jsonl"), data_mix={"lists": 2}).validate()
+    with pytest.raises(UserError, match="unknown families"):
+        TrainConfig(**cfg, data="toy", data_mix={"list": 2}).validate()

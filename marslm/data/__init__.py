@@ -10,12 +10,21 @@ from .jsonl import read_chat_jsonl
 TOY = "toy"
 
 
-def load_conversations(source: str, split: str = "train", n: int | None = None, seed: int = 0) -> list[list[dict]]:
-    """Chat conversations (message lists, assistant turns included) from a named source."""
+def load_conversations(source: str, split: str = "train", n: int | None = None, seed: int = 0,
+                       mix: dict[str, float] | None = None) -> list[list[dict]]:
+    """Chat conversations (message lists, assistant turns included) from a named source.
+
+    ``mix`` weights the toy suite's families (e.g. ``{"lists": 2}``); files are taken as they are.
+    """
+    if mix and source != TOY:
+        raise UserError(f"a family mixture applies to --data {TOY} only, not {source}")
     if source == TOY:
         from . import toy
 
-        examples = toy.make_split(split, n or 20000, seed=seed)
+        try:
+            examples = toy.make_split(split, n or 20000, seed=seed, weights=mix)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
         return [toy.to_chat_record(ex)["messages"] for ex in examples]
     if not Path(source).exists():
         raise UserError(f"data file not found: {source} (use a chat JSONL path or 'toy')")

@@ -64,7 +64,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -850,11 +850,15 @@ def _family_examples(family: str, split: str, count: int, seed: int) -> list[Exa
     return examples
 
 
-def make_split(split: str, n: int, seed: int = 0, families: Sequence[str] | None = None) -> list[Example]:
-    """`n` examples of `split` ("train" or "test"), round-robin over `families`; deterministic.
+def make_split(split: str, n: int, seed: int = 0, families: Sequence[str] | None = None,
+               weights: Mapping[str, float] | None = None) -> list[Example]:
+    """`n` examples of `split` ("train" or "test"), interleaved over `families`; deterministic.
 
-    Example i has family ``families[i % len(families)]``, so the families are
-    balanced to within one example. Train and test never share an instance.
+    By default example i has family ``families[i % len(families)]``, so the families are
+    balanced to within one example. ``weights`` (family -> relative share, default 1) skews a
+    training mixture towards the families that are slowest to learn; the order stays an even
+    interleave (smooth weighted round robin), so any prefix has the same mixture. Train and test
+    never share an instance.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
@@ -863,11 +867,36 @@ def make_split(split: str, n: int, seed: int = 0, families: Sequence[str] | None
     families = tuple(FAMILIES if families is None else families)
     if not families or len(set(families)) != len(families) or not set(families) <= set(FAMILIES):
         raise ValueError(f"families must be distinct names from {FAMILIES}, got {families!r}")
-    per_family = {
-        family: iter(_family_examples(family, split, len(range(i, n, len(families))), seed))
-        for i, family in enumerate(families)
-    }
-    return [next(per_family[families[i % len(families)]]) for i in range(n)]
+    share = check_weights(weights or {}, families)
+    order = _interleave(families, share, n)
+    per_family = {family: iter(_family_examples(family, split, order.count(family), seed)) for family in families}
+    return [next(per_family[family]) for family in order]
+
+
+def check_weights(weights: Mapping[str, float], families: Sequence[str] = FAMILIES) -> dict[str, float]:
+    """Every family's share (1 unless given); refuses unknown families and non-positive weights."""
+    unknown = set(weights) - set(families)
+    if unknown:
+        raise ValueError(f"mixture weights for unknown families {sorted(unknown)}; families are {tuple(families)}")
+    bad = {name: w for name, w in weights.items() if not w > 0}
+    if bad:
+        raise ValueError(f"mixture weights must be positive, got {bad}")
+    return {family: float(weights.get(family, 1.0)) for family in families}
+
+
+def _interleave(families: Sequence[str], share: Mapping[str, float], n: int) -> list[str]:
+    # Smooth weighted round robin: each turn every family earns its share and the richest one
+    # (the first on a tie) is drawn and pays the total. Equal shares give plain round robin.
+    total = sum(share.values())
+    credit = dict.fromkeys(families, 0.0)
+    order = []
+    for _ in range(n):
+        for family in families:
+            credit[family] += share[family]
+        pick = max(families, key=credit.__getitem__)
+        credit[pick] -= total
+        order.append(pick)
+    return order
 
 
 # ---------------------------------------------------------------------------
