@@ -61,13 +61,11 @@ def _family_weights(text: str) -> dict[str, float]:
     """``"format=2,lists=3"`` -> ``{"format": 2.0, "lists": 3.0}``; the family names are checked later."""
     weights = {}
     for part in text.split(","):
-        name, sep, value = part.partition("=")
+        name, _, value = part.partition("=")
         try:
             weights[name.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise UserError(f"--data-mix: expected FAMILY=WEIGHT pairs such as lists=2, got {part!r}")
+        except ValueError:   # also a part with no '=': float("") fails
+            raise UserError(f"--data-mix: expected FAMILY=WEIGHT pairs such as lists=2, got {part!r}") from None
     return weights
 
 

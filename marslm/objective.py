@@ -41,14 +41,20 @@ def pad_to_block(input_ids: list[int], labels: list[int], block_size: int, eos_i
             labels + [eos_id if trained else IGNORE] * missing)
 
 
-def collate(examples: list[dict], pad_id: int, block_size: int = 1, eos_id: int | None = None) -> dict:
-    """Right-pad ``{"input_ids", "labels"}`` examples into tensors; EOS-pad each to a block multiple."""
+def _sequences(examples: list[dict], block_size: int, eos_id: int | None) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, labels)`` per example, each EOS-padded to a block multiple when B > 1."""
     seqs = []
     for ex in examples:
         ids, labels = list(ex["input_ids"]), list(ex["labels"])
         if block_size > 1:
             ids, labels = pad_to_block(ids, labels, block_size, eos_id)
         seqs.append((ids, labels))
+    return seqs
+
+
+def collate(examples: list[dict], pad_id: int, block_size: int = 1, eos_id: int | None = None) -> dict:
+    """Right-pad ``{"input_ids", "labels"}`` examples into tensors; EOS-pad each to a block multiple."""
+    seqs = _sequences(examples, block_size, eos_id)
     width = max(len(ids) for ids, _ in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
@@ -70,12 +76,7 @@ def collate_packed(examples: list[dict], pad_id: int, block_size: int = 1, eos_i
     tail is padding (segment -1, no targets). Each sequence's first label is dropped: in a padded
     batch nothing predicts it, and here the previous sequence's last token would.
     """
-    seqs = []
-    for ex in examples:
-        ids, labels = list(ex["input_ids"]), list(ex["labels"])
-        if block_size > 1:
-            ids, labels = pad_to_block(ids, labels, block_size, eos_id)
-        seqs.append((ids, [IGNORE] + labels[1:]))
+    seqs = [(ids, [IGNORE] + labels[1:]) for ids, labels in _sequences(examples, block_size, eos_id)]
     longest = max(len(ids) for ids, _ in seqs)
     width = max(longest, row_width or -(-3 * longest // 2))
     rows: list[list[tuple]] = []

@@ -25,7 +25,7 @@ import torch
 
 from .chat import encode_conversation, stop_token_ids
 from .config import LR_SCHEDULES, MASK_TOKEN, MarsConfig
-from .data import load_conversations
+from .data import check_mix, load_conversations
 from .errors import UserError
 from .modeling import check_model_source, count_parameters, ensure_mask_token
 from .objective import ar_loss, collate, collate_packed, mars_loss
@@ -77,15 +77,7 @@ class TrainConfig:
             raise UserError(f"--max-length must be >= 2, got {self.max_length}")
         if self.batch_size < 1 or self.grad_accum < 1:
             raise UserError("--batch-size and --grad-accum must be >= 1")
-        if self.data_mix:
-            from .data import TOY, toy
-
-            if self.data != TOY:
-                raise UserError(f"--data-mix applies to --data {TOY} only, not {self.data}")
-            try:
-                toy.check_weights(self.data_mix)
-            except ValueError as exc:
-                raise UserError(f"--data-mix: {exc}") from None
+        check_mix(self.data, self.data_mix)
         if self.epochs <= 0 and self.max_steps <= 0:
             raise UserError("give a positive --epochs or --max-steps")
         out = Path(self.output)
