@@ -27,36 +27,35 @@ from .errors import UserError
 
 
 def two_stream_mask(seq_len: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The ``[2L, 2L]`` training mask over ``[clean ; noisy]``, True where a query may attend."""
-    positions = torch.arange(seq_len, device=device)
-    return packed_two_stream_mask(positions[None], torch.zeros_like(positions)[None], block_size)[0, 0]
+    """The ``[2L, 2L]`` training mask over ``[clean ; noisy]`` of one sequence, True where a query may attend."""
+    positions = torch.arange(seq_len, device=device).repeat(2)[None]
+    noisy = (torch.arange(2 * seq_len, device=device) >= seq_len)[None]
+    return packed_two_stream_mask(positions, torch.zeros_like(positions), noisy, block_size)[0, 0]
 
 
-def packed_two_stream_mask(position_ids: torch.Tensor, segment_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[rows, 1, 2T, 2T]`` training mask for rows that pack several sequences end to end.
+def packed_two_stream_mask(position_ids: torch.Tensor, segment_ids: torch.Tensor, is_noisy: torch.Tensor,
+                           block_size: int) -> torch.Tensor:
+    """``[rows, 1, W, W]`` training mask for rows that hold several sequences' two streams.
 
-    ``position_ids`` / ``segment_ids`` ``[rows, T]``: each token's position inside its own sequence
-    and which sequence of the row it belongs to. Attention never crosses a sequence; inside one,
-    the rule above holds with ``p`` the position inside the sequence. Blocks are counted from each
-    sequence's start, so every sequence must be EOS-padded to a multiple of B (objective.pad_to_block).
+    ``position_ids`` / ``segment_ids`` / ``is_noisy`` ``[rows, W]`` describe every column: its
+    position inside its own sequence, which sequence of the row it belongs to (-1: padding), and
+    which stream. Attention never crosses a sequence; inside one, the rule above holds. Blocks are
+    counted from each sequence's start, so every sequence must be EOS-padded to a multiple of B
+    (objective.pad_to_block). Nothing here needs a stream to be complete or in order: the training
+    batch leaves out the noisy copies no loss depends on (objective.two_stream_batch).
     """
     if block_size < 1:
         raise UserError(f"block size must be >= 1, got {block_size}")
-    rows, width = position_ids.shape
-    pos = position_ids.repeat(1, 2)
-    seg = segment_ids.repeat(1, 2)
-    noisy = (torch.arange(2 * width, device=position_ids.device) >= width)[None].expand(rows, -1)
-    blk = pos // block_size
-
-    q_pos, k_pos = pos[:, :, None], pos[:, None, :]
+    blk = position_ids // block_size
+    q_pos, k_pos = position_ids[:, :, None], position_ids[:, None, :]
     q_blk, k_blk = blk[:, :, None], blk[:, None, :]
-    q_noisy, k_noisy = noisy[:, :, None], noisy[:, None, :]
+    q_noisy, k_noisy = is_noisy[:, :, None], is_noisy[:, None, :]
 
     causal = k_pos <= q_pos
     clean_to_clean = ~q_noisy & ~k_noisy & causal
     noisy_to_noisy = q_noisy & k_noisy & (k_blk == q_blk) & causal
     noisy_to_clean = q_noisy & ~k_noisy & (k_blk < q_blk)
-    same_sequence = seg[:, :, None] == seg[:, None, :]
+    same_sequence = segment_ids[:, :, None] == segment_ids[:, None, :]
     return ((clean_to_clean | noisy_to_noisy | noisy_to_clean) & same_sequence)[:, None]
 
 

@@ -67,7 +67,8 @@ def test_packed_two_stream_mask_is_each_sequence_s_own_mask(B):
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
     segment_ids = torch.tensor([0] * 8 + [1] * 4 + [-1] * 3)[None]
     T = sum(lengths)
-    mask = packed_two_stream_mask(position_ids, segment_ids, B)
+    noisy = (torch.arange(2 * T) >= T)[None]
+    mask = packed_two_stream_mask(position_ids.repeat(1, 2), segment_ids.repeat(1, 2), noisy, B)
     assert mask.shape == (1, 1, 2 * T, 2 * T)
     starts = (0, 8, 12)
     expected = torch.zeros(2 * T, 2 * T, dtype=torch.bool)
@@ -82,7 +83,8 @@ def test_packed_two_stream_mask_is_each_sequence_s_own_mask(B):
 def test_packed_causal_mask_keeps_sequences_apart():
     segment_ids = torch.tensor([[0, 0, 1, 1, 1, -1]])
     mask = packed_causal_mask(segment_ids)[0, 0]
-    assert torch.equal(mask, packed_two_stream_mask(torch.tensor([[0, 1, 0, 1, 2, 0]]), segment_ids, 1)[0, 0, :6, :6])
+    clean_only = torch.zeros_like(segment_ids, dtype=torch.bool)
+    assert torch.equal(mask, packed_two_stream_mask(torch.tensor([[0, 1, 0, 1, 2, 0]]), segment_ids, clean_only, 1)[0, 0])
     assert mask.tolist()[3] == [False, False, True, True, False, False]
 
 
@@ -94,33 +96,36 @@ def test_two_stream_mask_rejects_bad_block():
 @pytest.mark.parametrize("B", [1, 3, 4])
 def test_two_stream_batch_with_arbitrary_boundaries(B):
     rng = random.Random(B)
-    L, batch = 13, 4
+    L, batch = 13, 5
     input_ids = torch.randint(4, 200, (batch, L))
     labels = torch.full((batch, L), IGNORE)
-    boundaries = [0, 1, rng.randint(2, L - 2), L - 1]
-    for row, start in enumerate(boundaries):
-        labels[row, start:] = input_ids[row, start:]
+    boundaries = [1, 2, rng.randint(3, L - 2), L - 1, L - 3]
+    ends = [L, L, L, L, L - 1]                         # the last row is right-padded
+    for row, (start, end) in enumerate(zip(boundaries, ends)):
+        labels[row, start:end] = input_ids[row, start:end]
 
     tsb = two_stream_batch(input_ids, labels, B, MASK_ID)
 
-    assert tsb.input_ids.shape == (batch, 2 * L)
     assert torch.equal(tsb.input_ids[:, :L], input_ids)
-    noisy = tsb.input_ids[:, L:]
-    for row, start in enumerate(boundaries):
-        assert torch.equal(noisy[row, :start], input_ids[row, :start])       # prompt stays
-        assert (noisy[row, start:] == MASK_ID).all()                          # response masked
-    assert ((noisy == MASK_ID) == (labels != IGNORE)).all()
-    expected_pos = torch.cat([torch.arange(L), torch.arange(L)])
-    assert tsb.position_ids.shape == (batch, 2 * L)
-    assert all(torch.equal(tsb.position_ids[r], expected_pos) for r in range(batch))
-    # one mask for all rows (broadcast over the batch) or one per row: either way the same rule
-    assert tsb.attention_mask.dtype == torch.bool
-    assert tsb.attention_mask.shape[0] in (1, batch)
-    assert tsb.attention_mask.shape[1:] == (1, 2 * L, 2 * L)
-    per_row = tsb.attention_mask.expand(batch, -1, -1, -1)
-    reference = brute_force_mask(L, B)
-    assert all(torch.equal(per_row[r, 0], reference) for r in range(batch))
     assert torch.equal(tsb.labels, labels)
+    reference = brute_force_mask(L, B)
+    for row, (start, end) in enumerate(zip(boundaries, ends)):
+        # the noisy half copies the columns from the block of the first scored output to the last target
+        first = (start - 1) // B * B
+        columns = tsb.noisy_columns[row][tsb.noisy_columns[row] >= 0]
+        assert columns.tolist() == list(range(first, end))
+        noisy = tsb.input_ids[row, L:L + len(columns)]
+        assert torch.equal(noisy[:start - first], input_ids[row, first:start])      # prompt stays
+        assert (noisy[start - first:] == MASK_ID).all()                             # response masked
+        assert torch.equal(tsb.noisy_labels[row, :len(columns)], labels[row, columns])
+        assert (tsb.noisy_labels[row, len(columns):] == IGNORE).all()
+        assert torch.equal(tsb.position_ids[row, :L], torch.arange(L))
+        assert torch.equal(tsb.position_ids[row, L:L + len(columns)], columns)
+        # over the columns it keeps, the mask is the spec's two-stream mask
+        kept = torch.cat([torch.arange(L), L + columns])
+        z = torch.cat([torch.arange(L), L + torch.arange(len(columns))])
+        assert torch.equal(tsb.attention_mask[row, 0][z[:, None], z[None, :]], reference[kept[:, None], kept[None, :]])
+        assert tsb.attention_mask[row, 0].any(dim=-1).all()                         # no query without a key
 
 
 # ------------------------------------------------------------------ decode_step_mask

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from conftest import chat_conversations
 from marslm.chat import IGNORE, encode_conversation
-from marslm.objective import ar_loss, collate, collate_packed, mars_loss, pad_to_block
+from marslm.masks import for_attention, two_stream_mask
+from marslm.objective import ar_loss, collate, collate_packed, mars_loss, pad_to_block, two_stream_batch
 
 MASK_ID = 3
 EOS_ID = 2
@@ -24,7 +25,10 @@ def batch_of(tokenizer, n=3, block_size=4, seed=0):
 
 
 def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0):
-    """Run mars_loss and capture the [clean ; noisy] logits of its forward."""
+    """Run mars_loss and capture the clean and noisy logits of its forward, each ``[batch, L, vocab]``.
+
+    The batch leaves out noisy copies no loss needs; their logits are returned as zeros.
+    """
     captured = {}
 
     def hook(module, args, kwargs, output):
@@ -38,8 +42,13 @@ def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0):
         handle.remove()
     L = input_ids.shape[1]
     logits = captured["logits"].detach()
-    assert logits.shape[1] == 2 * L
-    return terms, logits[:, :L], logits[:, L:]
+    columns = two_stream_batch(input_ids, labels, block_size, MASK_ID).noisy_columns
+    assert logits.shape[1] == L + columns.shape[1]
+    noisy = torch.zeros_like(logits[:, :L])
+    for row in range(len(columns)):
+        real = columns[row] >= 0
+        noisy[row, columns[row][real]] = logits[row, L:][real]
+    return terms, logits[:, :L], noisy
 
 
 def manual_ce(logits, labels):
@@ -134,8 +143,6 @@ def test_sdpa_and_eager_agree(tiny_tokenizer, make_tiny_model, arch):
 
 def test_eager_with_a_boolean_mask_would_be_wrong(tiny_tokenizer, make_tiny_model):
     """Guards the sdpa/eager test: without for_attention's conversion eager really differs."""
-    from marslm.objective import two_stream_batch
-
     eager = make_tiny_model("qwen2", "eager")
     batch = batch_of(tiny_tokenizer, n=1)
     tsb = two_stream_batch(batch["input_ids"], batch["labels"], 4, MASK_ID)
@@ -144,7 +151,8 @@ def test_eager_with_a_boolean_mask_would_be_wrong(tiny_tokenizer, make_tiny_mode
         wrong = eager(input_ids=tsb.input_ids, position_ids=tsb.position_ids,
                       attention_mask=tsb.attention_mask.float()).logits
     L = batch["input_ids"].shape[1]
-    assert not torch.allclose(wrong[:, L:], noisy_ok, atol=1e-3)
+    kept = tsb.noisy_columns[0]
+    assert not torch.allclose(wrong[0, L:], noisy_ok[0, kept], atol=1e-3)
 
 
 # ------------------------------------------------------------------ loss
@@ -172,6 +180,45 @@ def test_loss_terms(tiny_tokenizer, make_tiny_model):
         hf = model(input_ids=ids, labels=labels).loss
     assert torch.isclose(ar["loss"], clean_ce, atol=1e-5)
     assert torch.isclose(ar["loss"], hf, atol=1e-5)
+
+
+def literal_mars_loss(model, input_ids, labels, block_size, ar_weight=1.0):
+    """The objective exactly as MARS_METHOD.md writes it: z = [x ; x~], full length, one sequence per row."""
+    L = input_ids.shape[1]
+    noisy_ids = torch.where(labels != IGNORE, MASK_ID, input_ids)
+    mask = for_attention(two_stream_mask(L, block_size)[None, None], model)
+    logits = model(input_ids=torch.cat([input_ids, noisy_ids], dim=1),
+                   position_ids=torch.arange(L).repeat(2)[None].expand(len(input_ids), -1),
+                   attention_mask=mask).logits
+    return manual_ce(logits[:, L:], labels) + ar_weight * manual_ce(logits[:, :L], labels)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("block_size", [1, 3, 4])
+def test_batch_without_unneeded_noisy_copies_gives_the_literal_loss_and_gradients(tiny_tokenizer, make_tiny_model,
+                                                                                   attn, block_size):
+    from marslm.data import toy
+
+    examples = []
+    for example in toy.make_split("train", 6):    # prompts of different lengths
+        enc = encode_conversation(tiny_tokenizer, toy.to_chat_record(example)["messages"])
+        examples.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    batch = collate(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
+    ids, labels = batch["input_ids"], batch["labels"]
+    tsb = two_stream_batch(ids, labels, block_size, MASK_ID)
+    assert tsb.input_ids.shape[1] < 1.8 * ids.shape[1]        # it did leave columns out
+
+    def loss_and_grads(loss_fn):
+        model = make_tiny_model("qwen2", attn, seed=6)
+        loss = loss_fn(model)
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    ours, our_grads = loss_and_grads(lambda m: mars_loss(m, ids, labels, block_size, MASK_ID, ar_weight=0.5)["loss"])
+    literal, literal_grads = loss_and_grads(lambda m: literal_mars_loss(m, ids, labels, block_size, ar_weight=0.5))
+    torch.testing.assert_close(ours, literal, rtol=1e-5, atol=1e-5)
+    for name in literal_grads:
+        torch.testing.assert_close(our_grads[name], literal_grads[name], rtol=1e-4, atol=1e-6)
 
 
 def test_loss_only_on_response_targets(tiny_tokenizer, make_tiny_model):
