@@ -53,7 +53,7 @@ PRESETS = {
     # MARS weights the clean-stream loss 2x: with 1.3M parameters the masked stream otherwise
     # takes a point or two of one-token accuracy, at no gain in tokens per forward (README).
     "default": DemoPreset(model="quick", vocab_size=1024, train_examples=20000, test_examples=500,
-                          ar_steps=3000, mars_steps=450, batch_size=32, ar_lr=3e-3, mars_lr=1e-3,
+                          ar_steps=3000, mars_steps=500, batch_size=32, ar_lr=3e-3, mars_lr=1e-3,
                           mars_ar_weight=2.0, packing=False),
     # An AR stage that plateaus inside the 15 minutes: its mixture draws format items 2x and list
     # items 3x as often as arithmetic and code (the two families learned last; their items are
