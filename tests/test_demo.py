@@ -28,6 +28,10 @@ def test_quick_demo_writes_a_well_formed_report(tmp_path, capsys):
     # one-token mode is AR decoding: exactly one token per forward
     assert report["mars"]["results"][0]["tokens_per_forward"] == 1.0
     assert report["ar_learning_curve"] and report["ar_learning_curve"][-1]["step"] == report["preset"]["ar_steps"]
+    # the issue's results, checked on this run (the quick preset makes no quality claims, so only the shape)
+    assert [c["result"] for c in report["checks"]] == [0, 1, 2, 3]
+    assert all(isinstance(c["met"], bool) for c in report["checks"][:3])
+    assert "result 2: " in printed
 
     for stage in ("ar", "mars"):
         assert (out / stage / "config.json").is_file()
@@ -35,3 +39,37 @@ def test_quick_demo_writes_a_well_formed_report(tmp_path, capsys):
     AutoModelForCausalLM.from_pretrained(out / "mars")
     AutoTokenizer.from_pretrained(out / "mars").apply_chat_template([{"role": "user", "content": "hi"}],
                                                                    tokenize=False)
+
+
+def _report(ar, ar_families, mars):
+    """A demo report with only what check_results reads; accuracies in percent."""
+    def result(tau, acc, families, tpf=1.0):
+        return {"tau": tau, "accuracy": acc / 100, "tokens_per_forward": tpf,
+                "families": {f: {"accuracy": a / 100, "n": 125} for f, a in families.items()}}
+    return {"ar": {"results": [result(1.0, ar, ar_families)]},
+            "mars": {"results": [result(tau, acc, fams, tpf) for tau, acc, fams, tpf in mars]},
+            "ar_learning_curve": [{"step": 500, "accuracy": 0.90}, {"step": 1000, "accuracy": 0.91}]}
+
+
+def test_check_results_judges_each_claim_at_its_edge():
+    from marslm.demo import check_results, format_checks
+
+    families = {"arithmetic": 90.0, "lists": 60.0}
+    # every claim met exactly at its threshold: equal overall, a family 2 points down, 2.0 tok/fwd, -2 points
+    edge = _report(80.0, families, [(1.0, 80.0, {"arithmetic": 94.0, "lists": 58.0}, 1.0),
+                                    (0.95, 78.0, families, 2.0)])
+    checks = {c["result"]: c for c in check_results(edge)}
+    assert [checks[r]["met"] for r in (0, 1, 2)] == [True, True, True]
+    assert checks[3]["met"] is None and "+1.0 points" in checks[3]["detail"]
+    # and each missed just past it
+    assert not check_results(_report(59.0, families, []))[0]["met"]
+    assert not check_results(_report(80.0, {"arithmetic": 99.0, "lists": 29.0}, []))[0]["met"]
+    below = _report(80.0, families, [(1.0, 79.8, families, 1.0)])
+    assert not check_results(below)[1]["met"]
+    family_drop = _report(80.0, families, [(1.0, 81.0, {"arithmetic": 95.0, "lists": 57.6}, 1.0)])
+    assert "lists -2.4" in check_results(family_drop)[1]["detail"] and not check_results(family_drop)[1]["met"]
+    slow = _report(80.0, families, [(1.0, 80.0, families, 1.0), (0.95, 80.0, families, 1.99)])
+    assert not check_results(slow)[2]["met"]
+    lossy = _report(80.0, families, [(1.0, 80.0, families, 1.0), (0.95, 77.8, families, 2.5)])
+    assert not check_results(lossy)[2]["met"]
+    assert "MISSED" in format_checks(check_results(lossy)) and "not judged here" in format_checks(checks.values())
