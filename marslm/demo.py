@@ -112,6 +112,11 @@ def build_base_model(out: Path, preset: DemoPreset) -> Path:
     return base
 
 
+def curve_steps(total_steps: int, points: int) -> list[int]:
+    """Evenly spaced evaluation steps ending at the last one, also when ``points`` does not divide it."""
+    return sorted({max(1, round(k * total_steps / points)) for k in range(1, points + 1)})
+
+
 def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: list):
     """Evaluates greedy accuracy on held-out items a few times during AR training."""
     from transformers import AutoTokenizer, TrainerCallback
@@ -120,11 +125,11 @@ def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: lis
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     eval_set = load_eval_set("toy", preset.curve_items, seed=preset.seed + 1)
-    every = max(1, preset.ar_steps // preset.curve_points)
+    at_steps = set(curve_steps(preset.ar_steps, preset.curve_points))
 
     class LearningCurve(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step % every and state.global_step != state.max_steps:
+            if state.global_step not in at_steps:
                 return
             was_training = model.training
             model.eval()

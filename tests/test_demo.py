@@ -27,7 +27,7 @@ def test_quick_demo_writes_a_well_formed_report(tmp_path, capsys):
         assert sum(f["n"] for f in result["families"].values()) == result["n"]
     # one-token mode is AR decoding: exactly one token per forward
     assert report["mars"]["results"][0]["tokens_per_forward"] == 1.0
-    assert report["ar_learning_curve"] and report["ar_learning_curve"][-1]["step"] == report["preset"]["ar_steps"]
+    assert [point["step"] for point in report["ar_learning_curve"]] == [30, 60]
     # the results, checked on this run (the quick preset makes no quality claims, so only the shape)
     assert [c["result"] for c in report["checks"]] == [0, 1, 2, 3]
     assert all(isinstance(c["met"], bool) for c in report["checks"][:3])
@@ -73,3 +73,11 @@ def test_check_results_judges_each_claim_at_its_edge():
     lossy = _report(80.0, families, [(1.0, 80.0, families, 1.0), (0.95, 77.8, families, 2.5)])
     assert not check_results(lossy)[2]["met"]
     assert "MISSED" in format_checks(check_results(lossy)) and "not judged here" in format_checks(checks.values())
+
+
+def test_learning_curve_steps_are_even_and_end_at_the_last_step():
+    from marslm.demo import curve_steps
+
+    assert curve_steps(4000, 8) == [500, 1000, 1500, 2000, 2500, 3000, 3500, 4000]
+    assert curve_steps(5500, 8) == [688, 1375, 2062, 2750, 3438, 4125, 4812, 5500]   # no extra point at 5496
+    assert curve_steps(3, 6) == [1, 2, 3]
