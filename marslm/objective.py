@@ -10,9 +10,9 @@ half), so ``ar_weight`` keeps the plain SFT loss in the objective: that is what 
 quality at or above the AR baseline as B grows.
 
 That is the objective as written. The batch built here computes the same loss with fewer tokens:
-x~ keeps only the columns some loss term depends on (from the block before the first target to
-the last target), so a long prompt is not run through the model twice (``needed_noisy_columns``;
-a test checks loss and gradients against the literal form above).
+x~ keeps only the columns some loss term depends on (from the block that holds the output
+predicting the first target, to the last target), so a long prompt is not run through the model
+twice (``needed_noisy_columns``; a test checks loss and gradients against the literal form above).
 
 Batches are right-padded. Real tokens never attend to later columns, so right padding needs no
 key mask at all: only the padded query rows compute garbage, and they carry no target.
