@@ -14,12 +14,15 @@ def _accept(conf, tau, metric=PROB, max_accept=None):
     return accept_length(conf, tau, metric, max_accept).tolist()
 
 
-def test_accepts_leading_run_and_at_least_one():
+def test_accepts_the_ar_token_then_the_leading_confident_masks():
     assert _accept([[0.99, 0.97, 0.5, 0.99]], 0.95) == [2]
     assert _accept([[0.99, 0.99, 0.99, 0.99]], 0.95) == [4]
-    # the first candidate failing still yields one token; a later pass after a failure does not count
-    assert _accept([[0.2, 0.99, 0.99, 0.99]], 0.95) == [1]
+    # the reference rule: the first (AR) candidate is accepted whatever its confidence, and the
+    # masks after it still count; a pass after a failed mask does not
+    assert _accept([[0.2, 0.99, 0.99, 0.99]], 0.95) == [4]
+    assert _accept([[0.2, 0.99, 0.2, 0.99]], 0.95) == [2]
     assert _accept([[0.99, 0.2, 0.99, 0.99]], 0.95) == [1]
+    assert _accept([[9.0, 0.1, 0.1, 9.0]], 0.5, metric=ENTROPY) == [3]
 
 
 def test_one_token_mode_accepts_exactly_one_even_when_prob_rounds_to_one():

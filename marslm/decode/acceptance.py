@@ -2,8 +2,10 @@
 
 Candidates come left to right: the AR prediction at the last real token, then the predictions at
 the appended masks. Greedy argmax gives the tokens; a confidence score per candidate decides how
-far to go. Accept left to right while the confidence passes tau, and always at least one token,
-so decoding always makes progress.
+far to go. The first candidate is the AR token and is always accepted, whatever its confidence
+(it is what plain AR decoding would emit, so decoding always makes progress); the mask candidates
+after it are accepted left to right while their confidence passes tau. This is the reference
+sampler's rule (Xalp/MARS, ``left_to_right_step``).
 
     prob     top-1 probability          accept while p >= tau      tau in (0, 1]
     margin   top-1 minus top-2 prob     accept while m >= tau      tau in (0, 1]
@@ -74,8 +76,8 @@ def accept_length(conf: torch.Tensor, tau: torch.Tensor, metric: torch.Tensor,
     """
     tau_col = tau[:, None].to(conf.dtype)
     passes = torch.where(metric[:, None] == ENTROPY, conf <= tau_col, conf >= tau_col)
-    leading = passes.long().cumprod(dim=-1).sum(dim=-1)
-    accept = leading.clamp(min=1)
+    passes[:, 0] = True   # the AR token: accepted whatever its confidence
+    accept = passes.long().cumprod(dim=-1).sum(dim=-1)
     accept = torch.where(one_token_rows(tau, metric), torch.ones_like(accept), accept)
     if max_accept is not None:
         accept = torch.minimum(accept, max_accept)
