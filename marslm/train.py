@@ -27,7 +27,7 @@ from .chat import encode_conversation, stop_token_ids
 from .config import LR_SCHEDULES, MASK_TOKEN, MarsConfig
 from .data import check_mix, load_conversations
 from .errors import UserError
-from .modeling import check_model_source, count_parameters, ensure_mask_token
+from .modeling import check_model_source, count_parameters, ensure_mask_token, freeze_for_training
 from .objective import ar_loss, collate, collate_packed, mars_loss
 
 log = logging.getLogger("marslm.train")
@@ -61,6 +61,8 @@ class TrainConfig:
     data_seed: int = 0
     packing: bool = False              # several sequences per row: same loss, no padding FLOPs
     data_mix: dict | None = None       # toy family weights, e.g. {"lists": 2}; None = balanced
+    train_layers: int | None = None    # train only the top N decoder layers (embeddings frozen too)
+    freeze_embeddings: bool = False    # keep the embedding matrix (and a tied lm_head) fixed
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -78,6 +80,8 @@ class TrainConfig:
         if self.batch_size < 1 or self.grad_accum < 1:
             raise UserError("--batch-size and --grad-accum must be >= 1")
         check_mix(self.data, self.data_mix)
+        if self.train_layers is not None and self.train_layers < 1:
+            raise UserError(f"--train-layers must be >= 1, got {self.train_layers}")
         if self.epochs <= 0 and self.max_steps <= 0:
             raise UserError("give a positive --epochs or --max-steps")
         out = Path(self.output)
@@ -192,6 +196,10 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         loss_fn = ar_loss
         collator = partial(collate_fn, pad_id=pad_id)
         block_size = 1
+    split = freeze_for_training(model, cfg.train_layers, cfg.freeze_embeddings)
+    if split["frozen"]:
+        log.warning("training %s of %s parameters (%s)", f"{split['trainable']:,}", f"{count_parameters(model):,}",
+                    f"top {cfg.train_layers} layers" if cfg.train_layers else "embeddings frozen")
 
     partial_dir = Path(str(Path(cfg.output)) + ".partial")
     args = TrainingArguments(

@@ -1,0 +1,173 @@
+"""``marslm distill``: a model's own greedy answers to a prompt set, as chat JSONL to train on.
+
+Drafter training (EAGLE-3, DFlash) learns from the target model's regenerated answers, because
+that is the text it will be asked to predict; MARS on a pretrained instruct model does the same.
+The prompts: the toy suite's, and a procedurally generated set of everyday instructions
+(data/instructions.py), or a chat JSONL file's user turns.
+
+Decoding is ``marslm.generate`` at tau = 1, which is greedy AR decoding, with rows refilled as
+others finish. Each answer is appended to the output as soon as it is done, one line
+``{"id", "source", "messages": [..., {"role": "assistant", ...}], "answer_ids", "finished"}``,
+so an interrupted run resumes by skipping the ids already written. ``marslm train`` reads the
+file as it reads any chat JSONL (extra keys are ignored).
+
+An answer that reaches ``max_new_tokens`` before its end-of-turn token is written to a second
+file, ``OUTPUT.unfinished.jsonl``: trained as a chat turn it would end in the template's
+end-of-turn token, teaching the model to stop where it was only cut.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+SOURCES = ("instructions", "toy")
+DEFAULT_PROMPTS = "instructions:600,toy:200"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    source: str
+    messages: list[dict]     # the conversation up to the answer
+
+
+def parse_prompt_spec(spec: str) -> list[tuple[str, int | None]]:
+    """``"instructions:600,toy:200"`` or a JSONL path -> ``[(source, n), ...]`` (n None: all of a file)."""
+    parts = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, count = part.rpartition(":") if part.split(":")[0] in SOURCES else (part, "", "")
+        if name in SOURCES:
+            try:
+                n = int(count)
+            except ValueError:
+                raise UserError(f"--prompts: expected SOURCE:N with N a number, got {part!r}") from None
+            if n < 1:
+                raise UserError(f"--prompts: N must be >= 1, got {part!r}")
+            parts.append((name, n))
+        elif Path(part).is_file():
+            parts.append((part, None))
+        else:
+            raise UserError(f"--prompts: {part!r} is neither {' / '.join(s + ':N' for s in SOURCES)} nor a file")
+    if not parts:
+        raise UserError("--prompts is empty")
+    return parts
+
+
+def load_prompts(spec: str, split: str = "train", seed: int = 0) -> list[Prompt]:
+    """The prompts a spec names, in order, each with a stable id; duplicates (same id) kept once."""
+    prompts: list[Prompt] = []
+    for source, n in parse_prompt_spec(spec):
+        if source == "instructions":
+            from .data import instructions
+
+            try:
+                items = instructions.make_split(split, n, seed=seed)
+            except ValueError as exc:
+                raise UserError(f"--prompts: {exc}") from None
+            prompts += [Prompt(x.id, source, x.messages) for x in items]
+        elif source == "toy":
+            from .data import toy
+
+            prompts += [Prompt(ex.id, source, ex.messages) for ex in toy.make_split(split, n, seed=seed)]
+        else:
+            from .data.jsonl import read_chat_jsonl
+
+            for i, messages in enumerate(read_chat_jsonl(source)):
+                first_answer = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
+                prompts.append(Prompt(f"{Path(source).stem}-{i}", source, messages[:first_answer]))
+    unique = {}
+    for p in prompts:
+        unique.setdefault(p.id, p)
+    return list(unique.values())
+
+
+def unfinished_path(output: str | Path) -> Path:
+    output = Path(output)
+    return output.with_name(output.name.removesuffix(".jsonl") + ".unfinished.jsonl")
+
+
+def done_ids(output: str | Path) -> set[str]:
+    """Ids already answered in ``output`` and its unfinished file (a half-written last line is ignored)."""
+    ids = set()
+    for path in (Path(output), unfinished_path(output)):
+        if not path.is_file():
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                ids.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return ids
+
+
+def read_answers(output: str | Path, include_unfinished: bool = True) -> dict[str, dict]:
+    """``{id: record}`` of a distill output (and its unfinished file)."""
+    records = {}
+    paths = [Path(output)] + ([unfinished_path(output)] if include_unfinished else [])
+    for path in paths:
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                records[record["id"]] = record
+    return records
+
+
+def _drop_partial_last_line(path: Path) -> None:
+    """A run killed mid-write can leave a last line without its newline: cut it, it is redone."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def distill(model, tokenizer, prompts: list[Prompt], output: str | Path, *, max_new_tokens: int = 128,
+            batch_size: int = 16, progress: bool = True) -> dict:
+    """Greedy answers to every prompt not yet in ``output``; returns counts ``{"done", "new", "unfinished"}``."""
+    from tqdm.auto import tqdm
+
+    from .decode import generate
+
+    if max_new_tokens < 1 or batch_size < 1:
+        raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    for path in (output, unfinished_path(output)):
+        _drop_partial_last_line(path)
+    already = done_ids(output)
+    todo = [p for p in prompts if p.id not in already]
+    counts = {"done": len(prompts) - len(todo), "new": 0, "unfinished": 0}
+    if not todo:
+        return counts
+
+    bar = tqdm(total=len(prompts), initial=counts["done"], desc="distill", unit="answer", disable=not progress)
+    with output.open("a", encoding="utf-8") as finished_file, \
+            unfinished_path(output).open("a", encoding="utf-8") as unfinished_file:
+        def write(row):
+            prompt = todo[row.request_id]
+            text = tokenizer.decode(row.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            record = {"id": prompt.id, "source": prompt.source,
+                      "messages": prompt.messages + [{"role": "assistant", "content": text}],
+                      "answer_ids": row.token_ids, "finished": row.stopped}
+            target = finished_file if row.stopped else unfinished_file
+            target.write(json.dumps(record) + "\n")
+            target.flush()
+            counts["new"] += 1
+            counts["unfinished"] += not row.stopped
+            bar.update(1)
+
+        # tau = 1 reads no mask, so the model needs no mask token: any id stands in for it.
+        generate(model, tokenizer, [p.messages for p in todo], tau=1.0, max_new_tokens=max_new_tokens,
+                 batch_size=batch_size, mask_token_id=tokenizer.eos_token_id, on_finish=write)
+    bar.close()
+    return counts
