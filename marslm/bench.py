@@ -34,19 +34,34 @@ class Contender:
     options: dict = field(default_factory=dict)
 
 
-def default_contenders(taus=(0.95, 0.9), block_cache_sizes=(16, 32)) -> list[Contender]:
-    contenders = [Contender("HF generate (AR ckpt)", "hf", "ar"),
-                  Contender("HF generate (MARS ckpt)", "hf", "mars"),
-                  Contender("HF prompt lookup (MARS ckpt)", "hf-lookup", "mars", {"prompt_lookup_num_tokens": 4})]
+# Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
+CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "lossless", "lossless-groups")
+
+
+def default_contenders(taus=(0.95, 0.9), block_cache_sizes=(16, 32), groups=CONTENDER_GROUPS) -> list[Contender]:
+    unknown = set(groups) - set(CONTENDER_GROUPS)
+    if unknown:
+        raise UserError(f"unknown contender group(s) {', '.join(sorted(unknown))}; choose from "
+                        f"{', '.join(CONTENDER_GROUPS)}")
+    contenders = [Contender("HF generate (AR ckpt)", "hf", "ar")]
+    if "hf-mars" in groups:
+        contenders.append(Contender("HF generate (MARS ckpt)", "hf", "mars"))
+    if "lookup" in groups:
+        contenders.append(Contender("HF prompt lookup (MARS ckpt)", "hf-lookup", "mars",
+                                    {"prompt_lookup_num_tokens": 4}))
     for tau in taus:
-        contenders.append(Contender(f"MARS none tau={tau}", "mars", "mars", {"tau": tau, "cache": "none"}))
-        for size in block_cache_sizes:
+        if "none" in groups:
+            contenders.append(Contender(f"MARS none tau={tau}", "mars", "mars", {"tau": tau, "cache": "none"}))
+        for size in block_cache_sizes if "block" in groups else ():
             contenders.append(Contender(f"MARS block{size} tau={tau}", "mars", "mars",
                                         {"tau": tau, "cache": "block", "block_cache_size": size}))
-        contenders.append(Contender(f"MARS cursor tau={tau}", "mars", "mars", {"tau": tau, "cache": "cursor"}))
-    contenders.append(Contender("MARS lossless", "mars", "mars", {"mode": "lossless", "cache": "cursor"}))
-    contenders.append(Contender("MARS lossless +groups", "mars", "mars",
-                                {"mode": "lossless", "cache": "cursor", "draft_groups": True}))
+        if "cursor" in groups:
+            contenders.append(Contender(f"MARS cursor tau={tau}", "mars", "mars", {"tau": tau, "cache": "cursor"}))
+    if "lossless" in groups:
+        contenders.append(Contender("MARS lossless", "mars", "mars", {"mode": "lossless", "cache": "cursor"}))
+    if "lossless-groups" in groups:
+        contenders.append(Contender("MARS lossless +groups", "mars", "mars",
+                                    {"mode": "lossless", "cache": "cursor", "draft_groups": True}))
     return contenders
 
 
@@ -115,38 +130,46 @@ def _run_mars(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options)
 
 def run_bench(models: dict, eval_set, *, batch_sizes=(1, 4, 8), n: int = 32, repeats: int = 3,
               max_new_tokens: int = 128, contenders: list[Contender] | None = None, progress: bool = True) -> dict:
-    """``models``: ``{"ar": (model, tokenizer), "mars": (model, tokenizer)}``."""
+    """``models``: ``{"ar": (model, tokenizer), "mars": (model, tokenizer)}``.
+
+    Per batch size, every contender is warmed up, then the repeats go round the contenders in turn
+    (interleaved), so a machine that slows down for a while slows every contender alike.
+    """
     from tqdm.auto import tqdm
 
-    contenders = contenders or default_contenders()
+    contenders = [c for c in contenders or default_contenders() if c.checkpoint in models]
     examples = eval_set.examples[:n]
+    prompts = {name: [encode_prompt(tokenizer, ex.messages) for ex in examples]
+               for name, (_, tokenizer) in models.items()}
     rows = []
-    total = len(batch_sizes) * len(contenders)
-    bar = tqdm(total=total, desc="bench", disable=not progress)
+    bar = tqdm(total=len(batch_sizes) * len(contenders) * (repeats + 1), desc="bench", disable=not progress)
     for batch_size in batch_sizes:
-        for c in contenders:
-            if c.checkpoint not in models:
-                bar.update(1)
-                continue
-            model, tokenizer = models[c.checkpoint]
-            prompt_ids = [encode_prompt(tokenizer, ex.messages) for ex in examples]
-            runner = _run_hf if c.kind.startswith("hf") else _run_mars
-            runner(model, tokenizer, prompt_ids[:batch_size], batch_size, max_new_tokens, c.options)   # warm-up
-            seconds, result = [], None
-            for _ in range(repeats):
+        seconds = {c.name: [] for c in contenders}
+        results = {}
+        for round_ in range(repeats + 1):          # round 0 is the warm-up, on one batch
+            for c in contenders:
+                model, tokenizer = models[c.checkpoint]
+                if "refused" in results.get(c.name, {}):
+                    bar.update(1)
+                    continue
+                runner = _run_hf if c.kind.startswith("hf") else _run_mars
+                prompt_ids = prompts[c.checkpoint][:batch_size] if round_ == 0 else prompts[c.checkpoint]
                 started = time.perf_counter()
                 result = runner(model, tokenizer, prompt_ids, batch_size, max_new_tokens, c.options)
-                seconds.append(time.perf_counter() - started)
-                if "refused" in result:
-                    break
-            bar.update(1)
+                if round_ or "refused" in result:
+                    seconds[c.name].append(time.perf_counter() - started)
+                    results[c.name] = result
+                bar.update(1)
+        for c in contenders:
+            model, tokenizer = models[c.checkpoint]
+            result = results[c.name]
             row = {"contender": c.name, "batch_size": batch_size, "options": c.options, "checkpoint": c.checkpoint}
             if "refused" in result:
                 rows.append({**row, "refused": result["refused"]})
                 continue
             texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in result["token_ids"]]
             correct = eval_set.score_many(examples, texts)
-            rates = [result["tokens"] / s for s in seconds]
+            rates = [result["tokens"] / s for s in seconds[c.name]]
             rows.append({**row, "tokens": result["tokens"], "tokens_per_second": statistics.median(rates),
                          "tokens_per_second_min": min(rates), "tokens_per_second_max": max(rates),
                          "tokens_per_forward": result["tokens_per_forward"],
@@ -243,3 +266,76 @@ def load_bench_models(mars_dir: str, ar_dir: str | None):
     if "ar" not in models:
         raise UserError("--ar-model is required: the AR baseline is HF generate on the AR checkpoint")
     return models
+
+
+# ---------------------------------------------------------------------------- the cost curve
+
+def cost_curve(model, *, widths, contexts=(128, 512), batch_sizes=(1,), repeats: int = 5, seed: int = 0,
+               progress: bool = True) -> dict:
+    """Time of one cached forward against the number of tokens it feeds, as ratios to one token.
+
+    A MARS step feeds the tokens accepted last step plus the masks (up to 2B + 2 columns with
+    draft groups), where AR decoding feeds one; what that costs decides whether multi-token
+    acceptance pays on a given machine. For each batch size and context length a cache is
+    prefilled with ``context`` random tokens, then every width is fed on top of it and the cache
+    is cropped back, the widths in turn within each repeat (interleaved), after a warm-up round.
+    Logits are computed for every fed column, as a MARS step reads them.
+    """
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    rows = []
+    bar = tqdm(total=len(batch_sizes) * len(contexts) * (repeats + 1) * len(widths), desc="cost curve",
+               disable=not progress)
+    for batch in batch_sizes:
+        for context in contexts:
+            cache = DynamicCache(config=model.config)
+            prefix = torch.randint(vocab, (batch, context), generator=generator).to(device)
+            with torch.no_grad():
+                model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+            times = {w: [] for w in widths}
+            for round_ in range(repeats + 1):       # round 0: warm-up
+                for w in widths:
+                    fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
+                    positions = (context + torch.arange(w, device=device)).expand(batch, -1)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    with torch.no_grad():
+                        model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if round_:
+                        times[w].append(time.perf_counter() - started)
+                    cache.crop(-w)
+                    bar.update(1)
+            base = statistics.median(times[widths[0]])
+            for w in widths:
+                ms = statistics.median(times[w])
+                rows.append({"batch_size": batch, "context": context, "width": w, "ms": 1000 * ms,
+                             "ratio": ms / base})
+    bar.close()
+    return {"model": getattr(model, "name_or_path", ""), "device": str(device), "threads": torch.get_num_threads(),
+            "repeats": repeats, "widths": list(widths), "rows": rows}
+
+
+def format_cost_curve(report: dict) -> str:
+    widths = report["widths"]
+    head = ["batch", "context"] + [f"w={w}" for w in widths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = sorted({(r["batch_size"], r["context"]) for r in report["rows"]})
+    for batch, context in keys:
+        cells = {r["width"]: r for r in report["rows"] if (r["batch_size"], r["context"]) == (batch, context)}
+        lines.append("| " + " | ".join([str(batch), str(context)] +
+                                       [f"{cells[w]['ratio']:.2f}" for w in widths]) + " |")
+    base = {(r["batch_size"], r["context"]): r["ms"] for r in report["rows"] if r["width"] == widths[0]}
+    lines.append("")
+    lines.append("Forward time as a ratio to feeding one token (w=1: " +
+                 ", ".join(f"batch {b} context {c}: {ms:.1f} ms" for (b, c), ms in sorted(base.items())) +
+                 f"); {report['repeats']} repeats, device {report['device']}, {report['threads']} threads. "
+                 "A MARS step at block size B feeds up to B + 1 columns (2B + 2 with draft groups): it pays when "
+                 "tokens per forward exceed the ratio at that width.")
+    return "\n".join(lines)

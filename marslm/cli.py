@@ -45,7 +45,8 @@ def _add_train(sub) -> None:
     train.add_argument("--packing", action="store_true",
                        help="pack several sequences into each row (position ids restart, attention stays "
                        "inside each one): the same loss as padded batches without computing the padding")
-    train.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
+    train.add_argument("--bf16", action="store_true",
+                       help="bf16 mixed precision (GPU; on a CPU, autocast: fast where the CPU has AMX or AVX-512 BF16)")
     train.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (for resuming)")
     train.add_argument("--logging-steps", type=int, default=10)
     train.add_argument("--data-n", type=int, default=None, help="examples to draw from a generated source (toy)")
@@ -195,16 +196,22 @@ def _add_show(sub) -> None:
 
 def _add_demo(sub) -> None:
     from .demo import PRESETS
+    from .demo_smollm2 import PRESETS as REAL_PRESETS
 
-    demo = sub.add_parser("demo", help="the whole method end to end on the embedded toy suite",
-                          description="Build the toy suite and tokenizer, train a small Qwen2 from scratch (AR "
-                          "SFT), fine-tune it with MARS, and compare both at several tau. Writes OUT/ar, "
-                          "OUT/mars and OUT/report.json.")
-    demo.add_argument("--out", default="runs/demo", help="output directory (replaced; default runs/demo)")
-    demo.add_argument("--preset", choices=sorted(PRESETS), default="default",
+    demo = sub.add_parser("demo", help="the whole method end to end: the toy suite, or a real model (smollm2)",
+                          description="Toy presets: build the toy suite and tokenizer, train a small Qwen2 from "
+                          "scratch (AR SFT), fine-tune it with MARS, and compare both at several tau; writes OUT/ar, "
+                          "OUT/mars and OUT/report.json (OUT is replaced). smollm2: convert SmolLM2-135M-Instruct, "
+                          "distill its own greedy answers, train MARS on them on the CPU, evaluate against the "
+                          "original model; every stage resumes (rerun the same command after an interruption).")
+    demo.add_argument("--out", default=None,
+                      help="output directory (default runs/demo; runs/smollm2-demo for the smollm2 presets)")
+    demo.add_argument("--preset", choices=sorted(PRESETS) + sorted(REAL_PRESETS), default="default",
                       help="quick: a smoke run in minutes; default: the quoted numbers, <= 15 min on 2 cores; "
                       "plateau: an AR stage trained to its plateau (weighted mixture, packed rows), <= 15 min; "
-                      "short: the first default (AR stopped half way up its learning curve)")
+                      "short: the first default (AR stopped half way up its learning curve); "
+                      "smollm2: MARS on SmolLM2-135M-Instruct, about 2 hours on 2 cores (needs `make smollm2`'s "
+                      "packages); smollm2-quick: the same plumbing in a few minutes, no quality claims")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -245,18 +252,33 @@ def _add_ablate(sub) -> None:
 
 
 def _add_bench(sub) -> None:
+    from .bench import CONTENDER_GROUPS
+
     bench = sub.add_parser("bench", help="wall-clock speed of MARS decoding modes against HF generate",
                            description="Decode the same test prompts with HF generate (AR and MARS checkpoints), "
                            "HF prompt-lookup decoding and each MARS mode, after a warm-up and over several "
-                           "repeats; report tokens/s, tokens/forward, speed-up over AR, accuracy, peak KV.")
+                           "repeats taken in turn; report tokens/s, tokens/forward, speed-up over AR, accuracy, "
+                           "peak KV. With --cost-curve: instead, the time of one cached forward of the --model "
+                           "against the number of tokens it feeds (w = 1 .. 2B + 2), as ratios to w = 1, which "
+                           "tells whether MARS can pay on this machine.")
     bench.add_argument("--model", required=True, help="MARS checkpoint directory")
-    bench.add_argument("--ar-model", required=True, help="AR SFT checkpoint directory (the baseline)")
+    bench.add_argument("--ar-model", default=None,
+                       help="AR checkpoint directory, the baseline (HF generate with KV cache); required unless "
+                       "--cost-curve. For a pretrained model fine-tuned with MARS: the original model")
     bench.add_argument("--data", default="toy")
     bench.add_argument("--batch-sizes", type=_ints, default=[1, 4, 8])
     bench.add_argument("--n", type=int, default=32, help="prompts per contender and batch size")
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--taus", type=_floats, default=[0.95, 0.9])
+    bench.add_argument("--contenders", type=_strings, default=list(CONTENDER_GROUPS),
+                       help=f"comma-separated contender groups besides HF generate on --ar-model (always run): "
+                       f"{', '.join(CONTENDER_GROUPS)} (default all)")
+    bench.add_argument("--cost-curve", action="store_true",
+                       help="measure forward time against fed width instead of decoding")
+    bench.add_argument("--contexts", type=_ints, default=[128, 512], help="--cost-curve: cached context lengths")
+    bench.add_argument("--block-size", type=int, default=None,
+                       help="--cost-curve: B, for widths 1 .. 2B + 2 (default: the checkpoint's, else 4)")
     bench.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
     bench.add_argument("--quiet", action="store_true")
 
@@ -459,9 +481,16 @@ def cmd_show(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from .demo_smollm2 import PRESETS as REAL_PRESETS
+
+    if args.preset in REAL_PRESETS:
+        from .demo_smollm2 import run_smollm2_demo
+
+        run_smollm2_demo(args.out or "runs/smollm2-demo", args.preset, progress=not args.quiet)
+        return 0
     from .demo import run_demo
 
-    run_demo(args.out, args.preset, progress=not args.quiet)
+    run_demo(args.out or "runs/demo", args.preset, progress=not args.quiet)
     return 0
 
 
@@ -478,12 +507,34 @@ def cmd_bench(args) -> int:
 
     if args.n < 1 or args.repeats < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
         raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
+    if args.cost_curve:
+        return _cost_curve(args)
+    if args.ar_model is None:
+        raise UserError("--ar-model is required: the AR baseline is HF generate on the AR checkpoint")
+    contenders = default_contenders(taus=args.taus, groups=args.contenders)
     models = load_bench_models(args.model, args.ar_model)
     eval_set = load_eval_set(args.data, args.n)
     report = run_bench(models, eval_set, batch_sizes=args.batch_sizes, n=args.n, repeats=args.repeats,
-                       max_new_tokens=args.max_new_tokens, contenders=default_contenders(taus=args.taus),
-                       progress=not args.quiet)
+                       max_new_tokens=args.max_new_tokens, contenders=contenders, progress=not args.quiet)
     print(format_bench_table(report))
+    if args.json:
+        _write_json(args.json, report)
+    return 0
+
+
+def _cost_curve(args) -> int:
+    from .bench import cost_curve, format_cost_curve
+    from .decode.generate import default_block_size
+    from .modeling import check_model_source, load_model
+
+    if not args.contexts or min(args.contexts) < 1 or (args.block_size is not None and args.block_size < 1):
+        raise UserError("every --contexts value and --block-size must be >= 1")
+    check_model_source(args.model)
+    model, _, _ = load_model(args.model)
+    block = args.block_size or default_block_size(model)
+    report = cost_curve(model, widths=list(range(1, 2 * block + 3)), contexts=args.contexts,
+                        batch_sizes=args.batch_sizes, repeats=args.repeats, progress=not args.quiet)
+    print(format_cost_curve(report))
     if args.json:
         _write_json(args.json, report)
     return 0

@@ -215,6 +215,8 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         seed=cfg.seed,
         data_seed=cfg.seed,
         bf16=cfg.bf16,
+        # bf16 without a GPU is CPU autocast, which Trainer only allows when told the CPU is meant
+        use_cpu=cfg.bf16 and not torch.cuda.is_available(),
         save_strategy="steps",
         save_steps=cfg.save_steps,
         save_total_limit=2,
