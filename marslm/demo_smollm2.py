@@ -182,8 +182,16 @@ def learning_curve_callback(out: Path, preset: RealModelPreset, items: list[dict
             return
         was_training = model.training
         model.eval()
-        result = decode_heldout(model, tokenizer, items, 0.95, preset.curve_tokens, preset.block_size,
-                                preset.eval_batch, mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN))
+        # Under --bf16, Trainer (through accelerate) wraps forward in autocast. The checkpoint is
+        # saved and evaluated in float32, and bf16 logits flip near-ties of the greedy choice, so
+        # the curve runs the unwrapped forward.
+        wrapped = model.__dict__.pop("forward", None) if hasattr(model, "_original_forward") else None
+        try:
+            result = decode_heldout(model, tokenizer, items, 0.95, preset.curve_tokens, preset.block_size,
+                                    preset.eval_batch, mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN))
+        finally:
+            if wrapped is not None:
+                model.forward = wrapped
         model.train(was_training)
         curve.add({"step": step, "examples_seen": step * examples_per_step,
                    "tokens_per_forward": round(result["tokens_per_forward"], 4),

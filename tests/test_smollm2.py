@@ -120,3 +120,29 @@ def test_convert_refuses_an_unsupported_quantisation(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unsupported quantisation Q8_1" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_smollm2_quick_demo_runs_every_stage_and_resumes(smollm2_dir, tmp_path):
+    from marslm.demo_smollm2 import run_smollm2_demo
+
+    out = tmp_path / "demo"
+    report = run_smollm2_demo(out, "smollm2-quick", progress=False, original=str(smollm2_dir))
+    assert set(report["mars"]) == {"tau=1", "tau=0.9"}
+    for result in report["mars"].values():
+        assert result["tokens_per_forward"] >= 1.0 and 0.0 <= result["exact_match"] <= 1.0
+        assert result["mean_matching_prefix"] <= result["mean_reference_length"]
+    assert report["mars"]["tau=1"]["tokens_per_forward"] == 1.0
+    assert [p["step"] for p in report["learning_curve"]] == [0, 1, 2]
+    assert [p["examples_seen"] for p in report["learning_curve"]] == [0, 4, 8]
+    assert report["original"]["toy_accuracy"] is not None
+    assert report["train"]["steps"] == 2
+    config = json.loads((out / "mars" / "marslm.json").read_text())
+    assert config["stage"] == "mars" and config["mask_token_id"] == 49152
+
+    # a second run finds every stage complete: nothing is retrained or re-decoded
+    weights = out / "mars" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    again = run_smollm2_demo(out, "smollm2-quick", progress=False, original=str(smollm2_dir))
+    assert weights.stat().st_mtime_ns == stamp
+    assert again["mars"] == report["mars"] and again["learning_curve"] == report["learning_curve"]
