@@ -59,22 +59,42 @@ _FACT_QUESTIONS = (
     "What do we call frozen water?", "How many sides does a triangle have?", "How many sides does a square have?",
     "What is the main language spoken in Brazil?", "Which organ pumps blood through the body?",
     "What is the opposite of north?", "What do cows drink?", "What is the color of a ripe tomato?",
+    "How many seconds are in a minute?", "How many wheels does a bicycle have?", "What is the largest desert?",
+    "Which animal gives us wool?", "What do plants need to grow?", "Which planet do we live on?",
+    "How many players are on a soccer team?", "What is the fastest land animal?", "What shape has three sides?",
+    "Which bird is a symbol of peace?", "What is the longest river in Africa?", "What do you call a baby cat?",
+    "What do you call a baby dog?", "How many days are in a year?", "What is the hottest planet?",
+    "Which instrument has black and white keys?", "What is the main ingredient in bread?",
+    "Which sense do we use our ears for?", "What is the capital of the United States?", "What do fish breathe with?",
 )
 _TERMS = ("a noun", "a verb", "an adjective", "a planet", "a volcano", "a rainbow", "photosynthesis", "gravity",
           "a computer", "a recipe", "a habitat", "a molecule", "a budget", "a library", "an island", "a desert",
           "a poem", "a museum", "a map", "a calendar", "an email", "a password", "electricity", "a cloud",
           "a river", "a vaccine", "a battery", "a dictionary", "a mammal", "a fraction", "friendship", "a hobby",
-          "a season", "an orchestra", "a telescope", "recycling", "a thermometer", "a forest", "a bridge", "a verb tense")
+          "a season", "an orchestra", "a telescope", "recycling", "a thermometer", "a forest", "a bridge", "a verb tense",
+          "a pronoun", "a sentence", "a paragraph", "a synonym", "an antonym", "a planet's orbit", "an earthquake",
+          "a glacier", "a hurricane", "a skeleton", "a muscle", "a cell", "an atom", "a magnet", "a lever", "a wheel",
+          "a calculator", "a website", "a spreadsheet", "a keyboard", "a robot", "a satellite", "a rocket", "a compass",
+          "a farmer", "a pilot", "a nurse", "a chef", "an election", "a law", "a tax", "a bank", "a market", "a coin",
+          "a habit", "a goal", "a plan", "a schedule", "a team", "a neighbourhood", "a festival", "a tradition")
 _TOPICS = ("the ocean", "autumn", "a cat", "the moon", "a rainy day", "friendship", "a mountain", "coffee",
            "the city at night", "a garden", "winter", "a dog", "the sun", "a library", "music", "a train ride",
            "the first day of school", "a birthday party", "a lost key", "a robot", "the forest", "snow",
-           "a summer holiday", "a bicycle", "the stars", "a small village", "breakfast", "a river")
+           "a summer holiday", "a bicycle", "the stars", "a small village", "breakfast", "a river",
+           "a thunderstorm", "a busy market", "an old house", "a lighthouse", "the desert", "a school trip",
+           "a football match", "a cup of tea", "a snowy morning", "a quiet beach", "a new friend", "a kite",
+           "a museum visit", "the spring", "a picnic", "a clock", "a bakery", "an island", "a hot day", "a puppy")
 _ADJECTIVES = ("hot", "big", "happy", "fast", "dark", "old", "easy", "loud", "strong", "early", "full", "rich",
-               "soft", "high", "wet", "young", "clean", "heavy", "near", "bright", "quiet", "long", "cheap")
+               "soft", "high", "wet", "young", "clean", "heavy", "near", "bright", "quiet", "long", "cheap",
+               "cold", "small", "sad", "slow", "light", "new", "hard", "brave", "calm", "kind", "sharp", "thin",
+               "warm", "wide", "deep", "sweet", "funny", "polite", "busy", "simple")
 _ITEMS = ("apples", "pencils", "books", "cookies", "marbles", "stickers", "oranges", "cards", "balloons", "eggs")
 _GOALS = ("staying focused while studying", "drinking more water", "saving money", "learning a new language",
           "keeping a room tidy", "sleeping better", "making new friends", "staying healthy in winter",
-          "writing a good essay", "being on time", "reducing stress", "eating more vegetables")
+          "writing a good essay", "being on time", "reducing stress", "eating more vegetables",
+          "reading more books", "waking up early", "keeping a plant alive", "preparing for an exam",
+          "cooking a simple dinner", "staying safe online", "giving a short speech", "planning a trip",
+          "exercising at home", "remembering names", "working in a team", "keeping a diary")
 _SUBJECTS = ("a friend", "your teacher", "a neighbour", "your manager", "a classmate", "your grandmother")
 _EMAIL_REASONS = ("to say thank you for a gift", "to ask for a meeting next week", "to invite them to a party",
                   "to say you will be late", "to ask for help with homework", "to share some good news")
@@ -227,7 +247,8 @@ def make_split(split: str, n: int, seed: int = 0) -> list[Instruction]:
                 break
         else:
             prompt = None
-            for other in families:   # this family's pool is used up: take any family's fresh prompt
+            # this family's pool is used up: the next families in turn, so no one family takes over
+            for other in families[i % len(families) + 1:] + families[: i % len(families)]:
                 for _ in range(MAX_DRAWS_PER_PROMPT):
                     candidate = FAMILIES[other](rng)
                     if candidate not in seen and split_of(candidate) == split:
