@@ -100,6 +100,15 @@ def _add_generate(sub) -> None:
     gen.add_argument("--no-last-mask", dest="use_last_mask", action="store_false",
                      help="ignore the last mask's prediction (the authors' sampler; default: use it, "
                      "B+1 candidates per step)")
+    gen.add_argument("--fixed-width", dest="adaptive_width", action="store_false",
+                     help="always feed every mask (default: fewer while recent steps accepted few)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 (default): greedy; > 0 samples (lossless mode: exactly the AR model's distribution)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling cut (default 1: none)")
+    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling cut (default 0: none)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible answers)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the answer before TEXT (repeat for up to 4 strings)")
     gen.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     gen.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
 
@@ -394,7 +403,9 @@ def cmd_generate(args) -> int:
                       metric=args.metric, max_new_tokens=args.max_new_tokens,
                       apply_chat_template=not args.no_chat_template, cache=args.cache,
                       block_cache_size=args.block_cache_size, use_last_mask=args.use_last_mask,
-                      mode=args.mode, draft_groups=args.draft_groups)
+                      mode=args.mode, draft_groups=args.draft_groups, adaptive_width=args.adaptive_width,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      stop=tuple(args.stop))
     if args.json:
         print(json.dumps({
             "text": result.texts[0],

@@ -23,20 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
-
 METRICS = ("prob", "entropy", "margin")
 PROB, ENTROPY, MARGIN = range(3)
-
-
-def check_tau(tau: float, metric: str) -> None:
-    if metric not in METRICS:
-        raise UserError(f"unknown confidence metric {metric!r}; choose from {', '.join(METRICS)}")
-    if metric == "entropy":
-        if not tau >= 0:
-            raise UserError(f"tau for the entropy metric must be >= 0, got {tau}")
-    elif not 0 < tau <= 1:
-        raise UserError(f"tau for the {metric} metric must be in (0, 1], got {tau}")
 
 
 def metric_code(metric: str) -> int:
