@@ -288,6 +288,12 @@ def _add_serve(sub) -> None:
                      help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
     srv.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    srv.add_argument("--engine", choices=["marslm", "vllm"], default="marslm",
+                     help="marslm: this package's engine (default); vllm: vLLM's OpenAI server with the MARS "
+                     "plugin, from the environment `make vllm-env` makes (uses --host, --port, --api-key, "
+                     "--served-model-name, --max-batch, --tau, --log-level)")
+    srv.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                     help="with --engine vllm: options for `vllm serve` after --, e.g. -- --tensor-parallel-size 2")
 
 
 def _add_loadtest(sub) -> None:
@@ -485,6 +491,10 @@ def cmd_serve(args) -> int:
     from .decode import check_tau
     from .modeling import check_model_source
 
+    if args.engine == "vllm":
+        return _serve_vllm(args)
+    if args.vllm_args:
+        raise UserError(f"unexpected arguments {' '.join(args.vllm_args)} (options after -- are for --engine vllm)")
     check_tau(args.tau, "prob")
     check_tau(args.tau_floor, "prob")
     if args.tau_floor > args.tau:
@@ -503,6 +513,21 @@ def cmd_serve(args) -> int:
           max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
           max_tokens_limit=args.max_tokens_limit, tau=args.tau, tau_policy=args.tau_policy, tau_floor=args.tau_floor,
           slo_ms=args.slo_ms, seed=args.seed)
+    return 0
+
+
+def _serve_vllm(args) -> int:
+    from .decode import check_tau
+    from .modeling import check_model_source
+    from .vllm.launch import exec_server, serve_command
+
+    check_tau(args.tau, "prob")
+    if args.tau_policy != "fixed":
+        raise UserError("--tau-policy adaptive is marslm's engine; vLLM serves a fixed default tau")
+    check_model_source(args.model)
+    exec_server(serve_command(args.model, host=args.host, port=args.port, tau=args.tau, api_key=args.api_key,
+                              served_model_name=args.served_model_name, max_batch=args.max_batch,
+                              log_level=args.log_level, vllm_args=args.vllm_args))
     return 0
 
 
