@@ -10,7 +10,8 @@ Oracles:
     scratch, the same acceptance rule, B + 1 candidates) token for token. vLLM's first forward
     is a prefill, which never carries drafts, so it yields the one greedy token; the oracle
     decodes on from the prompt plus that token, and every later forward matches one of its
-    steps, so the forward counts match too.
+    steps, so the forward counts match too. Lossless mode matches marslm's lossless decoding
+    the same way (same drafts, so same forwards).
   * Without the scheduler's rollback of accepted mask positions (the negative control), some
     answer differs from the oracle: the comparison can fail.
 """
@@ -99,20 +100,21 @@ def hf_greedy(trained_checkpoints, prompts):
     return [reference(model, tokenizer, [p], MAX_TOKENS)[0] for p in prompts]
 
 
-def threshold_oracle(trained_checkpoints, prompt, first_token, settings):
+def marslm_oracle(trained_checkpoints, prompt, first_token, settings):
     """marslm.generate from the prompt and vLLM's prefill token: (tokens, forwards)."""
     model, tokenizer = trained_checkpoints["mars64"]
     out = generate(model, tokenizer, [prompt + [first_token]], tau=settings.get("tau", 0.95),
-                   metric=settings.get("metric", "prob"), cache="none", use_last_mask=True,
-                   max_new_tokens=MAX_TOKENS - 1, apply_chat_template=False)
+                   metric=settings.get("metric", "prob"), mode=settings.get("mode", "threshold"), cache="none",
+                   use_last_mask=True, max_new_tokens=MAX_TOKENS - 1, apply_chat_template=False)
     return [first_token] + out.token_ids[0], 1 + out.forwards[0]
 
 
-def check_threshold(trained_checkpoints, prompt, output, settings, greedy):
+def check_against_marslm(trained_checkpoints, prompt, output, settings, greedy):
+    """Same tokens as marslm's decoding, in the same forwards (lossless drafts the same way too)."""
     if not greedy:   # the first token already stops the answer
         assert answer(output) == []
         return
-    expected, forwards = threshold_oracle(trained_checkpoints, prompt, greedy[0], settings)
+    expected, forwards = marslm_oracle(trained_checkpoints, prompt, greedy[0], settings)
     assert answer(output) == expected
     assert output["forwards"] == forwards
 
@@ -121,37 +123,37 @@ def test_plain_vllm_equals_hf_greedy(decoded, hf_greedy):
     assert [answer(o) for o in decoded["plain"]["greedy"]] == hf_greedy
 
 
-def test_lossless_equals_greedy_in_fewer_forwards(decoded, hf_greedy):
+def test_lossless_equals_greedy_in_fewer_forwards(decoded, trained_checkpoints, prompts, hf_greedy):
     lossless = decoded["mars"]["lossless"]
     assert [answer(o) for o in lossless] == hf_greedy
     assert sum(o["forwards"] for o in lossless) < sum(len(o["token_ids"]) for o in lossless)
+    for prompt, output, greedy in zip(prompts, lossless, hf_greedy):
+        check_against_marslm(trained_checkpoints, prompt, output, {"mode": "lossless"}, greedy)
 
 
 @pytest.mark.parametrize("tau", [0.95, 0.8])
 def test_threshold_equals_marslm_generate(decoded, trained_checkpoints, prompts, hf_greedy, tau):
     outputs = decoded["mars"][f"tau{tau}"]
     for prompt, output, greedy in zip(prompts, outputs, hf_greedy):
-        check_threshold(trained_checkpoints, prompt, output, {"tau": tau}, greedy)
+        check_against_marslm(trained_checkpoints, prompt, output, {"tau": tau}, greedy)
     assert sum(o["forwards"] for o in outputs) < sum(len(o["token_ids"]) for o in outputs)
 
 
 def test_mixed_settings_share_a_batch(decoded, trained_checkpoints, prompts, hf_greedy):
     for i, (prompt, output, greedy) in enumerate(zip(prompts, decoded["mars"]["mixed"], hf_greedy)):
         settings = MIXED[i % len(MIXED)]
-        one_token = settings.get("tau") == 1.0
-        if settings.get("mode") == "lossless" or one_token:
+        if settings.get("tau") == 1.0:   # one-token mode: vLLM's own decoding
             assert answer(output) == greedy
-            if one_token:
-                assert output["forwards"] == len(output["token_ids"])
+            assert output["forwards"] == len(output["token_ids"])
         else:
-            check_threshold(trained_checkpoints, prompt, output, settings, greedy)
+            check_against_marslm(trained_checkpoints, prompt, output, settings, greedy)
 
 
 def test_negative_control_without_rollback_fails(decoded, trained_checkpoints, prompts, hf_greedy):
     """Accepted mask positions left with mask KV: some answer must leave the oracle."""
     differs = 0
     for prompt, output, greedy in zip(prompts, decoded["no_rollback"]["tau0.8"], hf_greedy):
-        expected, _ = threshold_oracle(trained_checkpoints, prompt, greedy[0], {"tau": 0.8})
+        expected, _ = marslm_oracle(trained_checkpoints, prompt, greedy[0], {"tau": 0.8})
         differs += answer(output) != expected
     assert differs > 0
 
