@@ -144,8 +144,8 @@ async def _measure(servers, field, concurrencies, requests, repeats, max_tokens,
                         entry["tokens_per_forward"] = 1.0   # no drafts: one token per forward by construction
                     runs.append(entry)
                     log(f"vllm bench: {contender.name:>20} x{concurrency:<3} #{repeat}: {entry['tokens_per_s']} "
-                        f"tok/s, "
-                        f"{entry['tokens_per_forward']} tok/fwd, accuracy {entry['accuracy']}, errors {entry['errors']}")
+                        f"tok/s, {entry['tokens_per_forward']} tok/fwd, accuracy {entry['accuracy']}, "
+                        f"errors {entry['errors']}")
     return runs
 
 

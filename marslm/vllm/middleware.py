@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from .settings import FIELDS, FieldError, check_request
+from .settings import FIELDS, FieldError, check_request, is_greedy
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -65,9 +65,7 @@ def rewrite_request(raw: bytes) -> bytes:
         return raw
     moved = {name: body.pop(name) for name in FIELDS if body.get(name) is not None}
     xargs = {**xargs, **moved}
-    temperature = body.get("temperature")
-    greedy = temperature is None or (isinstance(temperature, (int, float)) and temperature < 1e-5)
-    check_request(xargs, greedy=greedy)
+    check_request(xargs, greedy=is_greedy(body.get("temperature")))
     if not moved:
         return raw
     body["vllm_xargs"] = xargs

@@ -19,7 +19,7 @@ import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from ..errors import UserError
-from .settings import check_request
+from .settings import check_request, is_greedy
 
 
 def register() -> None:
@@ -55,7 +55,7 @@ class MarsRequestCheck(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         try:
-            check_request(sampling_params.extra_args or {}, greedy=sampling_params.temperature < 1e-5)
+            check_request(sampling_params.extra_args or {}, greedy=is_greedy(sampling_params.temperature))
         except UserError as exc:
             raise ValueError(str(exc)) from None
 

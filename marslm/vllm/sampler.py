@@ -27,7 +27,7 @@ import torch
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
 from ..decode.acceptance import accept_length, confidence
-from .settings import LOSSLESS, OFF, THRESHOLD, ServingConfig, row_settings
+from .settings import LOSSLESS, OFF, THRESHOLD, ServingConfig, request_settings
 
 log = logging.getLogger("marslm.vllm")
 
@@ -58,11 +58,8 @@ class MarsRows:
         req_ids = tuple(batch.req_ids[: batch.num_reqs])
         if req_ids == self._key:
             return self
-        settings = []
-        for req_id in req_ids:   # once per change of the batch, not per step
-            params = self.runner.requests[req_id].sampling_params
-            greedy = params is None or params.temperature < 1e-5
-            settings.append(row_settings(params.extra_args if params else None, greedy, self.config))
+        # once per change of the batch, not per step
+        settings = [request_settings(self.runner.requests[req_id].sampling_params, self.config) for req_id in req_ids]
         self.mode = np.array([s.mode for s in settings], dtype=np.int8)
         to = {"device": self.device, "non_blocking": True}
         self.tau = torch.tensor([s.tau for s in settings], dtype=torch.float64).to(**to)

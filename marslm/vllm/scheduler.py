@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .settings import THRESHOLD, ServingConfig, row_settings
+from .settings import THRESHOLD, ServingConfig, request_settings
 
 
 class MarsScheduler(Scheduler):
@@ -46,6 +46,4 @@ class MarsScheduler(Scheduler):
         return outputs
 
     def _mode(self, request) -> int:
-        params = request.sampling_params
-        greedy = params is None or params.temperature < 1e-5
-        return row_settings(params.extra_args if params else None, greedy, self.mars).mode
+        return request_settings(request.sampling_params, self.mars).mode

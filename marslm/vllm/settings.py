@@ -88,6 +88,18 @@ def check_request(fields: dict, greedy: bool = True) -> None:
         raise FieldError("MARS decoding is greedy: send temperature 0 with tau, metric or mode", "temperature")
 
 
+def is_greedy(temperature) -> bool:
+    """vLLM's rule: a temperature under 1e-5 is greedy (None: the server's default, 0 here)."""
+    return temperature is None or (isinstance(temperature, (int, float)) and temperature < 1e-5)
+
+
+def request_settings(params, config: ServingConfig) -> RowSettings:
+    """``row_settings`` of a vLLM ``SamplingParams``."""
+    if params is None:
+        return row_settings(None, True, config)
+    return row_settings(params.extra_args, is_greedy(params.temperature), config)
+
+
 def row_settings(extra_args: dict | None, greedy: bool, config: ServingConfig) -> RowSettings:
     """How one request decodes on this server. Its fields were checked at the front end."""
     fields = extra_args or {}
