@@ -304,6 +304,12 @@ def _add_serve(sub) -> None:
                      help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
     srv.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    srv.add_argument("--engine", choices=["marslm", "vllm"], default="marslm",
+                     help="marslm: this package's engine (default); vllm: vLLM's OpenAI server with the MARS "
+                     "plugin, from the environment `make vllm-env` makes (uses --host, --port, --api-key, "
+                     "--served-model-name, --max-batch, --tau, --log-level)")
+    srv.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                     help="with --engine vllm: options for `vllm serve` after --, e.g. -- --tensor-parallel-size 2")
 
 
 def _add_loadtest(sub) -> None:
@@ -327,6 +333,15 @@ def _add_loadtest(sub) -> None:
     lt.add_argument("--deadline", type=float, default=3600.0, help="skip remaining runs after this many seconds")
     lt.add_argument("--seed", type=int, default=0, help="seed of the toy test split")
     lt.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+    lt.add_argument("--engine", choices=["marslm", "vllm"], default="marslm",
+                    help="vllm: start vLLM servers on --checkpoint (plain, ngram and MARS, in the environment of "
+                    "`make vllm-env`) and compare vLLM plain AR, ngram, MARS lossless and MARS at --taus; "
+                    "--url and the policies do not apply")
+    lt.add_argument("--checkpoint", default=None, metavar="DIR", help="with --engine vllm: the checkpoint to serve")
+    lt.add_argument("--taus", type=_floats, default=[0.95], help="with --engine vllm: MARS taus (default 0.95)")
+    lt.add_argument("--repeats", type=int, default=3, help="with --engine vllm: interleaved repeats (default 3)")
+    lt.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                    help="with --engine vllm: options for every `vllm serve`, e.g. -- --gpu-memory-utilization 0.25")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -503,6 +518,10 @@ def cmd_serve(args) -> int:
     from .decode import check_tau
     from .modeling import check_model_source
 
+    if args.engine == "vllm":
+        return _serve_vllm(args)
+    if args.vllm_args:
+        raise UserError(f"unexpected arguments {' '.join(args.vllm_args)} (options after -- are for --engine vllm)")
     check_tau(args.tau, "prob")
     check_tau(args.tau_floor, "prob")
     if args.tau_floor > args.tau:
@@ -524,9 +543,28 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _serve_vllm(args) -> int:
+    from .decode import check_tau
+    from .modeling import check_model_source
+    from .vllm.launch import exec_server, serve_command
+
+    check_tau(args.tau, "prob")
+    if args.tau_policy != "fixed":
+        raise UserError("--tau-policy adaptive is marslm's engine; vLLM serves a fixed default tau")
+    check_model_source(args.model)
+    exec_server(serve_command(args.model, host=args.host, port=args.port, tau=args.tau, api_key=args.api_key,
+                              served_model_name=args.served_model_name, max_batch=args.max_batch,
+                              log_level=args.log_level, vllm_args=args.vllm_args))
+    return 0
+
+
 def cmd_loadtest(args) -> int:
     from .loadtest import format_table, policy_settings, run_loadtest
 
+    if args.engine == "vllm":
+        return _loadtest_vllm(args)
+    if args.vllm_args:
+        raise UserError(f"unexpected arguments {' '.join(args.vllm_args)} (options after -- are for --engine vllm)")
     if args.requests < 1 or not args.concurrency or min(args.concurrency) < 1:
         raise UserError("--requests and every --concurrency value must be >= 1")
     if not args.policies:
@@ -541,6 +579,29 @@ def cmd_loadtest(args) -> int:
     if args.json:
         _write_json(args.json, report)
     return 0
+
+def _loadtest_vllm(args) -> int:
+    from .decode import check_tau
+    from .modeling import check_model_source
+    from .vllm.bench import format_table, run_vllm_bench
+    from .vllm.launch import vllm_python
+
+    if not args.checkpoint:
+        raise UserError("--engine vllm needs --checkpoint DIR (the checkpoint the servers load)")
+    if args.requests < 1 or args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
+        raise UserError("--requests, --repeats and every --concurrency value must be >= 1")
+    for tau in args.taus:
+        check_tau(tau, "prob")
+    check_model_source(args.checkpoint)
+    vllm_python()
+    report = run_vllm_bench(args.checkpoint, concurrencies=args.concurrency, requests=args.requests,
+                            repeats=args.repeats, taus=args.taus, max_tokens=args.max_tokens, timeout=args.timeout,
+                            seed=args.seed, vllm_args=args.vllm_args, log=lambda line: print(line, file=sys.stderr))
+    print(format_table(report))
+    if args.json:
+        _write_json(args.json, report)
+    return 0
+
 
 def _write_json(path: str, payload: dict) -> None:
     from pathlib import Path
