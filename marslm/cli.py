@@ -17,7 +17,7 @@ EXIT_USAGE = 2
 
 
 def _add_train(sub) -> None:
-    from .config import LR_SCHEDULES
+    from .config import LR_SCHEDULES, MASKED_WEIGHTINGS, NORMALIZATIONS
 
     train = sub.add_parser("train", help="fine-tune a model: stage 'ar' (SFT) or 'mars' (the MARS objective)",
                            description="Fine-tune a Hugging Face causal LM on chat data. Stage 1 ('ar') is "
@@ -38,6 +38,7 @@ def _add_train(sub) -> None:
                        help="learning-rate schedule after the warmup (default cosine)")
     train.add_argument("--warmup-ratio", type=float, default=0.03, help="warmup share of the steps")
     train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm; 0 = off (default 1)")
     train.add_argument("--batch-size", type=int, default=8, help="per-device batch size")
     train.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     train.add_argument("--max-length", type=int, default=1024, help="truncate longer sequences (with a warning)")
@@ -45,6 +46,12 @@ def _add_train(sub) -> None:
     train.add_argument("--packing", action="store_true",
                        help="pack several sequences into each row (position ids restart, attention stays "
                        "inside each one): the same loss as padded batches without computing the padding")
+    train.add_argument("--loss-normalization", choices=NORMALIZATIONS, default="sequence",
+                       help="sequence (default, the reference's): average each sequence's token losses, then "
+                       "the sequences; token: average over every target token of the batch")
+    train.add_argument("--masked-weighting", choices=MASKED_WEIGHTINGS, default="uniform",
+                       help="uniform (default), or inverse-t: weight each sequence's masked-stream loss by 1/t, "
+                       "t ~ U(0.001, 1), as the reference does for its 'w/o SFT loss' ablation (--ar-weight 0)")
     train.add_argument("--bf16", action="store_true",
                        help="bf16 mixed precision (GPU; on a CPU, autocast: fast where the CPU has AMX or AVX-512 BF16)")
     train.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (for resuming)")
@@ -77,7 +84,7 @@ def _family_weights(text: str) -> dict[str, float]:
 
 def _add_generate(sub) -> None:
     from .decode.acceptance import METRICS
-    from .decode.batch import CACHE_MODES
+    from .decode.generate import CACHE_MODES
 
     gen = sub.add_parser("generate", help="decode one prompt with the MARS sliding window",
                          description="Apply the chat template to PROMPT and decode it, accepting several "
@@ -99,6 +106,15 @@ def _add_generate(sub) -> None:
     gen.add_argument("--no-last-mask", dest="use_last_mask", action="store_false",
                      help="ignore the last mask's prediction (the authors' sampler; default: use it, "
                      "B+1 candidates per step)")
+    gen.add_argument("--fixed-width", dest="adaptive_width", action="store_false",
+                     help="always feed every mask (default: fewer while recent steps accepted few)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 (default): greedy; > 0 samples (lossless mode: exactly the AR model's distribution)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling cut (default 1: none)")
+    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling cut (default 0: none)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible answers)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the answer before TEXT (repeat for up to 4 strings)")
     gen.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     gen.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
 
@@ -116,7 +132,7 @@ def _strings(text: str) -> list[str]:
 
 def _add_eval(sub) -> None:
     from .decode.acceptance import METRICS
-    from .decode.batch import CACHE_MODES
+    from .decode.generate import CACHE_MODES
     from .evaluate import ENTROPY_TAUS, EVAL_SOURCES
 
     ev = sub.add_parser(
@@ -315,6 +331,12 @@ def _add_serve(sub) -> None:
                      help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
     srv.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    srv.add_argument("--engine", choices=["marslm", "vllm"], default="marslm",
+                     help="marslm: this package's engine (default); vllm: vLLM's OpenAI server with the MARS "
+                     "plugin, from the environment `make vllm-env` makes (uses --host, --port, --api-key, "
+                     "--served-model-name, --max-batch, --tau, --log-level)")
+    srv.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                     help="with --engine vllm: options for `vllm serve` after --, e.g. -- --tensor-parallel-size 2")
 
 
 def _add_loadtest(sub) -> None:
@@ -338,6 +360,15 @@ def _add_loadtest(sub) -> None:
     lt.add_argument("--deadline", type=float, default=3600.0, help="skip remaining runs after this many seconds")
     lt.add_argument("--seed", type=int, default=0, help="seed of the toy test split")
     lt.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+    lt.add_argument("--engine", choices=["marslm", "vllm"], default="marslm",
+                    help="vllm: start vLLM servers on --checkpoint (plain, ngram and MARS, in the environment of "
+                    "`make vllm-env`) and compare vLLM plain AR, ngram, MARS lossless and MARS at --taus; "
+                    "--url and the policies do not apply")
+    lt.add_argument("--checkpoint", default=None, metavar="DIR", help="with --engine vllm: the checkpoint to serve")
+    lt.add_argument("--taus", type=_floats, default=[0.95], help="with --engine vllm: MARS taus (default 0.95)")
+    lt.add_argument("--repeats", type=int, default=3, help="with --engine vllm: interleaved repeats (default 3)")
+    lt.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                    help="with --engine vllm: options for every `vllm serve`, e.g. -- --gpu-memory-utilization 0.25")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -378,13 +409,13 @@ def cmd_train(args) -> int:
                       block_size=args.block_size, ar_weight=args.ar_weight, epochs=args.epochs,
                       max_steps=args.max_steps, learning_rate=args.lr, lr_schedule=args.lr_schedule,
                       warmup_ratio=args.warmup_ratio,
-                      weight_decay=args.weight_decay, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                      weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, batch_size=args.batch_size, grad_accum=args.grad_accum,
                       max_length=args.max_length, seed=args.seed, bf16=args.bf16, overwrite=args.overwrite,
                       resume=not args.no_resume, save_steps=args.save_steps, logging_steps=args.logging_steps,
                       data_n=args.data_n, data_mix=_family_weights(args.data_mix) if args.data_mix else None,
-                      packing=args.packing, train_layers=args.train_layers,
-                      freeze_embeddings=args.freeze_embeddings,
-                      progress=not args.quiet)
+                      packing=args.packing, loss_normalization=args.loss_normalization,
+                      masked_weighting=args.masked_weighting, train_layers=args.train_layers,
+                      freeze_embeddings=args.freeze_embeddings, progress=not args.quiet)
     summary = train(cfg)
     _end_distributed()
     # One write per line: under `accelerate launch` every rank prints its summary to the same
@@ -417,7 +448,9 @@ def cmd_generate(args) -> int:
                       metric=args.metric, max_new_tokens=args.max_new_tokens,
                       apply_chat_template=not args.no_chat_template, cache=args.cache,
                       block_cache_size=args.block_cache_size, use_last_mask=args.use_last_mask,
-                      mode=args.mode, draft_groups=args.draft_groups)
+                      mode=args.mode, draft_groups=args.draft_groups, adaptive_width=args.adaptive_width,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      stop=tuple(args.stop))
     if args.json:
         print(json.dumps({
             "text": result.texts[0],
@@ -524,14 +557,13 @@ def cmd_bench(args) -> int:
 
 def _cost_curve(args) -> int:
     from .bench import cost_curve, format_cost_curve
-    from .decode.generate import default_block_size
-    from .modeling import check_model_source, load_model
+    from .modeling import check_model_source, checkpoint_facts, load_model
 
     if not args.contexts or min(args.contexts) < 1 or (args.block_size is not None and args.block_size < 1):
         raise UserError("every --contexts value and --block-size must be >= 1")
     check_model_source(args.model)
-    model, _, _ = load_model(args.model)
-    block = args.block_size or default_block_size(model)
+    model, tokenizer, _ = load_model(args.model)
+    block = args.block_size or checkpoint_facts(model, tokenizer).block_size
     report = cost_curve(model, widths=list(range(1, 2 * block + 3)), contexts=args.contexts,
                         batch_sizes=args.batch_sizes, repeats=args.repeats, progress=not args.quiet)
     print(format_cost_curve(report))
@@ -544,6 +576,10 @@ def cmd_serve(args) -> int:
     from .decode import check_tau
     from .modeling import check_model_source
 
+    if args.engine == "vllm":
+        return _serve_vllm(args)
+    if args.vllm_args:
+        raise UserError(f"unexpected arguments {' '.join(args.vllm_args)} (options after -- are for --engine vllm)")
     check_tau(args.tau, "prob")
     check_tau(args.tau_floor, "prob")
     if args.tau_floor > args.tau:
@@ -565,9 +601,28 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _serve_vllm(args) -> int:
+    from .decode import check_tau
+    from .modeling import check_model_source
+    from .vllm.launch import exec_server, serve_command
+
+    check_tau(args.tau, "prob")
+    if args.tau_policy != "fixed":
+        raise UserError("--tau-policy adaptive is marslm's engine; vLLM serves a fixed default tau")
+    check_model_source(args.model)
+    exec_server(serve_command(args.model, host=args.host, port=args.port, tau=args.tau, api_key=args.api_key,
+                              served_model_name=args.served_model_name, max_batch=args.max_batch,
+                              log_level=args.log_level, vllm_args=args.vllm_args))
+    return 0
+
+
 def cmd_loadtest(args) -> int:
     from .loadtest import format_table, policy_settings, run_loadtest
 
+    if args.engine == "vllm":
+        return _loadtest_vllm(args)
+    if args.vllm_args:
+        raise UserError(f"unexpected arguments {' '.join(args.vllm_args)} (options after -- are for --engine vllm)")
     if args.requests < 1 or not args.concurrency or min(args.concurrency) < 1:
         raise UserError("--requests and every --concurrency value must be >= 1")
     if not args.policies:
@@ -642,6 +697,29 @@ def cmd_distill(args) -> int:
                      batch_size=args.batch_size, progress=not args.quiet)
     print(f"{args.output}: {counts['done'] + counts['new']} of {len(prompts)} prompts answered "
           f"({counts['new']} now, {counts['unfinished']} of them cut at --max-new-tokens)")
+    return 0
+
+
+def _loadtest_vllm(args) -> int:
+    from .decode import check_tau
+    from .modeling import check_model_source
+    from .vllm.bench import format_table, run_vllm_bench
+    from .vllm.launch import vllm_python
+
+    if not args.checkpoint:
+        raise UserError("--engine vllm needs --checkpoint DIR (the checkpoint the servers load)")
+    if args.requests < 1 or args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
+        raise UserError("--requests, --repeats and every --concurrency value must be >= 1")
+    for tau in args.taus:
+        check_tau(tau, "prob")
+    check_model_source(args.checkpoint)
+    vllm_python()
+    report = run_vllm_bench(args.checkpoint, concurrencies=args.concurrency, requests=args.requests,
+                            repeats=args.repeats, taus=args.taus, max_tokens=args.max_tokens, timeout=args.timeout,
+                            seed=args.seed, vllm_args=args.vllm_args, log=lambda line: print(line, file=sys.stderr))
+    print(format_table(report))
+    if args.json:
+        _write_json(args.json, report)
     return 0
 
 

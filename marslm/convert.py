@@ -128,12 +128,12 @@ def _set_end_of_turn(model, tokenizer) -> None:
     GGUF files name it as their EOS (SmolLM2: ``<|im_end|>``, not ``<|endoftext|>``); we check that
     the template really puts it after the assistant's text, since decoding stops there.
     """
+    from .chat import end_of_turn_id
+
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the GGUF file carries no chat template; marslm needs an instruction (chat) model")
     eos = tokenizer.eos_token
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"},
-                                              {"role": "assistant", "content": "Hello"}], tokenize=False)
-    if eos is None or f"Hello{eos}" not in rendered:
+    if tokenizer.eos_token_id is None or end_of_turn_id(tokenizer, [tokenizer.eos_token_id]) != tokenizer.eos_token_id:
         raise UserError(f"the GGUF's EOS token {eos!r} does not end assistant turns in its chat template")
     gen = model.generation_config
     gen.eos_token_id = tokenizer.eos_token_id
