@@ -11,11 +11,12 @@ import copy
 import pytest
 import torch
 
+from conftest import chat_conversations
+
+from marslm.chat import encode_conversation, stop_token_ids
 from marslm.errors import UserError
 from marslm.modeling import count_parameters, ensure_mask_token, freeze_for_training
 from marslm.objective import collate, mars_loss
-from marslm.chat import encode_conversation, stop_token_ids
-from conftest import chat_conversations
 
 
 def _mars_batch(model, tokenizer):
