@@ -243,7 +243,7 @@ def format_bench_table(report: dict) -> str:
             r["contender"], str(r["batch_size"]),
             f"{r['tokens_per_second']:.0f} ({r['tokens_per_second_min']:.0f}-{r['tokens_per_second_max']:.0f})",
             f"{r['tokens_per_forward']:.2f}", f"{r.get('speedup', float('nan')):.2f}x",
-            f"{100 * r['accuracy']:.1f}", "yes" if r.get("same_as_greedy") else "no",
+            f"{100 * r['accuracy']:.1f}", {True: "yes", False: "no"}.get(r.get("same_as_greedy"), "-"),
             f"{r['peak_kv_mib']:.2f}"]) + " |")
     lines.append("")
     lines += [f"- {line}" for line in check_targets(report)]
