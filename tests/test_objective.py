@@ -1,4 +1,4 @@
-"""The MARS objective (docs/method.md; the paper, section 3): two-stream forward, loss, labels and padding."""
+"""The MARS objective (docs/method.md): two-stream forward, loss, labels and padding."""
 
 from __future__ import annotations
 
