@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .decode import generate
 from .errors import UserError
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
@@ -84,6 +83,8 @@ def evaluate(model, tokenizer, eval_set: EvalSet, *, taus=(1.0,), metric: str = 
              progress: bool = True, model_name: str | None = None) -> dict:
     """``{"model", "data", "results": [one entry per tau]}``; see :func:`summarise_result` for an entry."""
     from tqdm.auto import tqdm
+
+    from .decode import generate
 
     prompts = [ex.messages for ex in eval_set.examples]
     results = []
