@@ -20,11 +20,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from ..decode.acceptance import METRICS, check_tau, metric_code
-from ..errors import UserError
+from ..decode.acceptance import METRICS, metric_code
+from ..decode.params import MODES, ParamError, check_tau
 
 OFF, THRESHOLD, LOSSLESS = range(3)
-MODES = ("threshold", "lossless")
 FIELDS = ("tau", "metric", "mode")
 CONFIG_KEY = "marslm"
 
@@ -60,12 +59,8 @@ class RowSettings:
     metric: int        # acceptance.py's metric code
 
 
-class FieldError(UserError):
+class FieldError(ParamError):
     """A refused request field; ``param`` names it (the OpenAI error object's ``param``)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 def check_request(fields: dict, greedy: bool = True) -> None:
@@ -80,7 +75,7 @@ def check_request(fields: dict, greedy: bool = True) -> None:
     if tau is not None:
         try:
             check_tau(float(tau), metric or "prob")
-        except UserError as exc:
+        except ParamError as exc:
             raise FieldError(str(exc), "tau") from None
     elif metric == "entropy":
         raise FieldError("the entropy metric runs on another scale (nats, lower = stricter): name its tau", "tau")
