@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml requirements-ci.txt
 
 test: install
 	-bash scripts/ensure-chromium.sh   # headless Chromium for the `show --html` screenshot test (needs root)
+	-bash scripts/ensure-bubblewrap.sh # the sandbox for model-written code (needs root)
 	$(BIN)/python -m pytest
 
 demo: install
+	-bash scripts/ensure-bubblewrap.sh # the demo scores model-written code in it
 	$(BIN)/marslm demo --preset default --out runs/demo
 
 clean:

@@ -69,6 +69,21 @@ def _family_weights(text: str) -> dict[str, float]:
     return weights
 
 
+def _add_unsafe_exec(parser) -> None:
+    parser.add_argument("--unsafe-exec", action="store_true",
+                        help="where bubblewrap is unavailable, run model-written code (the code family, HumanEval) "
+                        "WITHOUT a sandbox: it can do whatever you can (default: refuse)")
+
+
+def _code_execution(args, check_now: bool = False) -> None:
+    """Apply --unsafe-exec; with ``check_now``, refuse before any slow work when code cannot run."""
+    from . import sandbox
+
+    sandbox.allow_unsafe_exec(args.unsafe_exec)
+    if check_now:
+        sandbox.require_isolation()
+
+
 def _add_generate(sub) -> None:
     from .decode.acceptance import METRICS
     from .decode.batch import CACHE_MODES
@@ -152,6 +167,7 @@ def _add_eval(sub) -> None:
     ev.add_argument("--markdown", metavar="FILE", help="also write the table as a markdown document")
     ev.add_argument("--no-resume", action="store_true", help="with --json: start afresh, replacing FILE")
     ev.add_argument("--quiet", action="store_true", help="no progress bars or per-cell lines")
+    _add_unsafe_exec(ev)
 
 
 def _add_plot(sub) -> None:
@@ -201,6 +217,7 @@ def _add_demo(sub) -> None:
                       "plateau: an AR stage trained to its plateau (weighted mixture, packed rows), <= 15 min; "
                       "short: the first default (AR stopped half way up its learning curve)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_unsafe_exec(demo)
 
 
 def _ints(text: str) -> list[int]:
@@ -237,6 +254,7 @@ def _add_ablate(sub) -> None:
                         "(default runs/ablate)")
     ablate.add_argument("--block-sizes", type=_ints, default=[4, 8, 16], help="MARS block sizes (default 4,8,16)")
     ablate.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_unsafe_exec(ablate)
 
 
 def _add_bench(sub) -> None:
@@ -254,6 +272,7 @@ def _add_bench(sub) -> None:
     bench.add_argument("--taus", type=_floats, default=[0.95, 0.9])
     bench.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
     bench.add_argument("--quiet", action="store_true")
+    _add_unsafe_exec(bench)
 
 
 def _add_serve(sub) -> None:
@@ -311,6 +330,7 @@ def _add_loadtest(sub) -> None:
     lt.add_argument("--deadline", type=float, default=3600.0, help="skip remaining runs after this many seconds")
     lt.add_argument("--seed", type=int, default=0, help="seed of the toy test split")
     lt.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+    _add_unsafe_exec(lt)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -405,6 +425,7 @@ def cmd_eval(args) -> int:
     from .decode.acceptance import METRICS
     from .evaluate import format_markdown, format_table, labelled, model_reports, sweep, write_text_atomically
 
+    _code_execution(args)
     models = [m for group in args.model for m in group]
     for metric in args.metric:
         if metric not in METRICS:
@@ -453,6 +474,7 @@ def cmd_show(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
+    _code_execution(args, check_now=True)
     run_demo(args.out, args.preset, progress=not args.quiet)
     return 0
 
@@ -460,6 +482,7 @@ def cmd_demo(args) -> int:
 def cmd_ablate(args) -> int:
     from .ablate import run_ablation
 
+    _code_execution(args, check_now=True)
     run_ablation(args.out, args.preset, block_sizes=args.block_sizes, progress=not args.quiet)
     return 0
 
@@ -468,6 +491,7 @@ def cmd_bench(args) -> int:
     from .bench import default_contenders, format_bench_table, load_bench_models, run_bench
     from .evaluate import load_eval_set
 
+    _code_execution(args)
     if args.n < 1 or args.repeats < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
         raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
     models = load_bench_models(args.model, args.ar_model)
@@ -515,6 +539,7 @@ def cmd_loadtest(args) -> int:
         raise UserError("--policies is empty")
     for name in args.policies:
         policy_settings(name)
+    _code_execution(args, check_now=True)   # the answers are scored, code included
     report = run_loadtest(args.url, concurrencies=args.concurrency, requests=args.requests, policies=args.policies,
                           max_tokens=args.max_tokens, api_key=args.api_key, model=args.model,
                           adaptive_tau=args.adaptive_tau, tau_floor=args.tau_floor, timeout=args.timeout,

@@ -47,9 +47,12 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
 
     Files give their first ``n`` records in file order; ``seed`` only applies to ``toy``.
     """
+    from .sandbox import require_isolation
+
     if source == "toy":
         from .data import toy
 
+        require_isolation()   # its code family runs model-written code: refuse now, not after decoding
         return EvalSet("toy", toy.make_split("test", n, seed=seed), toy.score_many)
     kind, _, path = source.partition(":")
     if kind not in ("gsm8k", "humaneval") or not path:
@@ -59,6 +62,8 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
 
         return EvalSet(source, gsm8k.load_gsm8k(path, n), gsm8k.score_many)
     from .data import humaneval
+
+    require_isolation()
 
     return EvalSet(source, humaneval.load_humaneval(path, n), humaneval.score_many)
 
@@ -263,6 +268,7 @@ def sweep(models: list[str], data: str = "toy", *, n: int = 500, seed: int = 0, 
     from .decode import check_tau
     from .modeling import check_model_source, load_model
 
+    eval_set = load_eval_set(data, n, seed=seed)
     for model in models:
         check_model_source(model)
     for metric in metrics:
@@ -270,7 +276,6 @@ def sweep(models: list[str], data: str = "toy", *, n: int = 500, seed: int = 0, 
             check_tau(tau, metric)
     if any(b < 1 for b in block_sizes or ()):
         raise UserError(f"block sizes must be >= 1, got {list(block_sizes)}")
-    eval_set = load_eval_set(data, n, seed=seed)
 
     reports = _load_previous(json_path) if resume else []
     by_key = {_data_key(rep): rep for rep in reports}
