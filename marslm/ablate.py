@@ -6,7 +6,8 @@ Configurations, in the order they run (N = the preset's ``ar_steps``):
     AR 2N                AR N trained N more steps (continued, as the paper's "continuing AR SFT
                          for 5 more epochs"; a fresh warm-up + cosine schedule): is MARS's gain compute?
     MARS B=b w=1         MARS from AR N at each block size b, with the AR (clean-stream) loss term
-    MARS B=b w=0         ... and without it (the paper's "MARS w/o SFT loss")
+    MARS B=b w=0         ... and without it (the paper's "MARS w/o SFT loss"), each sequence's
+                         masked-stream loss weighted 1/t, t ~ U(0.001, 1), as the reference trains it
     Jacobi (AR N)        training-free multi-token baseline on AR N
 
 AR rows are evaluated at tau 1; MARS rows at tau 1, 0.95, 0.9, 0.8 with their own block size;
@@ -79,7 +80,8 @@ def _train_configuration(config: Configuration, out: Path, preset: DemoPreset, p
     else:
         cfg = TrainConfig(model=str(out / config.start_from), output=str(out / config.slug),
                           max_steps=config.steps, learning_rate=preset.mars_lr, block_size=config.block_size,
-                          ar_weight=config.ar_weight, **common)
+                          ar_weight=config.ar_weight,
+                          masked_weighting="inverse-t" if config.ar_weight == 0 else "uniform", **common)
     train(cfg)
 
 

@@ -36,6 +36,17 @@ def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
     return ids
 
 
+def end_of_turn_id(tokenizer, stop_ids: list[int]) -> int:
+    """The stop token an assistant turn actually ends with under the chat template.
+
+    Not simply the first stop id: a generation config may list another one first (Llama-3-Instruct
+    lists ``<|end_of_text|>`` before ``<|eot_id|>``), and padding with a token the answers never
+    end with would teach nothing.
+    """
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    return encode_conversation(tokenizer, probe, stop_ids=stop_ids).input_ids[-1]
+
+
 def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template; MARS fine-tunes instruction (chat) models")

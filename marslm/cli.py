@@ -17,7 +17,7 @@ EXIT_USAGE = 2
 
 
 def _add_train(sub) -> None:
-    from .config import LR_SCHEDULES
+    from .config import LR_SCHEDULES, MASKED_WEIGHTINGS, NORMALIZATIONS
 
     train = sub.add_parser("train", help="fine-tune a model: stage 'ar' (SFT) or 'mars' (the MARS objective)",
                            description="Fine-tune a Hugging Face causal LM on chat data. Stage 1 ('ar') is "
@@ -38,6 +38,7 @@ def _add_train(sub) -> None:
                        help="learning-rate schedule after the warmup (default cosine)")
     train.add_argument("--warmup-ratio", type=float, default=0.03, help="warmup share of the steps")
     train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm; 0 = off (default 1)")
     train.add_argument("--batch-size", type=int, default=8, help="per-device batch size")
     train.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     train.add_argument("--max-length", type=int, default=1024, help="truncate longer sequences (with a warning)")
@@ -45,6 +46,12 @@ def _add_train(sub) -> None:
     train.add_argument("--packing", action="store_true",
                        help="pack several sequences into each row (position ids restart, attention stays "
                        "inside each one): the same loss as padded batches without computing the padding")
+    train.add_argument("--loss-normalization", choices=NORMALIZATIONS, default="sequence",
+                       help="sequence (default, the reference's): average each sequence's token losses, then "
+                       "the sequences; token: average over every target token of the batch")
+    train.add_argument("--masked-weighting", choices=MASKED_WEIGHTINGS, default="uniform",
+                       help="uniform (default), or inverse-t: weight each sequence's masked-stream loss by 1/t, "
+                       "t ~ U(0.001, 1), as the reference does for its 'w/o SFT loss' ablation (--ar-weight 0)")
     train.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
     train.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (for resuming)")
     train.add_argument("--logging-steps", type=int, default=10)
@@ -86,7 +93,7 @@ def _code_execution(args, check_now: bool = False) -> None:
 
 def _add_generate(sub) -> None:
     from .decode.acceptance import METRICS
-    from .decode.batch import CACHE_MODES
+    from .decode.generate import CACHE_MODES
 
     gen = sub.add_parser("generate", help="decode one prompt with the MARS sliding window",
                          description="Apply the chat template to PROMPT and decode it, accepting several "
@@ -125,7 +132,7 @@ def _strings(text: str) -> list[str]:
 
 def _add_eval(sub) -> None:
     from .decode.acceptance import METRICS
-    from .decode.batch import CACHE_MODES
+    from .decode.generate import CACHE_MODES
     from .evaluate import ENTROPY_TAUS, EVAL_SOURCES
 
     ev = sub.add_parser(
@@ -369,12 +376,12 @@ def cmd_train(args) -> int:
                       block_size=args.block_size, ar_weight=args.ar_weight, epochs=args.epochs,
                       max_steps=args.max_steps, learning_rate=args.lr, lr_schedule=args.lr_schedule,
                       warmup_ratio=args.warmup_ratio,
-                      weight_decay=args.weight_decay, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                      weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, batch_size=args.batch_size, grad_accum=args.grad_accum,
                       max_length=args.max_length, seed=args.seed, bf16=args.bf16, overwrite=args.overwrite,
                       resume=not args.no_resume, save_steps=args.save_steps, logging_steps=args.logging_steps,
                       data_n=args.data_n, data_mix=_family_weights(args.data_mix) if args.data_mix else None,
-                      packing=args.packing,
-                      progress=not args.quiet)
+                      packing=args.packing, loss_normalization=args.loss_normalization,
+                      masked_weighting=args.masked_weighting, progress=not args.quiet)
     summary = train(cfg)
     _end_distributed()
     # One write per line: under `accelerate launch` every rank prints its summary to the same

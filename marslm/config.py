@@ -16,6 +16,9 @@ MASK_TOKEN = "<|mask|>"
 # Learning-rate schedules `train` offers: Trainer's names for those that need nothing beyond the
 # warmup and the step count. Here rather than in train.py so the CLI can list them without torch.
 LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")
+# Loss normalisations and masked-stream weightings (objective.py); here for the same reason.
+NORMALIZATIONS = ("sequence", "token")
+MASKED_WEIGHTINGS = ("uniform", "inverse-t")
 
 
 @dataclass

@@ -132,7 +132,27 @@ def summarise_result(examples, correct, accepted_per_step, seconds) -> dict:
         "families": {name: {"accuracy": f["correct"] / f["n"], "n": f["n"],
                             "tokens_per_forward": f["tokens"] / f["forwards"]}
                      for name, f in sorted(by_family.items())},
+        "correct": [int(bool(ok)) for ok in correct],   # per item, in order: for paired comparisons
     }
+
+
+def paired_bootstrap(correct_a: list[int], correct_b: list[int], *, resamples: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> tuple[float, float]:
+    """Interval of accuracy(a) - accuracy(b), in points, resampling the same items for both.
+
+    Two settings scored on the same items are compared item by item, so the interval shows how
+    much of a difference the choice of test items alone could make.
+    """
+    import random
+
+    if len(correct_a) != len(correct_b) or not correct_a:
+        raise ValueError("paired_bootstrap needs two equally long, non-empty lists")
+    rng = random.Random(seed)
+    n = len(correct_a)
+    diffs = [a - b for a, b in zip(correct_a, correct_b)]
+    means = sorted(100 * sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    tail = (1 - level) / 2
+    return means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 # ---------------------------------------------------------------------------- sweeps

@@ -91,11 +91,7 @@ def decode_step_mask(slot_valid: torch.Tensor, pending_valid: torch.Tensor, draf
     if draft_width == 0 and groups == 1:
         # Threshold mode: one mask group right after the pending tokens, so the whole fed block
         # is plain causal attention. The common case, and a hot path on small models.
-        width = width_pending + n_masks
-        fed_valid = torch.cat([pending_valid, group_valid.expand(batch, n_masks)], dim=1)
-        fed = torch.ones(width, width, dtype=torch.bool, device=dev).tril() & fed_valid[:, None, :]
-        fed |= torch.eye(width, dtype=torch.bool, device=dev)
-        return torch.cat([slot_valid[:, None, :].expand(batch, width, -1), fed], dim=-1)[:, None]
+        return causal_step_mask(slot_valid, torch.cat([pending_valid, group_valid.expand(batch, n_masks)], dim=1))
 
     def segment(width, value):
         return torch.full((width,), value, dtype=torch.long, device=dev)
@@ -121,6 +117,15 @@ def decode_step_mask(slot_valid: torch.Tensor, pending_valid: torch.Tensor, draf
     fed = ((fed | group_to_draft) & fed_valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=dev)
     cached = slot_valid[:, None, :].expand(batch, width, slot_valid.shape[1])
     return torch.cat([cached, fed], dim=-1)[:, None]
+
+
+def causal_step_mask(slot_valid: torch.Tensor, fed_valid: torch.Tensor) -> torch.Tensor:
+    """``[batch, 1, W, S + W]``: fed tokens see the valid cached slots and, causally, the valid fed
+    tokens; each also sees itself, so no query row is fully masked."""
+    batch, width = fed_valid.shape
+    fed = torch.ones(width, width, dtype=torch.bool, device=fed_valid.device).tril() & fed_valid[:, None, :]
+    fed |= torch.eye(width, dtype=torch.bool, device=fed_valid.device)
+    return torch.cat([slot_valid[:, None, :].expand(batch, width, -1), fed], dim=-1)[:, None]
 
 
 def unwrap_model(model):

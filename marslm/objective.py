@@ -179,35 +179,104 @@ def two_stream_batch(input_ids: torch.Tensor, labels: torch.Tensor, block_size: 
                           torch.where(real, columns, -1))
 
 
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of output t-1 against target t (right-shifted, as in AR)."""
-    shifted_logits = logits[:, :-1].float()
-    targets = labels[:, 1:]
-    return F.cross_entropy(shifted_logits.reshape(-1, shifted_logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE)
+# t ~ U(T_MIN, 1) for the inverse-t weighting, as the reference's masked-diffusion trainer draws it
+T_MIN = 1e-3
+
+
+def target_weights(labels: torch.Tensor, segment_ids: torch.Tensor | None, normalization: str) -> torch.Tensor:
+    """``[rows, T]``: each target's share of its batch's loss, before dividing by :func:`normalizer`.
+
+    A target is a label the shifted loss reads (columns 1..T-1, not IGNORE). ``token``: every target
+    weighs 1, the loss is the mean over all targets. ``sequence`` (the reference's): a target weighs
+    1 / (targets in its sequence), the loss is the mean over sequences of each one's mean.
+    """
+    target = torch.zeros_like(labels, dtype=torch.bool)
+    target[:, 1:] = labels[:, 1:] != IGNORE
+    weights = target.to(torch.float32)
+    if normalization == "token":
+        return weights
+    seq = _sequence_index(labels, segment_ids)
+    counts = torch.zeros(int(seq.max()) + 1, device=labels.device).scatter_add_(0, seq.flatten(), weights.flatten())
+    return weights / counts[seq].clamp(min=1)
+
+
+def normalizer(labels: torch.Tensor, segment_ids: torch.Tensor | None, normalization: str) -> int:
+    """What a batch's summed weighted losses are divided by: its targets, or its sequences with a target."""
+    weights = target_weights(labels, segment_ids, normalization)
+    return int(round(float(weights.sum())))
+
+
+def _sequence_index(labels: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """``[rows, T]`` a batch-wide index of the sequence each column belongs to (padding shares one)."""
+    rows, width = labels.shape
+    if segment_ids is None:
+        return torch.arange(rows, device=labels.device)[:, None].expand(rows, width)
+    per_row = int(segment_ids.max()) + 2   # segments 0.. plus padding (-1)
+    return torch.arange(rows, device=labels.device)[:, None] * per_row + segment_ids + 1
+
+
+def inverse_t_factors(labels: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """``[rows, T]``: one 1/t per sequence, t ~ U(1e-3, 1), the reference's weighting of the masked-stream
+    loss when the SFT term is off (``MARSTrainerNoSFT``: a linear-schedule masked-diffusion weight)."""
+    seq = _sequence_index(labels, segment_ids)
+    t = T_MIN + (1 - T_MIN) * torch.rand(int(seq.max()) + 1, device=labels.device)
+    return 1.0 / t[seq]
+
+
+def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sum over targets of weight x CE(output t-1, target t) (right-shifted, as in AR)."""
+    shifted = logits[:, :-1].float()
+    ce = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE,
+                         reduction="none")
+    return (ce * weights[:, 1:].reshape(-1)).sum()
 
 
 def ar_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-            segment_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Plain SFT (stage 1). Returned in the same shape as :func:`mars_loss` for the trainer."""
+            segment_ids: torch.Tensor | None = None, normalization: str = "sequence",
+            denominator: float | None = None) -> dict[str, torch.Tensor]:
+    """Plain SFT (stage 1). Returned in the same shape as :func:`mars_loss` for the trainer.
+
+    ``denominator``: what the summed losses are divided by; by default this batch's own
+    :func:`normalizer`. The trainer passes the count over every micro-batch of an optimizer step,
+    so that gradient accumulation gives the loss and gradients of the whole batch.
+    """
     if segment_ids is None:
         logits = model(input_ids=input_ids).logits
     else:
         mask = for_attention(packed_causal_mask(segment_ids), model)
         logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask).logits
-    loss = next_token_loss(logits, labels)
+    weights = target_weights(labels, segment_ids, normalization)
+    if denominator is None:
+        denominator = max(1.0, float(weights.sum()))
+    loss = weighted_loss(logits, labels, weights) / denominator
     return {"loss": loss, "clean_loss": loss.detach()}
 
 
 def mars_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, block_size: int,
               mask_token_id: int, ar_weight: float = 1.0, position_ids: torch.Tensor | None = None,
-              segment_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+              segment_ids: torch.Tensor | None = None, normalization: str = "sequence",
+              masked_weighting: str = "uniform", denominator: float | None = None) -> dict[str, torch.Tensor]:
+    """``noisy + ar_weight * clean``, each normalised as :func:`target_weights` says.
+
+    ``masked_weighting="inverse-t"`` multiplies each sequence's noisy-stream loss by 1/t, t drawn
+    per sequence: the reference's "w/o SFT loss" ablation. ``denominator`` as in :func:`ar_loss`.
+    """
     batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                    attention_mask=for_attention(batch.attention_mask, model)).logits
     seq_len = input_ids.shape[1]
     clean_logits, noisy_logits = logits[:, :seq_len], logits[:, seq_len:]
-    noisy_loss = next_token_loss(noisy_logits, batch.noisy_labels)
-    clean_loss = next_token_loss(clean_logits, labels)
+
+    weights = target_weights(labels, segment_ids, normalization)
+    if denominator is None:
+        denominator = max(1.0, float(weights.sum()))
+    noisy_weights = weights
+    if masked_weighting == "inverse-t":
+        noisy_weights = weights * inverse_t_factors(labels, segment_ids)
+    # the noisy columns are copies of clean ones: their targets carry the same weights
+    noisy_weights = torch.where(batch.noisy_columns >= 0, noisy_weights.gather(1, batch.noisy_columns.clamp(min=0)), 0)
+
+    noisy_loss = weighted_loss(noisy_logits, batch.noisy_labels, noisy_weights) / denominator
+    clean_loss = weighted_loss(clean_logits, labels, weights) / denominator
     loss = noisy_loss + ar_weight * clean_loss if ar_weight else noisy_loss
     return {"loss": loss, "noisy_loss": noisy_loss.detach(), "clean_loss": clean_loss.detach()}

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from .chat import encode_conversation, stop_token_ids
-from .config import LR_SCHEDULES, MASK_TOKEN, MarsConfig
+from .chat import encode_conversation, end_of_turn_id, stop_token_ids
+from .config import LR_SCHEDULES, MASK_TOKEN, MASKED_WEIGHTINGS, NORMALIZATIONS, MarsConfig
 from .data import check_mix, load_conversations
 from .errors import UserError
 from .modeling import check_model_source, count_parameters, ensure_mask_token
-from .objective import ar_loss, collate, collate_packed, mars_loss
+from .objective import ar_loss, collate, collate_packed, mars_loss, normalizer
 
 log = logging.getLogger("marslm.train")
 STAGES = ("ar", "mars")
@@ -49,6 +49,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
+    max_grad_norm: float = 1.0          # gradient clipping; 0 turns it off
     batch_size: int = 8
     grad_accum: int = 1
     max_length: int = 1024
@@ -62,6 +63,8 @@ class TrainConfig:
     data_seed: int = 0
     packing: bool = False              # several sequences per row: same loss, no padding FLOPs
     data_mix: dict | None = None       # toy family weights, e.g. {"lists": 2}; None = balanced
+    loss_normalization: str = "sequence"   # "sequence" (the reference's) or "token"
+    masked_weighting: str = "uniform"      # "inverse-t": the reference's w/o-SFT weighting of the masked stream
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -74,11 +77,18 @@ class TrainConfig:
         _check_range("--warmup-ratio", self.warmup_ratio, low=0, high=1, high_open=True)
         _check_range("--weight-decay", self.weight_decay, low=0)
         _check_range("--epochs", self.epochs)
+        _check_range("--max-grad-norm", self.max_grad_norm, low=0)
         for flag, value in (("--block-size", self.block_size), ("--batch-size", self.batch_size),
                             ("--grad-accum", self.grad_accum), ("--save-steps", self.save_steps),
                             ("--logging-steps", self.logging_steps), ("--data-n", self.data_n)):
             if value is not None and value < 1:
                 raise UserError(f"{flag} must be >= 1, got {value}")
+        if self.loss_normalization not in NORMALIZATIONS:
+            raise UserError(f"--loss-normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                            f"got {self.loss_normalization!r}")
+        if self.masked_weighting not in MASKED_WEIGHTINGS:
+            raise UserError(f"--masked-weighting must be one of {', '.join(MASKED_WEIGHTINGS)}, "
+                            f"got {self.masked_weighting!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise UserError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.max_length < 2:
@@ -113,6 +123,8 @@ class TrainSummary:
     final_loss: float | None
     seconds: float
     parameters: int
+    loss_normalization: str = "sequence"
+    masked_weighting: str = "uniform"
 
 
 # ------------------------------------------------------------------------ crash-safe checkpoints
@@ -198,35 +210,58 @@ class MarsTrainer:
     """Builds a ``transformers.Trainer`` whose loss is the stage's objective (AR or MARS)."""
 
     @staticmethod
-    def build(model, tokenizer, dataset, args, loss_fn, collator, callbacks=()):
+    def build(model, tokenizer, dataset, args, loss_fn, collator, normalization: str, callbacks=()):
         from transformers import Trainer
 
         class _Trainer(CrashSafeCheckpoints, Trainer):
-            """Trainer with our loss; logs the noisy/clean terms next to the total."""
+            """Trainer with our loss, normalised over the whole optimizer step; logs the noisy/clean
+            terms next to the total.
+
+            Trainer fetches all micro-batches of an optimizer step before running them
+            (``get_batch_samples``). The step's denominator (its targets, or its sequences, over
+            every micro-batch and every process) is counted there, and each micro-batch's summed
+            losses are divided by it, so the micro-batch losses add up to the loss of the whole
+            batch and gradient accumulation changes nothing. Trainer must then not divide again.
+            """
+
+            loss_is_scaled_for_ga = True
 
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 self._sums: dict[str, float] = {}
-                self._count = 0
+                self._window_start = 0   # the global step the per-term sums started at
+
+            def get_batch_samples(self, epoch_iterator, num_batches, device):
+                batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+                count = sum(normalizer(b["labels"], b.get("segment_ids"), normalization) for b in batches)
+                count = torch.tensor(float(count), device=device)
+                if self.accelerator.num_processes > 1:
+                    count = self.accelerator.reduce(count, reduction="sum")
+                return batches, count
 
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                if not self._sums:
+                    self._window_start = self.state.global_step
                 packing = {k: inputs[k] for k in ("position_ids", "segment_ids") if k in inputs}
-                terms = loss_fn(model, inputs["input_ids"], inputs["labels"], **packing)
+                terms = loss_fn(model, inputs["input_ids"], inputs["labels"], **packing,
+                                denominator=None if num_items_in_batch is None else float(num_items_in_batch))
                 for key, value in terms.items():
                     if key != "loss":
                         self._sums[key] = self._sums.get(key, 0.0) + float(value)
-                self._count += 1
-                return terms["loss"]
+                # Data-parallel training averages gradients over processes; the denominator
+                # already counts every process's batch, so scale the sum back up.
+                return terms["loss"] * self.accelerator.num_processes
 
             def log(self, logs, *a, **kw):
-                if self._count and "loss" in logs:
-                    # Every rank logs at the same step (Trainer gathers the loss there too), so the
-                    # per-term means can be averaged across processes like the total is.
+                steps = self.state.global_step - self._window_start
+                if self._sums and "loss" in logs and steps > 0:
+                    # Every rank logs at the same step (Trainer gathers the loss there too): each
+                    # rank's share of a term sums to the term over ranks.
                     names = sorted(self._sums)
-                    local = torch.tensor([self._sums[k] / self._count for k in names], device=self.args.device)
-                    mean = self.accelerator.reduce(local, reduction="mean")
-                    logs.update({k: round(float(v), 4) for k, v in zip(names, mean)})
-                    self._sums, self._count = {}, 0
+                    local = torch.tensor([self._sums[k] / steps for k in names], device=self.args.device)
+                    total = self.accelerator.reduce(local, reduction="sum")
+                    logs.update({k: round(float(v), 4) for k, v in zip(names, total)})
+                    self._sums = {}
                 super().log(logs, *a, **kw)
 
         return _Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
@@ -269,7 +304,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
             raise UserError(f"cannot load model {cfg.model}: {str(exc).strip().splitlines()[0]}") from None
     parameters_before = count_parameters(model)
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
-    eos_id = stop_ids[0]
+    eos_id = end_of_turn_id(tokenizer, stop_ids)   # what block padding repeats (objective.pad_to_block)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
 
     examples, truncated, dropped = encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids)
@@ -280,12 +315,13 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     collate_fn = collate_packed if cfg.packing else collate
     if cfg.stage == "mars":
         mask_id = ensure_mask_token(model, tokenizer)
-        loss_fn = partial(mars_loss, block_size=cfg.block_size, mask_token_id=mask_id, ar_weight=cfg.ar_weight)
+        loss_fn = partial(mars_loss, block_size=cfg.block_size, mask_token_id=mask_id, ar_weight=cfg.ar_weight,
+                          normalization=cfg.loss_normalization, masked_weighting=cfg.masked_weighting)
         collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
         block_size = cfg.block_size
     else:
         mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
-        loss_fn = ar_loss
+        loss_fn = partial(ar_loss, normalization=cfg.loss_normalization)
         collator = partial(collate_fn, pad_id=pad_id)
         block_size = 1
 
@@ -298,6 +334,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         lr_scheduler_type=cfg.lr_schedule,
         warmup_steps=cfg.warmup_ratio,
         weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
         per_device_train_batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
         seed=cfg.seed,
@@ -313,7 +350,8 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
-    trainer = MarsTrainer.build(model, tokenizer, examples, args, loss_fn, collator, callbacks)
+    trainer = MarsTrainer.build(model, tokenizer, examples, args, loss_fn, collator, cfg.loss_normalization,
+                                callbacks)
     resume_from = resume_point(partial_dir, cfg.resume) if trainer.is_world_process_zero() else None
     trainer.accelerator.wait_for_everyone()   # rank 0 has cleaned up before any rank looks
     if not trainer.is_world_process_zero():
@@ -324,7 +362,8 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
 
     summary = TrainSummary(stage=cfg.stage, output=cfg.output, examples=len(examples), truncated=truncated,
                            dropped=dropped, steps=steps, final_loss=_last_loss(trainer),
-                           seconds=round(time.time() - started, 1), parameters=count_parameters(model))
+                           seconds=round(time.time() - started, 1), parameters=count_parameters(model),
+                           loss_normalization=cfg.loss_normalization, masked_weighting=cfg.masked_weighting)
     if cfg.stage == "mars" and summary.parameters != parameters_before:
         log.warning("the mask token needed a new embedding row: %d -> %d parameters",
                     parameters_before, summary.parameters)

@@ -52,6 +52,9 @@ def test_ablation_writes_every_configuration_and_resumes(tmp_path, monkeypatch, 
     assert [c["tau"] for c in saved["AR 2N"]["results"]] == [1.0]
     assert [c["tau"] for c in saved["MARS B=4 w=0"]["results"]] == list(ablate.MARS_TAUS)
     assert saved["MARS B=2 w=1"]["results"][0]["block_size"] == 2
+    trained_with = {slug: json.loads((out / slug / "marslm.json").read_text())["extra"]["train"]["masked_weighting"]
+                    for slug in ("mars_b4_w1", "mars_b4_w0")}
+    assert trained_with == {"mars_b4_w1": "uniform", "mars_b4_w0": "inverse-t"}   # the reference's w/o-SFT loss
     jacobi = saved["Jacobi (AR N)"]["results"][0]
     assert jacobi["tokens_per_forward"] >= 1.0
     assert jacobi["accuracy"] == saved["AR N"]["results"][0]["accuracy"]   # same greedy outputs

@@ -167,3 +167,23 @@ def test_eval_cli_malformed_resume_file(trained_dirs, tmp_path):
     bad.write_text(json.dumps({"something": "else"}))
     rc, _, err = run_cli("eval", "--model", trained_dirs["dir"] / "mars", "--n", 2, "--json", bad, "--quiet")
     assert rc == 2 and "not a marslm eval report" in err
+
+
+def test_paired_bootstrap_interval():
+    from marslm.evaluate import paired_bootstrap
+
+    assert paired_bootstrap([1, 0, 1, 1], [1, 0, 1, 1]) == (0.0, 0.0)
+    assert paired_bootstrap([1] * 50, [0] * 50) == (100.0, 100.0)
+    # 500 items, 80% vs 78% with independent errors: an interval of a few points around +2
+    import random
+
+    rng = random.Random(3)
+    a = [int(rng.random() < 0.80) for _ in range(500)]
+    b = [int(rng.random() < 0.78) for _ in range(500)]
+    low, high = paired_bootstrap(a, b, seed=1)
+    diff = 100 * (sum(a) - sum(b)) / 500
+    assert low < diff < high
+    assert 7.0 < high - low < 13.0   # 1.96 x 2 x sqrt((.16 + .17) / 500) = 10 points
+    assert paired_bootstrap(a, b, seed=1) == (low, high)   # seeded
+    with pytest.raises(ValueError):
+        paired_bootstrap([1], [1, 0])

@@ -24,7 +24,7 @@ def batch_of(tokenizer, n=3, block_size=4, seed=0):
     return collate(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
 
 
-def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0):
+def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0, normalization="token"):
     """Run mars_loss and capture the clean and noisy logits of its forward, each ``[batch, L, vocab]``.
 
     The batch leaves out noisy copies no loss needs; their logits are returned as zeros.
@@ -37,7 +37,7 @@ def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0):
     handle = model.register_forward_hook(hook, with_kwargs=True)
     try:
         terms = mars_loss(model, input_ids, labels, block_size=block_size, mask_token_id=MASK_ID,
-                          ar_weight=ar_weight)
+                          ar_weight=ar_weight, normalization=normalization)
     finally:
         handle.remove()
     L = input_ids.shape[1]
@@ -51,14 +51,21 @@ def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0):
     return terms, logits[:, :L], noisy
 
 
-def manual_ce(logits, labels):
-    """CE of output t-1 against response target t, written out position by position."""
-    losses = []
+def manual_ce(logits, labels, normalization="token", row_weights=None):
+    """CE of output t-1 against response target t, written out position by position.
+
+    token: the mean over every target of the batch. sequence (one sequence per row): each row's
+    mean, then the mean over rows. ``row_weights`` multiplies each row's losses.
+    """
+    rows = []
     for row in range(labels.shape[0]):
-        for t in range(1, labels.shape[1]):
-            if labels[row, t] != IGNORE:
-                losses.append(F.cross_entropy(logits[row, t - 1].float()[None], labels[row, t][None]))
-    return torch.stack(losses).mean()
+        losses = [F.cross_entropy(logits[row, t - 1].float()[None], labels[row, t][None])
+                  for t in range(1, labels.shape[1]) if labels[row, t] != IGNORE]
+        weight = 1.0 if row_weights is None else row_weights[row]
+        rows.append([weight * loss for loss in losses])
+    if normalization == "token":
+        return torch.stack([loss for row in rows for loss in row]).mean()
+    return torch.stack([torch.stack(row).mean() for row in rows]).mean()
 
 
 # ------------------------------------------------------------------ no leakage
@@ -158,15 +165,17 @@ def test_eager_with_a_boolean_mask_would_be_wrong(tiny_tokenizer, make_tiny_mode
 # ------------------------------------------------------------------ loss
 
 
-def test_loss_terms(tiny_tokenizer, make_tiny_model):
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_loss_terms(tiny_tokenizer, make_tiny_model, normalization):
     model = make_tiny_model()
-    batch = batch_of(tiny_tokenizer, n=3)
+    batch = batch_of(tiny_tokenizer, n=3, seed=2)
     ids, labels = batch["input_ids"], batch["labels"]
+    assert len(set((labels != IGNORE).sum(dim=1).tolist())) > 1   # the two normalisations differ here
     with torch.no_grad():
-        t0, clean, noisy = mars_forward(model, ids, labels, 4, ar_weight=0.0)
-        t_half, _, _ = mars_forward(model, ids, labels, 4, ar_weight=0.5)
-        t_one, _, _ = mars_forward(model, ids, labels, 4)
-    noisy_ce, clean_ce = manual_ce(noisy, labels), manual_ce(clean, labels)
+        t0, clean, noisy = mars_forward(model, ids, labels, 4, ar_weight=0.0, normalization=normalization)
+        t_half, _, _ = mars_forward(model, ids, labels, 4, ar_weight=0.5, normalization=normalization)
+        t_one, _, _ = mars_forward(model, ids, labels, 4, normalization=normalization)
+    noisy_ce, clean_ce = manual_ce(noisy, labels, normalization), manual_ce(clean, labels, normalization)
     assert not torch.isclose(noisy_ce, clean_ce, atol=1e-3)
     # ar_weight=0: the noisy-only loss (the paper's "w/o SFT loss")
     assert torch.isclose(t0["loss"], noisy_ce, atol=1e-5)
@@ -176,13 +185,34 @@ def test_loss_terms(tiny_tokenizer, make_tiny_model):
     assert torch.isclose(t_one["loss"], noisy_ce + clean_ce, atol=1e-5)
     # the clean term is exactly the AR SFT loss, and that is transformers' own causal LM loss
     with torch.no_grad():
-        ar = ar_loss(model, ids, labels)
+        ar = ar_loss(model, ids, labels, normalization=normalization)
         hf = model(input_ids=ids, labels=labels).loss
     assert torch.isclose(ar["loss"], clean_ce, atol=1e-5)
-    assert torch.isclose(ar["loss"], hf, atol=1e-5)
+    if normalization == "token":
+        assert torch.isclose(ar["loss"], hf, atol=1e-5)
 
 
-def literal_mars_loss(model, input_ids, labels, block_size, ar_weight=1.0):
+def test_inverse_t_weighting_of_the_masked_stream(tiny_tokenizer, make_tiny_model):
+    """Each sequence's masked-stream loss times 1/t, t ~ U(1e-3, 1) drawn per sequence, as the
+    reference's w/o-SFT trainer does; the clean stream is left alone."""
+    from marslm.objective import T_MIN
+
+    model = make_tiny_model()
+    batch = batch_of(tiny_tokenizer, n=3, seed=2)
+    ids, labels = batch["input_ids"], batch["labels"]
+    torch.manual_seed(11)
+    t = T_MIN + (1 - T_MIN) * torch.rand(3)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        terms = mars_loss(model, ids, labels, block_size=4, mask_token_id=MASK_ID, ar_weight=0.0,
+                          masked_weighting="inverse-t")
+        _, clean, noisy = mars_forward(model, ids, labels, 4, normalization="sequence")
+    expected = manual_ce(noisy, labels, "sequence", row_weights=(1 / t).tolist())
+    assert torch.isclose(terms["loss"], expected, rtol=1e-5)
+    assert torch.isclose(terms["clean_loss"], manual_ce(clean, labels, "sequence"), atol=1e-5)
+
+
+def literal_mars_loss(model, input_ids, labels, block_size, ar_weight=1.0, normalization="token"):
     """The objective exactly as MARS_METHOD.md writes it: z = [x ; x~], full length, one sequence per row."""
     L = input_ids.shape[1]
     noisy_ids = torch.where(labels != IGNORE, MASK_ID, input_ids)
@@ -190,13 +220,15 @@ def literal_mars_loss(model, input_ids, labels, block_size, ar_weight=1.0):
     logits = model(input_ids=torch.cat([input_ids, noisy_ids], dim=1),
                    position_ids=torch.arange(L).repeat(2)[None].expand(len(input_ids), -1),
                    attention_mask=mask).logits
-    return manual_ce(logits[:, L:], labels) + ar_weight * manual_ce(logits[:, :L], labels)
+    return (manual_ce(logits[:, L:], labels, normalization)
+            + ar_weight * manual_ce(logits[:, :L], labels, normalization))
 
 
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("block_size", [1, 3, 4])
 def test_batch_without_unneeded_noisy_copies_gives_the_literal_loss_and_gradients(tiny_tokenizer, make_tiny_model,
-                                                                                   attn, block_size):
+                                                                                   attn, block_size, normalization):
     from marslm.data import toy
 
     examples = []
@@ -214,8 +246,10 @@ def test_batch_without_unneeded_noisy_copies_gives_the_literal_loss_and_gradient
         loss.backward()
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
-    ours, our_grads = loss_and_grads(lambda m: mars_loss(m, ids, labels, block_size, MASK_ID, ar_weight=0.5)["loss"])
-    literal, literal_grads = loss_and_grads(lambda m: literal_mars_loss(m, ids, labels, block_size, ar_weight=0.5))
+    ours, our_grads = loss_and_grads(lambda m: mars_loss(m, ids, labels, block_size, MASK_ID, ar_weight=0.5,
+                                                         normalization=normalization)["loss"])
+    literal, literal_grads = loss_and_grads(lambda m: literal_mars_loss(m, ids, labels, block_size, ar_weight=0.5,
+                                                                        normalization=normalization))
     torch.testing.assert_close(ours, literal, rtol=1e-5, atol=1e-5)
     for name in literal_grads:
         torch.testing.assert_close(our_grads[name], literal_grads[name], rtol=1e-4, atol=1e-6)
@@ -360,8 +394,9 @@ def test_collate_packed_fills_rows_first_fit_longest_first():
     assert default["segment_ids"][0].tolist() == [0] * 7 + [1] * 4
 
 
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
 @pytest.mark.parametrize("stage", ["ar", "mars"])
-def test_packed_batches_give_the_padded_loss_and_gradients(tiny_tokenizer, make_tiny_model, stage):
+def test_packed_batches_give_the_padded_loss_and_gradients(tiny_tokenizer, make_tiny_model, stage, normalization):
     from marslm.data import toy
 
     examples = []
@@ -378,9 +413,9 @@ def test_packed_batches_give_the_padded_loss_and_gradients(tiny_tokenizer, make_
         extra = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
         if stage == "mars":
             terms = mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=MASK_ID,
-                              **extra)
+                              normalization=normalization, **extra)
         else:
-            terms = ar_loss(model, batch["input_ids"], batch["labels"], **extra)
+            terms = ar_loss(model, batch["input_ids"], batch["labels"], normalization=normalization, **extra)
         terms["loss"].backward()
         return terms, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 

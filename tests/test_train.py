@@ -497,3 +497,85 @@ def test_data_mix_skews_the_toy_training_mixture(tiny_model_dir, tmp_path):
         TrainConfig(**cfg, data=str(tmp_path / "chat.jsonl"), data_mix={"lists": 2}).validate()
     with pytest.raises(UserError, match="unknown families"):
         TrainConfig(**cfg, data="toy", data_mix={"list": 2}).validate()
+
+
+# ------------------------------------------------------------------ gradient accumulation
+
+
+class GradientRecorder:
+    """Keeps the gradients of the first optimizer step (taken before the optimizer moves anything)."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Record(TrainerCallback):
+            grads: dict = {}
+
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                if not self.grads:
+                    self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                  if p.grad is not None}
+
+        return _Record()
+
+
+@pytest.mark.parametrize("normalization", ["sequence", "token"])
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("stage", ["ar", "mars"])
+def test_gradient_accumulation_changes_neither_loss_nor_gradients(tiny_tokenizer, make_tiny_model, tmp_path,
+                                                                  stage, packing, normalization):
+    """4 examples as 4x1, 2x2 and 1x4 (batch x accumulation): one optimizer step each, the same
+    logged loss and the same gradients, to float tolerance."""
+    from marslm.train import TrainConfig, train
+
+    runs = {}
+    for batch_size, accumulate in ((4, 1), (2, 2), (1, 4)):
+        recorder = GradientRecorder()
+        out = tmp_path / f"{batch_size}x{accumulate}"
+        cfg = TrainConfig(stage=stage, model="tiny", data="toy", data_n=4, output=str(out), block_size=4,
+                          max_steps=1, batch_size=batch_size, grad_accum=accumulate, learning_rate=1e-3,
+                          max_grad_norm=0.0, logging_steps=1, save_steps=10**9, packing=packing,
+                          loss_normalization=normalization, progress=False)
+        model = make_tiny_model(seed=8)
+        tokenizer = __import__("copy").deepcopy(tiny_tokenizer)
+        train(cfg, callbacks=[recorder], model=model, tokenizer=tokenizer)
+        log = json.loads((out / "training_log.json").read_text())
+        runs[(batch_size, accumulate)] = ([e for e in log if "loss" in e][0], recorder.grads)
+    (first_log, first_grads), *others = runs.values()
+    assert first_grads
+    for log, grads in others:
+        assert log["loss"] == pytest.approx(first_log["loss"], rel=1e-4)
+        for term in ("clean_loss", "noisy_loss"):
+            if term in first_log:
+                assert log[term] == pytest.approx(first_log[term], rel=1e-3)
+        for name, grad in first_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_block_padding_repeats_the_end_of_turn_token_not_the_first_stop_id(tiny_tokenizer, make_tiny_model,
+                                                                           tmp_path):
+    """A generation config that lists another stop id first (as Llama-3-Instruct does) must not
+    change what the answers are padded with: the token the assistant turn ends with, trained on."""
+    from marslm.chat import end_of_turn_id, stop_token_ids
+    from marslm.train import TrainConfig, train
+
+    end_of_text, im_end = tiny_tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    model = make_tiny_model(seed=2)
+    model.generation_config.eos_token_id = [end_of_text, im_end]
+    stop_ids = stop_token_ids(tiny_tokenizer, model.generation_config)
+    assert stop_ids[0] == end_of_text
+    assert end_of_turn_id(tiny_tokenizer, stop_ids) == im_end
+
+    seen = []
+    model.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(kwargs["input_ids"].clone()),
+                                    with_kwargs=True)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chat_conversations(4, seed=2)))
+    cfg = TrainConfig(stage="mars", model="tiny", data=str(data), output=str(tmp_path / "out"), block_size=8,
+                      max_steps=1, batch_size=4, logging_steps=1, save_steps=10**9, progress=False)
+    train(cfg, model=model, tokenizer=tiny_tokenizer)
+    for conversation in chat_conversations(4, seed=2):
+        ids = encode_conversation(tiny_tokenizer, conversation).input_ids
+        row = next(r for r in seen[0].tolist() if r[:len(ids)] == ids)
+        padding = row[len(ids): len(ids) + (-len(ids) % 8)]
+        assert padding and set(padding) == {im_end}

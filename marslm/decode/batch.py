@@ -6,7 +6,7 @@ One step, for every row at once:
     read    the AR outputs at the last pending token and at each draft token, and the masks'
     accept  threshold mode: a confident left-to-right prefix of [AR token, mask predictions]
             lossless mode:  the drafts that match the AR outputs, plus the AR token after them
-    commit  keep the keys/values of real tokens, drop the masks' (cache policy permitting)
+    commit  keep the keys/values of real tokens, drop the masks'
 
 Threshold mode is MARS as in the paper (acceptance.py holds the rule). Lossless mode turns the
 masks into a self-drafter: the masks' predictions of one step are fed as real tokens in the next
@@ -15,12 +15,12 @@ and verified by the AR outputs there, so the output is greedy AR decoding token 
 group sees only that many drafts, MARS_METHOD.md section 5), so a partial rejection still leaves
 a valid draft for the next step.
 
-The three cache policies differ only in *when* fed tokens are committed to the KV cache:
+Two cache policies:
 
-    none    never: no cache; every step re-feeds the whole sequence (the correctness oracle)
-    cursor  every step: a row feeds only what it accepted last step, rows never wait
-    block   only once every row has ``block_cache_size`` pending tokens (the paper's section 4.5
-            scheme); a row that filled its block idles until the others catch up
+    none    no cache; every step re-feeds the whole sequence (a plain baseline, and an oracle)
+    cursor  every step commits: a row feeds only what it accepted last step, rows never wait (the
+            cursor cache the paper names as future work; its own block-level cache, where rows
+            commit in lockstep, is ``block_cache.py``)
 
 A row's committed entries live at cache slots interleaved with holes (columns that were padding
 for that row); ``slot_valid`` masks them and :meth:`_compact` squeezes them out once they are
@@ -40,7 +40,7 @@ import torch
 from ..masks import decode_step_mask, for_attention
 from .acceptance import accept_length, confidence, metric_code, one_token_rows
 
-CACHE_MODES = ("none", "block", "cursor")
+CACHE_MODES = ("none", "cursor")
 MODES = ("threshold", "lossless")
 
 
@@ -82,7 +82,7 @@ class DecodeBatch:
                  "last_accept")
 
     def __init__(self, model, *, mask_token_id: int, stop_ids: list[int], pad_id: int = 0,
-                 cache: str = "cursor", block_cache_size: int = 16, use_last_mask: bool = True,
+                 cache: str = "cursor", use_last_mask: bool = True,
                  draft_groups: bool = False, seed: int | None = None):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
@@ -92,7 +92,6 @@ class DecodeBatch:
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.pad_id = pad_id
         self.cache_mode = cache
-        self.block_cache_size = block_cache_size
         self.use_last_mask = use_last_mask
         self.draft_groups = draft_groups
         self.stats = BatchStats()
@@ -199,7 +198,6 @@ class DecodeBatch:
             return []
         rows, dev = len(self), self.device
         pending_len = self.seq_len - self.cached_len
-        commit, idle = self._commit_policy(pending_len)
 
         # Threshold rows in one-token mode read no masks: a batch of only those is plain AR.
         reads_masks = self.lossless | ~one_token_rows(self.tau, self.metric)
@@ -266,8 +264,6 @@ class DecodeBatch:
         accept = torch.where(self.lossless, verified + 1, threshold_accept)
 
         accept = torch.minimum(accept, self.max_len - self.seq_len)
-        if idle is not None:   # before the stop check: an idle row's outputs are not its tokens
-            accept = accept.masked_fill(idle, 0)
         cand_idx = torch.arange(candidates.shape[1], device=dev)
         is_stop = torch.isin(candidates, self.stop_ids) & (cand_idx < accept[:, None])
         stopped = is_stop.any(dim=1)
@@ -282,18 +278,15 @@ class DecodeBatch:
         self.last_accept = accept
         seq_len_before = self.seq_len
         self.seq_len = self.seq_len + accept
-        self._next_draft(mask_tokens, verified, accept, idle)
+        self._next_draft(mask_tokens, verified, accept)
 
         # --- commit: fed real tokens whose context was right keep their keys/values
         if self.kv is not None:
-            if commit:
-                self.kv.crop(-groups * n_masks)
-                kept_drafts = draft_cols < torch.where(self.lossless, verified, 0)[:, None]
-                self.slot_valid = torch.cat([self.slot_valid, pending_valid, kept_drafts & draft_valid], dim=1)
-                self.cached_len = seq_len_before + kept_drafts.sum(dim=1)
-                self._maybe_compact()
-            else:
-                self.kv.crop(-input_ids.shape[1])
+            self.kv.crop(-groups * n_masks)
+            kept_drafts = draft_cols < torch.where(self.lossless, verified, 0)[:, None]
+            self.slot_valid = torch.cat([self.slot_valid, pending_valid, kept_drafts & draft_valid], dim=1)
+            self.cached_len = seq_len_before + kept_drafts.sum(dim=1)
+            self._maybe_compact()
 
         finished = stopped | (self.seq_len >= self.max_len)
         if not bool(finished.any()):
@@ -306,18 +299,7 @@ class DecodeBatch:
         probs = (first_logits.float() / temperature).softmax(dim=-1)[:, 0]
         return torch.multinomial(probs, 1, generator=self.generator)
 
-    def _commit_policy(self, pending_len: torch.Tensor):
-        """(commit this step?, rows that sit this step out)."""
-        if self.cache_mode == "cursor":
-            return True, None
-        if self.cache_mode == "block":
-            full = pending_len >= self.block_cache_size
-            if bool(full.all()):
-                return True, None
-            return False, full
-        return False, None
-
-    def _next_draft(self, mask_tokens, verified, accept, idle) -> None:
+    def _next_draft(self, mask_tokens, verified, accept) -> None:
         """Lossless rows draft from the mask group that saw exactly the drafts that were accepted.
 
         Without draft groups the one group saw the whole draft, so it is valid only when the
@@ -331,9 +313,6 @@ class DecodeBatch:
             chosen = mask_tokens[:, 0]
             usable = self.lossless & (verified == self.draft_len)
         new_len = torch.where(usable & (accept > 0), self.n_masks, 0)
-        if idle is not None:   # an idle row keeps the draft it had
-            new_len = torch.where(idle, self.draft_len, new_len)
-            chosen = torch.where(idle[:, None], _pad_cols(self.draft, n_masks)[:, :n_masks], chosen)
         self.draft = chosen
         self.draft_len = new_len.clamp(max=n_masks)
 

@@ -8,7 +8,10 @@ from ..chat import encode_prompt, stop_token_ids
 from ..config import MASK_TOKEN, MarsConfig
 from ..errors import UserError
 from .acceptance import check_tau
-from .batch import CACHE_MODES, MODES, BatchStats, DecodeBatch, FinishedRow, RowSettings
+from .batch import MODES, BatchStats, DecodeBatch, FinishedRow, RowSettings
+from .block_cache import BlockCachedBatch
+
+CACHE_MODES = ("none", "block", "cursor")
 
 
 @dataclass
@@ -48,6 +51,20 @@ def run_to_completion(batch: DecodeBatch, prompt_ids: list[list[int]], settings:
     return [finished[i] for i in range(len(prompt_ids))]
 
 
+def run_static_batches(batch: BlockCachedBatch, prompt_ids: list[list[int]], settings: RowSettings,
+                       batch_size: int | None = None, on_finish=None) -> list[FinishedRow]:
+    """Decode ``batch_size`` prompts at a time, each group to its end (the block cache cannot refill)."""
+    batch_size = batch_size or len(prompt_ids)
+    rows: list[FinishedRow] = []
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = prompt_ids[start:start + batch_size]
+        for row in batch.run(chunk, settings, list(range(start, start + len(chunk)))):
+            rows.append(row)
+            if on_finish is not None:
+                on_finish(row)
+    return rows
+
+
 def resolve_mask_token_id(model, tokenizer, mask_token_id: int | None = None) -> int:
     if mask_token_id is not None:
         return mask_token_id
@@ -77,8 +94,9 @@ def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | N
     ``tau`` >= 1 (prob/margin) is one-token mode and equals greedy AR decoding. ``block_size`` and
     the mask token default to what the checkpoint's ``marslm.json`` records.
 
-    ``cache``: ``cursor`` (each row commits every step), ``block`` (the paper's block-level cache,
-    committing every ``block_cache_size`` tokens in lockstep) or ``none`` (recompute everything).
+    ``cache``: ``cursor`` (each row commits every step), ``block`` (the paper's block-level cache:
+    blocks of ``block_cache_size`` masks filled left to right and committed in lockstep, static
+    batches, threshold mode) or ``none`` (recompute everything).
     ``mode="lossless"`` ignores tau: the masks draft, the next forward verifies, and the output is
     greedy AR decoding exactly. ``draft_groups`` adds one mask group per possible accepted-draft
     count. ``use_last_mask`` (default) also reads the last mask, whose prediction is B+1 tokens
@@ -102,16 +120,23 @@ def generate(model, tokenizer, prompts, *, tau: float = 1.0, block_size: int | N
         raise UserError("lossless mode needs at least one mask to draft from (block size >= 2)")
     if cache not in CACHE_MODES:
         raise UserError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
+    if cache == "block" and mode != "threshold":
+        raise UserError("the block cache decodes in threshold mode only; use cache='cursor' for lossless")
+    if block_cache_size < 1:
+        raise UserError(f"block_cache_size must be >= 1, got {block_cache_size}")
 
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch = DecodeBatch(model, mask_token_id=resolve_mask_token_id(model, tokenizer, mask_token_id),
-                        stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
-                        pad_id=pad_id, cache=cache, block_cache_size=block_cache_size,
-                        use_last_mask=use_last_mask, draft_groups=draft_groups)
+    common = dict(mask_token_id=resolve_mask_token_id(model, tokenizer, mask_token_id),
+                  stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
+                  pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     settings = RowSettings(tau=tau, metric=metric, block_size=block_size, max_new_tokens=max_new_tokens,
                            mode=mode)
-    rows = run_to_completion(batch, prompt_ids, settings, max_batch=batch_size, on_finish=on_finish)
+    if cache == "block":
+        batch = BlockCachedBatch(model, block_cache_size=block_cache_size, **common)
+        rows = run_static_batches(batch, prompt_ids, settings, batch_size, on_finish)
+    else:
+        batch = DecodeBatch(model, cache=cache, use_last_mask=use_last_mask, draft_groups=draft_groups, **common)
+        rows = run_to_completion(batch, prompt_ids, settings, max_batch=batch_size, on_finish=on_finish)
     return GenerationResult(
         texts=[tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in rows],
         token_ids=[r.token_ids for r in rows],
