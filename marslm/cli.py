@@ -14,6 +14,7 @@ import sys
 from .errors import UserError
 
 EXIT_USAGE = 2
+EXIT_FAILED_CELLS = 1   # eval: some settings failed (out of memory, say); the rest is reported
 
 
 def _add_train(sub) -> None:
@@ -404,12 +405,29 @@ def _check_decoding_args(args) -> None:
     check_model_source(args.model)
 
 
+def _check_decoding_model(args, model, mars_config, mode: str = "threshold", use_last_mask: bool = True) -> None:
+    """The checks `generate` and `show` share once the model is loaded: the server's block-size rule,
+    and a warning when an AR checkpoint is asked to accept untrained mask guesses."""
+    from .decode.generate import default_block_size
+    from .engine import check_block_size
+    from .evaluate import is_one_token
+
+    trained = default_block_size(model)
+    check_block_size(args.block_size or trained, trained, mode, use_last_mask)
+    if mars_config is not None and mars_config.stage == "ar" and \
+            not is_one_token({"tau": args.tau, "metric": args.metric, "mode": mode}):
+        logging.getLogger("marslm").warning(
+            "%s is an AR checkpoint (marslm.json stage 'ar'): its masks were never trained, so tau %g accepts "
+            "untrained guesses; use tau 1, or a MARS checkpoint", args.model, args.tau)
+
+
 def cmd_generate(args) -> int:
     from .decode import generate
     from .modeling import load_model
 
     _check_decoding_args(args)
-    model, tokenizer, _ = load_model(args.model)
+    model, tokenizer, mars_config = load_model(args.model)
+    _check_decoding_model(args, model, mars_config, args.mode, args.use_last_mask)
     result = generate(model, tokenizer, [args.prompt], tau=args.tau, block_size=args.block_size,
                       metric=args.metric, max_new_tokens=args.max_new_tokens,
                       apply_chat_template=not args.no_chat_template, cache=args.cache,
@@ -430,7 +448,8 @@ def cmd_generate(args) -> int:
 
 def cmd_eval(args) -> int:
     from .decode.acceptance import METRICS
-    from .evaluate import format_markdown, format_table, labelled, model_reports, sweep, write_text_atomically
+    from .evaluate import (data_key, format_markdown, format_table, labelled, model_reports, sweep,
+                           write_text_atomically)
 
     _code_execution(args)
     models = [m for group in args.model for m in group]
@@ -445,9 +464,16 @@ def cmd_eval(args) -> int:
                     metrics=args.metric, block_sizes=args.block_size, cache=args.cache, mode=args.mode,
                     batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, json_path=args.json,
                     resume=not args.no_resume, progress=not args.quiet, device=args.device)
-    print(format_table(labelled(model_reports(payload))))
+    reports = model_reports(payload)
+    print(format_table(labelled(reports)))
     if args.markdown:
         write_text_atomically(args.markdown, format_markdown(payload))
+    this_run = {(model, args.data, args.n, args.seed) for model in models}
+    cells = [cell for rep in reports if data_key(rep) in this_run for cell in rep["results"]]
+    failed = sum("failed" in cell for cell in cells)
+    if failed:   # what succeeded is written; a rerun retries the rest
+        print(f"marslm eval: {failed} of {len(cells)} cells failed (see the table)", file=sys.stderr)
+        return EXIT_FAILED_CELLS
     return 0
 
 
@@ -462,12 +488,13 @@ def cmd_plot(args) -> int:
 def cmd_show(args) -> int:
     import os
 
-    from .evaluate import resolve_device, write_text_atomically
-    from .modeling import load_model
+    from .evaluate import write_text_atomically
+    from .modeling import load_model, resolve_device
     from .show import render_ansi, render_html, show_generation
 
     _check_decoding_args(args)
-    model, tokenizer, _ = load_model(args.model, device=resolve_device(args.device))
+    model, tokenizer, mars_config = load_model(args.model, device=resolve_device(args.device))
+    _check_decoding_model(args, model, mars_config)
     shown = show_generation(model, tokenizer, args.prompt, tau=args.tau, metric=args.metric,
                             block_size=args.block_size, max_new_tokens=args.max_new_tokens)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))

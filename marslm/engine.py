@@ -78,6 +78,18 @@ class EngineError(Exception):
     """Decoding failed for a request (the engine itself keeps serving)."""
 
 
+def check_block_size(block_size: int, trained_block_size: int, mode: str = "threshold",
+                     use_last_mask: bool = True) -> None:
+    """The block sizes a checkpoint decodes with: 1..the B it was trained with (masks beyond it
+    were never trained); lossless mode needs a mask to draft from. The CLI applies it too."""
+    if not 1 <= block_size <= trained_block_size:
+        raise InvalidRequest(f"block_size must be in 1..{trained_block_size} (the block size the model was "
+                             f"trained with), got {block_size}", "block_size")
+    if mode == "lossless" and block_size + use_last_mask < 2:
+        raise InvalidRequest("lossless mode needs at least one mask to draft from (block_size >= 2, or the "
+                             "last mask)", "block_size")
+
+
 @dataclass
 class SamplingParams:
     """What a request asks for; ``None`` means the server's default."""
@@ -314,13 +326,11 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "auto", device: str | None = "auto", **kwargs) -> "Engine":
-        from .modeling import load_model
+        from .modeling import load_model, resolve_device
 
         if dtype not in DTYPES:
             raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else None
-        model, tokenizer, _ = load_model(path, dtype=DTYPES[dtype], device=device)
+        model, tokenizer, _ = load_model(path, dtype=DTYPES[dtype], device=resolve_device(device))
         return cls(model, tokenizer, model_name=kwargs.pop("model_name", None) or path, **kwargs)
 
     # ---------------------------------------------------------------------------- lifecycle
@@ -375,12 +385,7 @@ class Engine:
             raise InvalidRequest(f"the server's default tau is a probability; a request with metric "
                                  f"{params.metric!r} must set its own tau", "tau")
         block_size = params.block_size if params.block_size is not None else self.trained_block_size
-        if not 1 <= block_size <= self.trained_block_size:
-            raise InvalidRequest(f"block_size must be in 1..{self.trained_block_size} (the block size the model "
-                                 f"was trained with), got {block_size}", "block_size")
-        if params.mode == "lossless" and block_size < 2:
-            raise InvalidRequest("lossless mode needs at least one mask to draft from (block_size >= 2)",
-                                 "block_size")
+        check_block_size(block_size, self.trained_block_size, params.mode)
         if not 0 <= params.temperature <= 2:
             raise InvalidRequest(f"temperature must be in [0, 2], got {params.temperature}", "temperature")
 

@@ -25,14 +25,13 @@ from pathlib import Path
 import torch
 
 from .chat import encode_conversation, end_of_turn_id, stop_token_ids
-from .config import LR_SCHEDULES, MASK_TOKEN, MASKED_WEIGHTINGS, NORMALIZATIONS, MarsConfig
+from .config import LR_SCHEDULES, MASK_TOKEN, MASKED_WEIGHTINGS, NORMALIZATIONS, STAGES, MarsConfig
 from .data import check_mix, load_conversations
 from .errors import UserError
-from .modeling import check_model_source, count_parameters, ensure_mask_token
+from .modeling import check_model_source, check_tokenizer, count_parameters, ensure_mask_token, loading_errors
 from .objective import ar_loss, collate, collate_packed, mars_loss, normalizer
 
 log = logging.getLogger("marslm.train")
-STAGES = ("ar", "mars")
 
 
 @dataclass
@@ -296,12 +295,11 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     set_seed(cfg.seed)
 
     if model is None:
-        try:
+        with loading_errors(cfg.model):
             tokenizer = AutoTokenizer.from_pretrained(cfg.model)
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32,
                                                          attn_implementation="sdpa")
-        except (OSError, ValueError) as exc:
-            raise UserError(f"cannot load model {cfg.model}: {str(exc).strip().splitlines()[0]}") from None
+        check_tokenizer(tokenizer, cfg.model)
     parameters_before = count_parameters(model)
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     eos_id = end_of_turn_id(tokenizer, stop_ids)   # what block padding repeats (objective.pad_to_block)
