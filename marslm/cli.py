@@ -300,7 +300,8 @@ def _add_serve(sub) -> None:
     srv.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                      help="weights dtype (default auto: as saved); float64 makes batching unable to flip near-ties")
     srv.add_argument("--device", default="auto", help="torch device (default: cuda if available, else cpu)")
-    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="model name clients send (default: the model directory's name, or the hub id)")
     srv.add_argument("--tau", type=float, default=0.95,
                      help="default tau for requests that name none; the adaptive policy's ceiling (default 0.95)")
     srv.add_argument("--tau-policy", choices=POLICIES, default="fixed",
@@ -312,7 +313,19 @@ def _add_serve(sub) -> None:
     srv.add_argument("--max-tokens", type=int, default=256, help="max_tokens of a request that names none (256)")
     srv.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted (4096)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
+                     help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled "
+                     "(they then get a 503 error object, or a last stream event saying so)")
+    limits = srv.add_argument_group("limits per client (slow or hostile clients)")
+    limits.add_argument("--max-request-bytes", type=int, default=2**20,
+                        help="largest request body; a larger one is refused (413) as it arrives (default 1 MiB)")
+    limits.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection may take to send a request's line and headers (default 10)")
+    limits.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request's body may take to arrive, then 408 (default 30)")
+    limits.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open (default 5)")
+    limits.add_argument("--max-connections", type=int, default=1024,
+                        help="open connections; one more is answered 503 and closed (default 1024)")
     srv.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
@@ -553,11 +566,16 @@ def cmd_serve(args) -> int:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     if args.slo_ms is not None and args.slo_ms <= 0:
         raise UserError(f"--slo-ms must be > 0, got {args.slo_ms}")
-    check_model_source(args.model)
-    from .server import serve
+    from .server import ServerLimits, serve
 
+    limits = ServerLimits(max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
+                          body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                          max_connections=args.max_connections)
+    limits.validate()
+    check_model_source(args.model)
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key, dtype=args.dtype, device=args.device,
           served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+          limits=limits,
           max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
           max_tokens_limit=args.max_tokens_limit, tau=args.tau, tau_policy=args.tau_policy, tau_floor=args.tau_floor,
           slo_ms=args.slo_ms, seed=args.seed)
