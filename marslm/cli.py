@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 
 from .errors import UserError
@@ -564,8 +565,8 @@ def cmd_serve(args) -> int:
         raise UserError("--max-batch, --max-queue, --max-tokens and --max-tokens-limit must be >= 1")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
-    if args.slo_ms is not None and args.slo_ms <= 0:
-        raise UserError(f"--slo-ms must be > 0, got {args.slo_ms}")
+    if args.slo_ms is not None and not (math.isfinite(args.slo_ms) and args.slo_ms > 0):
+        raise UserError(f"--slo-ms must be a finite number > 0, got {args.slo_ms}")
     from .server import ServerLimits, serve
 
     limits = ServerLimits(max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
