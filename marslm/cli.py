@@ -117,6 +117,15 @@ def _add_generate(sub) -> None:
     gen.add_argument("--no-last-mask", dest="use_last_mask", action="store_false",
                      help="ignore the last mask's prediction (the authors' sampler; default: use it, "
                      "B+1 candidates per step)")
+    gen.add_argument("--fixed-width", dest="adaptive_width", action="store_false",
+                     help="always feed every mask (default: fewer while recent steps accepted few)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 (default): greedy; > 0 samples (lossless mode: exactly the AR model's distribution)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling cut (default 1: none)")
+    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling cut (default 0: none)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible answers)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the answer before TEXT (repeat for up to 4 strings)")
     gen.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     gen.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
 
@@ -329,6 +338,12 @@ def _add_serve(sub) -> None:
                         help="open connections; one more is answered 503 and closed (default 1024)")
     srv.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    srv.add_argument("--engine", choices=["marslm", "vllm"], default="marslm",
+                     help="marslm: this package's engine (default); vllm: vLLM's OpenAI server with the MARS "
+                     "plugin, from the environment `make vllm-env` makes (uses --host, --port, --api-key, "
+                     "--served-model-name, --max-batch, --tau, --log-level)")
+    srv.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                     help="with --engine vllm: options for `vllm serve` after --, e.g. -- --tensor-parallel-size 2")
 
 
 def _add_loadtest(sub) -> None:
@@ -352,6 +367,15 @@ def _add_loadtest(sub) -> None:
     lt.add_argument("--deadline", type=float, default=3600.0, help="skip remaining runs after this many seconds")
     lt.add_argument("--seed", type=int, default=0, help="seed of the toy test split")
     lt.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+    lt.add_argument("--engine", choices=["marslm", "vllm"], default="marslm",
+                    help="vllm: start vLLM servers on --checkpoint (plain, ngram and MARS, in the environment of "
+                    "`make vllm-env`) and compare vLLM plain AR, ngram, MARS lossless and MARS at --taus; "
+                    "--url and the policies do not apply")
+    lt.add_argument("--checkpoint", default=None, metavar="DIR", help="with --engine vllm: the checkpoint to serve")
+    lt.add_argument("--taus", type=_floats, default=[0.95], help="with --engine vllm: MARS taus (default 0.95)")
+    lt.add_argument("--repeats", type=int, default=3, help="with --engine vllm: interleaved repeats (default 3)")
+    lt.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                    help="with --engine vllm: options for every `vllm serve`, e.g. -- --gpu-memory-utilization 0.25")
     _add_unsafe_exec(lt)
 
 def build_parser() -> argparse.ArgumentParser:
@@ -419,17 +443,17 @@ def _check_decoding_args(args) -> None:
     check_model_source(args.model)
 
 
-def _check_decoding_model(args, model, mars_config, mode: str = "threshold", use_last_mask: bool = True) -> None:
-    """The checks `generate` and `show` share once the model is loaded: the server's block-size rule,
-    and a warning when an AR checkpoint is asked to accept untrained mask guesses."""
-    from .decode.generate import default_block_size
-    from .engine import check_block_size
-    from .evaluate import is_one_token
+def _check_decoding_model(args, model, tokenizer) -> None:
+    """What `generate` and `show` check once the model is loaded: the settings against the block size
+    it was trained with (the server's rule), and a warning when an AR checkpoint is asked to accept
+    untrained mask guesses."""
+    from .decode.params import DecodingParams
+    from .modeling import checkpoint_facts
 
-    trained = default_block_size(model)
-    check_block_size(args.block_size or trained, trained, mode, use_last_mask)
-    if mars_config is not None and mars_config.stage == "ar" and \
-            not is_one_token({"tau": args.tau, "metric": args.metric, "mode": mode}):
+    facts = checkpoint_facts(model, tokenizer)
+    params = DecodingParams(tau=args.tau, metric=args.metric, block_size=args.block_size,
+                            mode=getattr(args, "mode", "threshold")).verify(facts.block_size)
+    if facts.stage == "ar" and not params.one_token:
         logging.getLogger("marslm").warning(
             "%s is an AR checkpoint (marslm.json stage 'ar'): its masks were never trained, so tau %g accepts "
             "untrained guesses; use tau 1, or a MARS checkpoint", args.model, args.tau)
@@ -440,13 +464,15 @@ def cmd_generate(args) -> int:
     from .modeling import load_model
 
     _check_decoding_args(args)
-    model, tokenizer, mars_config = load_model(args.model)
-    _check_decoding_model(args, model, mars_config, args.mode, args.use_last_mask)
+    model, tokenizer, _ = load_model(args.model)
+    _check_decoding_model(args, model, tokenizer)
     result = generate(model, tokenizer, [args.prompt], tau=args.tau, block_size=args.block_size,
                       metric=args.metric, max_new_tokens=args.max_new_tokens,
                       apply_chat_template=not args.no_chat_template, cache=args.cache,
                       block_cache_size=args.block_cache_size, use_last_mask=args.use_last_mask,
-                      mode=args.mode, draft_groups=args.draft_groups)
+                      mode=args.mode, draft_groups=args.draft_groups, adaptive_width=args.adaptive_width,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      stop=tuple(args.stop))
     if args.json:
         print(json.dumps({
             "text": result.texts[0],
@@ -507,8 +533,8 @@ def cmd_show(args) -> int:
     from .show import render_ansi, render_html, show_generation
 
     _check_decoding_args(args)
-    model, tokenizer, mars_config = load_model(args.model, device=resolve_device(args.device))
-    _check_decoding_model(args, model, mars_config)
+    model, tokenizer, _ = load_model(args.model, device=resolve_device(args.device))
+    _check_decoding_model(args, model, tokenizer)
     shown = show_generation(model, tokenizer, args.prompt, tau=args.tau, metric=args.metric,
                             block_size=args.block_size, max_new_tokens=args.max_new_tokens)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
@@ -557,6 +583,10 @@ def cmd_serve(args) -> int:
     from .decode import check_tau
     from .modeling import check_model_source
 
+    if args.engine == "vllm":
+        return _serve_vllm(args)
+    if args.vllm_args:
+        raise UserError(f"unexpected arguments {' '.join(args.vllm_args)} (options after -- are for --engine vllm)")
     check_tau(args.tau, "prob")
     check_tau(args.tau_floor, "prob")
     if args.tau_floor > args.tau:
@@ -583,9 +613,28 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _serve_vllm(args) -> int:
+    from .decode import check_tau
+    from .modeling import check_model_source
+    from .vllm.launch import exec_server, serve_command
+
+    check_tau(args.tau, "prob")
+    if args.tau_policy != "fixed":
+        raise UserError("--tau-policy adaptive is marslm's engine; vLLM serves a fixed default tau")
+    check_model_source(args.model)
+    exec_server(serve_command(args.model, host=args.host, port=args.port, tau=args.tau, api_key=args.api_key,
+                              served_model_name=args.served_model_name, max_batch=args.max_batch,
+                              log_level=args.log_level, vllm_args=args.vllm_args))
+    return 0
+
+
 def cmd_loadtest(args) -> int:
     from .loadtest import format_table, policy_settings, run_loadtest
 
+    if args.engine == "vllm":
+        return _loadtest_vllm(args)
+    if args.vllm_args:
+        raise UserError(f"unexpected arguments {' '.join(args.vllm_args)} (options after -- are for --engine vllm)")
     if args.requests < 1 or not args.concurrency or min(args.concurrency) < 1:
         raise UserError("--requests and every --concurrency value must be >= 1")
     if not args.policies:
@@ -601,6 +650,30 @@ def cmd_loadtest(args) -> int:
     if args.json:
         _write_json(args.json, report)
     return 0
+
+def _loadtest_vllm(args) -> int:
+    from .decode import check_tau
+    from .modeling import check_model_source
+    from .vllm.bench import format_table, run_vllm_bench
+    from .vllm.launch import vllm_python
+
+    if not args.checkpoint:
+        raise UserError("--engine vllm needs --checkpoint DIR (the checkpoint the servers load)")
+    if args.requests < 1 or args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
+        raise UserError("--requests, --repeats and every --concurrency value must be >= 1")
+    for tau in args.taus:
+        check_tau(tau, "prob")
+    check_model_source(args.checkpoint)
+    _code_execution(args, check_now=True)   # the answers are scored, code included
+    vllm_python()
+    report = run_vllm_bench(args.checkpoint, concurrencies=args.concurrency, requests=args.requests,
+                            repeats=args.repeats, taus=args.taus, max_tokens=args.max_tokens, timeout=args.timeout,
+                            seed=args.seed, vllm_args=args.vllm_args, log=lambda line: print(line, file=sys.stderr))
+    print(format_table(report))
+    if args.json:
+        _write_json(args.json, report)
+    return 0
+
 
 def _write_json(path: str, payload: dict) -> None:
     from pathlib import Path

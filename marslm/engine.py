@@ -18,9 +18,10 @@ Each row keeps its own tau. Requests that name no tau follow the server's *defau
 the :class:`TauController` may move with load (adaptive policy) or an admin may set; a change
 reaches running rows through ``DecodeBatch.set_tau`` before the next step.
 
-Greedy decoding is the contract. ``temperature`` > 0 samples only the first (AR) token of each
-step; the mask positions keep the confidence rule (``RowSettings.temperature``). Lossless mode
-ignores temperature: it is exact greedy decoding by definition.
+Greedy decoding is the default. At ``temperature`` > 0 threshold mode samples the AR token of each
+step (the masks keep the confidence rule) and lossless mode samples exactly from the AR model's
+distribution (speculative sampling); a request's ``seed`` makes its sample reproducible. Stop
+strings are matched here, on the decoded text, so a row ends at the step that produced one.
 """
 
 from __future__ import annotations
@@ -39,9 +40,7 @@ from pathlib import Path
 import torch
 
 from .chat import stop_token_ids
-from .decode.acceptance import METRICS, check_tau
-from .decode.batch import MODES, DecodeBatch, RowSettings
-from .decode.generate import default_block_size, resolve_mask_token_id
+from .decode import METRICS, DecodeBatch, DecodingParams, ParamError, TextStream, check_tau
 from .errors import UserError
 
 log = logging.getLogger("marslm.engine")
@@ -79,28 +78,21 @@ class EngineError(Exception):
     """Decoding failed for a request (the engine itself keeps serving)."""
 
 
-def check_block_size(block_size: int, trained_block_size: int, mode: str = "threshold",
-                     use_last_mask: bool = True) -> None:
-    """The block sizes a checkpoint decodes with: 1..the B it was trained with (masks beyond it
-    were never trained); lossless mode needs a mask to draft from. The CLI applies it too."""
-    if not 1 <= block_size <= trained_block_size:
-        raise InvalidRequest(f"block_size must be in 1..{trained_block_size} (the block size the model was "
-                             f"trained with), got {block_size}", "block_size")
-    if mode == "lossless" and block_size + use_last_mask < 2:
-        raise InvalidRequest("lossless mode needs at least one mask to draft from (block_size >= 2, or the "
-                             "last mask)", "block_size")
-
-
 @dataclass
 class SamplingParams:
-    """What a request asks for; ``None`` means the server's default."""
+    """What a request asks for; ``None`` means the server's default. Checked by
+    :meth:`Engine.validate`, which turns it into the :class:`DecodingParams` a row runs with."""
 
     max_tokens: int | None = None
     tau: float | None = None          # None: follow the server's (possibly adaptive) default tau
     metric: str = "prob"
     block_size: int | None = None     # masks per step + 1; at most the block size the model was trained with
     mode: str = "threshold"           # or "lossless": the masks draft, the next forward verifies
-    temperature: float = 0.0          # > 0 samples the step's first (AR) token only
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -110,6 +102,7 @@ class Result:
     prompt_tokens: int
     accepted_per_step: list[int]      # tokens accepted in each forward the request took part in
     tau: float | None                 # the row's tau when it finished (None: lossless)
+    text: str | None = None           # set when a stop string ended it: the text before the stop string
 
     @property
     def completion_tokens(self) -> int:
@@ -155,8 +148,9 @@ class RequestStream:
 class _Request:
     id: str
     prompt_ids: list[int]
-    settings: RowSettings
+    settings: DecodingParams
     follows_default: bool             # named no tau: the default tau reaches it, live
+    text: TextStream | None           # watches for stop strings
     stream: RequestStream
     arrived: float
     admitted: float | None = None
@@ -303,15 +297,19 @@ class Engine:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
         self.max_tokens_limit = max_tokens_limit
-        self.trained_block_size = default_block_size(model)
+        from .modeling import checkpoint_facts
+
+        facts = checkpoint_facts(model, tokenizer)
+        self.trained_block_size = facts.block_size
         self.max_context = getattr(model.config, "max_position_embeddings", None)
         self.controller = TauController(tau, tau_policy, tau_floor, slo_ms, max_batch=max_batch)
         self.metrics = EngineMetrics()
         self.idle_tick_s = idle_tick_s   # how often an idle engine lets the controller restore tau
 
-        self._batch_args = dict(mask_token_id=resolve_mask_token_id(model, tokenizer),
+        if facts.mask_token_id is None:
+            raise UserError("the tokenizer has no mask token (<|mask|>); is this a MARS checkpoint?")
+        self._batch_args = dict(mask_token_id=facts.mask_token_id, pad_id=facts.pad_id,
                                 stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
-                                pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
                                 cache="cursor", seed=seed)
         self._batch = DecodeBatch(model, **self._batch_args)
         self._lock = threading.Lock()                  # guards the waiting queue, cancellations, metrics
@@ -348,8 +346,8 @@ class Engine:
             return
         if warmup:   # first-call work (allocator, kernels) happens here, not in a user's latency
             batch = DecodeBatch(self.model, **self._batch_args)
-            batch.add([[self._batch_args["pad_id"]] * 4], [RowSettings(tau=0.5, block_size=self.trained_block_size,
-                                                                        max_new_tokens=2)], ["warmup"])
+            warm = DecodingParams(tau=0.5, block_size=self.trained_block_size, max_new_tokens=2).verify()
+            batch.add([[self._batch_args["pad_id"]] * 4], [warm], ["warmup"])
             while len(batch):
                 batch.step()
         self._accepting = True
@@ -373,27 +371,14 @@ class Engine:
             self._thread.join(10.0)
 
     # ------------------------------------------------------------------------ submitting
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> RowSettings:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> DecodingParams:
         """Resolve defaults and check a request against the model; raises :class:`InvalidRequest`."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt", "empty_prompt")
-        if params.metric not in METRICS:
-            raise InvalidRequest(f"unknown metric {params.metric!r}; choose from {', '.join(METRICS)}", "metric")
-        if params.mode not in MODES:
-            raise InvalidRequest(f"mode must be one of {', '.join(MODES)}, got {params.mode!r}", "mode")
-        if params.tau is not None:
-            try:
-                check_tau(params.tau, params.metric)
-            except UserError as exc:
-                raise InvalidRequest(str(exc), "tau", "invalid_tau") from None
-        elif params.metric not in DEFAULT_TAU_METRICS and params.mode == "threshold":
+        if params.tau is None and params.metric in METRICS and params.metric not in DEFAULT_TAU_METRICS \
+                and params.mode == "threshold":
             raise InvalidRequest(f"the server's default tau is a probability; a request with metric "
                                  f"{params.metric!r} must set its own tau", "tau")
-        block_size = params.block_size if params.block_size is not None else self.trained_block_size
-        check_block_size(block_size, self.trained_block_size, params.mode)
-        if not 0 <= params.temperature <= 2:
-            raise InvalidRequest(f"temperature must be in [0, 2], got {params.temperature}", "temperature")
-
         room = None if self.max_context is None else self.max_context - len(prompt_ids)
         if room is not None and room < 1:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
@@ -409,8 +394,13 @@ class Engine:
                                  f"the model's context of {self.max_context} tokens", "max_tokens",
                                  "context_length_exceeded")
         tau = params.tau if params.tau is not None else self.controller.tau
-        return RowSettings(tau=tau, metric=params.metric, block_size=block_size, max_new_tokens=max_tokens,
-                           mode=params.mode, temperature=params.temperature)
+        try:
+            return DecodingParams(tau=tau, metric=params.metric, block_size=params.block_size,
+                                  max_new_tokens=max_tokens, mode=params.mode, temperature=params.temperature,
+                                  top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+                                  stop=params.stop).verify(self.trained_block_size)
+        except ParamError as exc:
+            raise InvalidRequest(str(exc), exc.param, exc.code) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
@@ -421,7 +411,8 @@ class Engine:
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, len(prompt_ids), loop)
         follows = params.tau is None and params.mode == "threshold"
-        request = _Request(request_id, list(prompt_ids), settings, follows, stream, time.perf_counter())
+        text = TextStream(self.tokenizer, settings.stop) if settings.stop else None
+        request = _Request(request_id, list(prompt_ids), settings, follows, text, stream, time.perf_counter())
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down")
@@ -498,6 +489,11 @@ class Engine:
         started = time.perf_counter()
         finished = self._batch.step()
         new_tokens = self._batch.new_tokens()
+        # rows whose text now holds a stop string end here; their tokens go out with their result
+        hit = [rid for rid, ids in new_tokens.items() if _hits_stop(self._running[rid].text, ids)]
+        finished += self._batch.stop(hit)
+        for rid in hit:
+            del new_tokens[rid]
         now = time.perf_counter()
         # Bookkeeping before waking anyone: a client holding its answer sees metrics that count it.
         with self._lock:
@@ -577,8 +573,14 @@ class Engine:
                 by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, rest))
             if r.first_token is None:
                 r.first_token = now
-            result = Result(row.token_ids, "stop" if row.stopped else "length", len(r.prompt_ids),
-                            row.accepted_per_step, r.settings.tau if r.settings.mode == "threshold" else None)
+            token_ids, reason, text = row.token_ids, "stop" if row.stopped else "length", None
+            if r.text is not None:
+                r.text.push(row.token_ids[len(r.text.ids):])
+                r.text.finish()
+                if r.text.stopped:
+                    token_ids, reason, text = row.token_ids[: r.text.token_count()], "stop", r.text.text
+            result = Result(token_ids, reason, len(r.prompt_ids), row.accepted_per_step,
+                            r.settings.tau if r.settings.mode == "threshold" else None, text)
             by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, result))
             done.append((r, result))
         with self._lock:
@@ -628,6 +630,13 @@ class Engine:
             self._active = 0
         for r in left:
             self._deliver(r, self._cancelled_result(r))
+
+
+def _hits_stop(text: TextStream | None, ids: list[int]) -> bool:
+    if text is None:
+        return False
+    text.push(ids)
+    return text.stopped
 
 
 def _put_all(items) -> None:

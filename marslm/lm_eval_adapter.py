@@ -54,8 +54,7 @@ class MarsLM(TemplateLM):
                  **unused) -> None:
         super().__init__()
         from .decode import check_tau
-        from .decode.generate import default_block_size
-        from .modeling import load_model
+        from .modeling import checkpoint_facts, load_model
 
         if unused:
             log.warning("marslm lm-eval adapter: ignoring model args %s", sorted(unused))
@@ -63,7 +62,8 @@ class MarsLM(TemplateLM):
         self.model, self.tokenizer, _ = load_model(str(pretrained), dtype=dtype, device=_usable_device(device))
         self._device = next(self.model.parameters()).device
         self.decoding = {"tau": float(tau), "metric": metric,
-                         "block_size": int(block_size) if block_size else default_block_size(self.model),
+                         "block_size": int(block_size) if block_size else checkpoint_facts(self.model,
+                                                                                           self.tokenizer).block_size,
                          "cache": cache, "mode": mode}
         self._max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length) if max_length else None

@@ -65,9 +65,9 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def _one_request(client, url: str, headers: dict, model: str, messages: list, max_tokens: int,
-                       timeout: float) -> Sample:
+                       timeout: float, fields: dict | None = None) -> Sample:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(fields or {})}
     started = time.perf_counter()
     ttft, parts, usage = None, [], None
     try:
@@ -98,14 +98,17 @@ async def _one_request(client, url: str, headers: dict, model: str, messages: li
                   forwards, usage.get("tokens_per_forward", 0.0) * forwards)
 
 
-async def _run_level(client, url, headers, model, examples, concurrency, max_tokens, timeout) -> tuple[list, float]:
-    """Send every example once with ``concurrency`` closed-loop workers; samples in example order."""
+async def _run_level(client, url, headers, model, examples, concurrency, max_tokens, timeout,
+                     fields: dict | None = None) -> tuple[list, float]:
+    """Send every example once with ``concurrency`` closed-loop workers; samples in example order.
+    ``fields``: extra request fields (tau, mode, ...) for every request."""
     samples: list[Sample | None] = [None] * len(examples)
     next_index = iter(range(len(examples)))
 
     async def worker():
         for i in next_index:   # a shared iterator: each index is taken by exactly one worker
-            samples[i] = await _one_request(client, url, headers, model, examples[i].messages, max_tokens, timeout)
+            samples[i] = await _one_request(client, url, headers, model, examples[i].messages, max_tokens, timeout,
+                                            fields)
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(examples)))))

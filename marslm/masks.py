@@ -75,7 +75,7 @@ def decode_step_mask(slot_valid: torch.Tensor, pending_valid: torch.Tensor, draf
     - pending: tokens not yet in the cache, attended causally;
     - draft: proposed tokens (lossless mode), causal after the pending ones;
     - groups of ``n_masks`` masks; group g sees the first ``group_sees[g]`` drafts, is causal
-      inside itself and invisible to everything else (MARS_METHOD.md section 5). The threshold
+      inside itself and invisible to everything else (the paper, section 4.6). The threshold
       mode is the special case of no draft and one group.
 
     slot_valid ``[batch, S]``: cached slots holding a committed token of that row (ragged

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -114,6 +115,30 @@ def ensure_mask_token(model, tokenizer, mask_token: str = MASK_TOKEN) -> int:
     if mask_id >= rows:
         model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
     return mask_id
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What decoding needs to know about a checkpoint, read once."""
+    stage: str | None             # "ar" | "mars" from marslm.json; None for checkpoints marslm did not write
+    block_size: int               # the B it was trained with (4 when it does not say)
+    mask_token_id: int | None     # None: the tokenizer has no mask token
+    pad_id: int
+
+
+def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> CheckpointFacts:
+    """Block size, mask token and padding id of a loaded model, from its ``marslm.json`` and tokenizer."""
+    path = getattr(model, "name_or_path", None)
+    config = MarsConfig.load(path) if path and Path(path).is_dir() else None
+    if mask_token_id is None and config is not None:
+        mask_token_id = config.mask_token_id
+    if mask_token_id is None:
+        token = config.mask_token if config else MASK_TOKEN
+        if token in tokenizer.get_vocab():
+            mask_token_id = tokenizer.convert_tokens_to_ids(token)
+    block_size = config.block_size if config and config.stage == "mars" else 4
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return CheckpointFacts(config.stage if config else None, block_size, mask_token_id, pad_id)
 
 
 def count_parameters(model) -> int:

@@ -1,4 +1,4 @@
-"""The MARS training objective: a two-stream batch and its loss (MARS_METHOD.md section 2).
+"""The MARS training objective: a two-stream batch and its loss (docs/method.md).
 
     z          = [x ; x~]                x~: response tokens replaced by <|mask|>
     positions  = [0..L-1 ; 0..L-1]

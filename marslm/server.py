@@ -4,11 +4,12 @@
     GET  /v1/models             GET  /health               GET /metrics (Prometheus text format)
     POST /admin/tau             GET|POST /admin/policy     (live default tau and tau policy)
 
-Beyond OpenAI's fields a request may carry (``extra_body`` in the openai client) ``tau``,
-``metric``, ``block_size`` and ``mode``; ``usage`` adds ``forwards`` and ``tokens_per_forward``.
-Completions take raw text (as OpenAI's do); ``chat_template: true`` wraps the prompt as one
-user message instead. Sampling knobs the engine does not have (top_p, penalties, seed, ...) are
-ignored; ones that would change the answer's shape (``n`` > 1, ``stop``, ``logprobs``) are refused.
+OpenAI's ``temperature``, ``top_p``, ``seed`` and ``stop`` (up to 4 strings) are honoured. Beyond
+them a request may carry (``extra_body`` in the openai client) ``tau``, ``metric``, ``block_size``,
+``mode`` and ``top_k``; ``usage`` adds ``forwards`` and ``tokens_per_forward``. Completions take
+raw text (as OpenAI's do); ``chat_template: true`` wraps the prompt as one user message instead.
+Knobs the engine does not have (penalties, ...) are ignored; ones that would change the answer's
+shape (``n`` > 1, ``logprobs``) are refused.
 
 This module only translates: it parses and checks JSON, turns text into token ids (chat
 formatting goes through ``marslm.chat.encode_prompt``), hands the ids to the engine and turns
@@ -46,6 +47,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import encode_prompt
+from .decode import TextStream
 from .engine import (Engine, EngineError, EngineStopped, Histogram, InvalidRequest, QueueFull, Result,
                      SamplingParams)
 from .errors import UserError
@@ -132,9 +134,10 @@ def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
         raise APIError(400, "only n=1 is supported (decoding is greedy: more choices would be equal)", param="n")
     if _field(body, "best_of", "int", 1) != 1:
         raise APIError(400, "best_of is not supported", param="best_of")
-    if body.get("stop") not in (None, [], ""):
-        raise APIError(400, "stop sequences are not supported; the answer ends at the model's EOS token",
-                       param="stop", code="unsupported_parameter")
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+        raise APIError(400, "'stop' must be a string or an array of strings", param="stop", code="invalid_type")
     if body.get("logprobs") not in (None, False, 0):
         raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
     stream = _field(body, "stream", "bool", False)
@@ -146,7 +149,9 @@ def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
                             metric=_field(body, "metric", "str", "prob"),
                             block_size=_field(body, "block_size", "int"),
                             mode=_field(body, "mode", "str", "threshold"),
-                            temperature=_field(body, "temperature", "number", 0.0))
+                            temperature=_field(body, "temperature", "number", 0.0),
+                            top_p=_field(body, "top_p", "number", 1.0), top_k=_field(body, "top_k", "int", 0),
+                            seed=_field(body, "seed", "int"), stop=tuple(s for s in stop if s))
     return params, stream, include_usage
 
 
@@ -239,39 +244,6 @@ def _encode(tokenizer, prompt, apply_chat_template: bool, param: str) -> list[in
 
 
 # ---------------------------------------------------------------------------- response objects
-class _Detokenizer:
-    """Token ids in, text deltas out, in O(new tokens): decode a short window and emit what it adds
-    beyond the previous window (TGI/vLLM's scheme). A trailing U+FFFD is a multi-byte character
-    cut across steps: hold it back. ``finish`` reconciles with the full decode, so the deltas add
-    up to exactly the non-streaming text."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = self.read_offset = 0
-        self.emitted = ""
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def push(self, ids: list[int]) -> str:
-        self.ids += ids
-        before = self._decode(self.ids[self.prefix_offset: self.read_offset])
-        after = self._decode(self.ids[self.prefix_offset:])
-        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        delta = after[len(before):]
-        self.emitted += delta
-        return delta
-
-    def finish(self) -> str:
-        full = self._decode(self.ids)
-        delta = full[len(self.emitted):] if full.startswith(self.emitted) else ""
-        self.emitted += delta
-        return delta
-
-
 def _usage(result: Result) -> dict:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
             "total_tokens": result.prompt_tokens + result.completion_tokens,
@@ -487,11 +459,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
                 task.cancel()
         if result.finish_reason == "cancelled":
             raise _cut_off(result)
-        return result, tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        text = result.text if result.text is not None else tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return result, text
 
-    async def events(stream, make_chunk, include_usage: bool, first_chunk=None):
-        """Server-sent events: one chunk per step that produced text, then finish, usage, [DONE]."""
-        detok = _Detokenizer(tokenizer)
+    async def events(stream, make_chunk, include_usage: bool, stop: tuple, first_chunk=None):
+        """Server-sent events: one chunk per step that produced text, then finish, usage, [DONE].
+        The text goes through the same stop strings as the engine's, so no chunk shows text past one."""
+        detok = TextStream(tokenizer, stop)
         try:
             if first_chunk is not None:
                 yield _sse(first_chunk)
@@ -554,7 +528,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
 
         if stream_mode:
             opening = chunk("", None, role="assistant")   # OpenAI's first chunk names the role
-            return StreamingResponse(events(stream, chunk, include_usage, opening), media_type="text/event-stream")
+            return StreamingResponse(events(stream, chunk, include_usage, params.stop, opening),
+                                     media_type="text/event-stream")
         result, text = await collect(request, stream)
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -579,7 +554,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
             return out
 
         if stream_mode:
-            return StreamingResponse(events(stream, chunk, include_usage), media_type="text/event-stream")
+            return StreamingResponse(events(stream, chunk, include_usage, params.stop),
+                                     media_type="text/event-stream")
         result, text = await collect(request, stream)
         return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}],

@@ -113,9 +113,9 @@ def show_generation(model, tokenizer, prompt: str, *, tau: float = 0.9, metric: 
                     mode: str = "threshold", use_last_mask: bool = True) -> Shown:
     """Decode ``prompt`` (a user message) once and keep what the rendering needs."""
     from .decode import generate
-    from .decode.generate import default_block_size
+    from .modeling import checkpoint_facts
 
-    block_size = block_size or default_block_size(model)
+    block_size = block_size or checkpoint_facts(model, tokenizer).block_size
     result = generate(model, tokenizer, [prompt], tau=tau, metric=metric, block_size=block_size,
                       max_new_tokens=max_new_tokens, cache=cache, mode=mode, use_last_mask=use_last_mask)
     ids, steps = result.token_ids[0], result.accepted_per_step[0]

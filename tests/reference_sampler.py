@@ -9,7 +9,11 @@ own cache modes would share (mask positions, candidate alignment, the rule itsel
 Two windows:
 
     sliding   every step appends ``block_size`` masks after the last accepted token; candidates are
-              the output at the last real token (AR) and at the first ``block_size - 1`` masks
+              the output at the last real token (AR) and at the first ``block_size - 1`` masks;
+              ``adaptive`` reads only the first ``width`` of those masks, with the width rule of
+              marslm's adaptive width restated here: start at ``block_size - 1``; after a step that
+              accepted every mask it read, double (at most ``block_size - 1``), else one more than
+              the masks it accepted
     block     the paper's block-level cache (section 4.5): generation is cut into blocks of
               ``block_cache_size`` positions; each step feeds the block so far (accepted tokens, then
               masks up to the block's end) and accepts from its first unfilled position on; a
@@ -63,16 +67,18 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def reference_generate(model, prompt: list[int], *, mask_id: int, stop_ids: set[int], tau: float, metric: str,
                        block_size: int, max_new_tokens: int, window: str = "sliding",
-                       block_cache_size: int = 16) -> tuple[list[int], list[int]]:
+                       block_cache_size: int = 16, adaptive: bool = False) -> tuple[list[int], list[int]]:
     """``(new tokens without the stop token, tokens accepted per forward)`` for one prompt."""
     generated: list[int] = []
     steps: list[int] = []
+    width = block_size - 1
     while True:
         seq = prompt + generated
         if window == "sliding":
             logits = _logits(model, seq + [mask_id] * block_size)
             # output i predicts position i + 1: the last real token's output, then the masks'
-            candidates = [_confidence(logits[len(seq) - 1 + k], metric) for k in range(block_size)]
+            reads = width if adaptive else block_size - 1
+            candidates = [_confidence(logits[len(seq) - 1 + k], metric) for k in range(reads + 1)]
         else:
             filled = len(generated) % block_cache_size
             masks = block_cache_size - filled
@@ -85,6 +91,9 @@ def reference_generate(model, prompt: list[int], *, mask_id: int, stop_ids: set[
                 break
         generated += accepted
         steps.append(len(accepted))
+        if adaptive and not _one_token_mode(tau, metric):
+            used = len(accepted) - 1
+            width = min(block_size - 1, 2 * width) if used >= width else max(1, used + 1)
         if accepted[-1] in stop_ids:
             return generated[:-1], steps
         if len(generated) >= max_new_tokens:

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from marslm.decode.acceptance import (ENTROPY, MARGIN, PROB, accept_length, check_tau, confidence,
+from marslm.decode import check_tau
+from marslm.decode.acceptance import (ENTROPY, MARGIN, PROB, accept_length, confidence,
                                       one_token_rows)
 from marslm.errors import UserError
 

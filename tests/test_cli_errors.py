@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from marslm import cli
-from tests.trained import TRAIN_N
 
 
 @pytest.fixture(scope="module")
@@ -110,25 +109,15 @@ def test_an_ar_checkpoint_below_tau_1_warns(trained_dirs, capsys, caplog):
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    (["--block-size", "5"], "block_size must be in 1..4"),          # what the server answers too
-    (["--block-size", "100"], "block_size must be in 1..4"),
-    (["--mode", "lossless", "--block-size", "1", "--no-last-mask"], "lossless mode needs at least one mask"),
+    (["--block-size", "5"], "block size must be in 1..4"),          # what the server answers too
+    (["--block-size", "100"], "block size must be in 1..4"),
+    (["--mode", "lossless", "--block-size", "1"], "lossless mode needs at least one mask"),
     (["--block-cache-size", "0", "--cache", "block"], "block_cache_size must be >= 1"),
     (["--tau", "nan"], "tau"),
 ])
 def test_generate_refuses_what_the_server_refuses(mars_dir, capsys, flags, fragment):
     rc, out, err = run(capsys, "generate", "--model", mars_dir, "--prompt", PROMPT, "--max-new-tokens", 4, *flags)
     assert_one_line_error(rc, err, fragment)
-
-
-def test_lossless_block_size_1_drafts_from_the_last_mask(mars_dir, capsys):
-    """Not a silent no-op: with the last mask (the default) B = 1 still drafts one token per step."""
-    from marslm.data import toy
-
-    prompt = toy.make_split("train", TRAIN_N)[3].messages[0]["content"]
-    rc, out, _ = run(capsys, "generate", "--model", mars_dir, "--prompt", prompt, "--mode", "lossless",
-                     "--block-size", 1, "--max-new-tokens", 24, "--json")
-    assert rc == 0 and json.loads(out)["tokens_per_forward"] > 1
 
 
 def test_lone_surrogates_are_refused(mars_dir, capsys, tmp_path):

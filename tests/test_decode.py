@@ -74,9 +74,10 @@ def test_cursor_cache_equals_recompute(trained_checkpoints, prompts, metric, bat
 
 def test_multi_token_acceptance_happens(trained_checkpoints, prompts):
     model, tokenizer = trained_checkpoints["mars64"]
-    out = generate(model, tokenizer, prompts, tau=0.8, max_new_tokens=48, use_last_mask=True)
+    out = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=48, use_last_mask=True, adaptive_width=False)
     assert max(max(steps) for steps in out.accepted_per_step) == 5   # B + 1 with the last mask
-    without = generate(model, tokenizer, prompts, tau=0.8, max_new_tokens=48, use_last_mask=False)
+    without = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=48, use_last_mask=False,
+                       adaptive_width=False)
     assert max(max(steps) for steps in without.accepted_per_step) <= 4
 
 

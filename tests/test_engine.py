@@ -13,20 +13,7 @@ from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
 from marslm.engine import Engine, InvalidRequest, QueueFull, SamplingParams, TauController
-from tests.trained import TRAIN_N
-
-LONG_CANDIDATES = ["Sort the list", "Write", "the the the", "List:", "Ana has", "AAAA", "ab " * 50]
-
-
-def find_long_prompt(model, tokenizer, tokens: int = 300) -> str:
-    """A raw-text prompt the tiny model continues without EOS for ``tokens`` tokens (a row that
-    stays busy long enough to cancel or to queue behind)."""
-    for text in LONG_CANDIDATES:
-        out = generate(model, tokenizer, [text], tau=1.0, max_new_tokens=tokens, apply_chat_template=False)
-        if len(out.token_ids[0]) == tokens:
-            return text
-    pytest.skip("no candidate prompt keeps the tiny model busy")
-
+from tests.trained import TRAIN_N, find_long_prompt
 
 @pytest.fixture(scope="module")
 def mars64(trained_checkpoints):

@@ -1,4 +1,4 @@
-"""The MARS visibility rule (MARS_METHOD.md section 2) and the masks built from it."""
+"""The MARS visibility rule (docs/method.md) and the masks built from it."""
 
 from __future__ import annotations
 

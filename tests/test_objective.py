@@ -1,4 +1,4 @@
-"""The MARS objective (MARS_METHOD.md section 2): two-stream forward, loss, labels and padding."""
+"""The MARS objective (docs/method.md): two-stream forward, loss, labels and padding."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def test_inverse_t_weighting_of_the_masked_stream(tiny_tokenizer, make_tiny_mode
 
 
 def literal_mars_loss(model, input_ids, labels, block_size, ar_weight=1.0, normalization="token"):
-    """The objective exactly as MARS_METHOD.md writes it: z = [x ; x~], full length, one sequence per row."""
+    """The objective exactly as docs/method.md writes it: z = [x ; x~], full length, one sequence per row."""
     L = input_ids.shape[1]
     noisy_ids = torch.where(labels != IGNORE, MASK_ID, input_ids)
     mask = for_attention(two_stream_mask(L, block_size)[None, None], model)

@@ -36,10 +36,10 @@ def setup(trained_checkpoints):
     stop = set(stop_token_ids(tokenizer, model.generation_config))
 
     @lru_cache(maxsize=None)
-    def reference(index: int, tau: float, metric: str, window: str):
+    def reference(index: int, tau: float, metric: str, window: str, adaptive: bool = False):
         return reference_generate(model, prompts[index], mask_id=config.mask_token_id, stop_ids=stop, tau=tau,
                                   metric=metric, block_size=config.block_size, max_new_tokens=MAX_NEW,
-                                  window=window, block_cache_size=BLOCK_CACHE)
+                                  window=window, block_cache_size=BLOCK_CACHE, adaptive=adaptive)
 
     return model, tokenizer, prompts, reference
 
@@ -53,10 +53,27 @@ def test_decoding_equals_the_reference_sampler(setup, cache, metric):
     for tau in TAUS:
         for rows in ([0], [0, 1, 2, 3]):   # one prompt, then a ragged batch
             out = generate(model, tokenizer, [prompts[i] for i in rows], tau=tau, metric=metric, cache=cache,
-                           block_cache_size=BLOCK_CACHE, use_last_mask=False, max_new_tokens=MAX_NEW)
+                           block_cache_size=BLOCK_CACHE, use_last_mask=False, adaptive_width=False,
+                           max_new_tokens=MAX_NEW)
             for i, ids, steps in zip(rows, out.token_ids, out.accepted_per_step):
                 expected_ids, expected_steps = reference(i, tau, metric, window)
                 assert ids == expected_ids, (tau, i)
                 assert steps == expected_steps, (tau, i)
                 multi_token_steps += sum(s > 1 for s in steps)
     assert multi_token_steps > 10   # the comparison exercised multi-token acceptance
+
+
+@pytest.mark.parametrize("cache", ["none", "cursor"])
+@pytest.mark.parametrize("metric", METRICS)
+def test_adaptive_width_only_shortens_the_reach(setup, cache, metric):
+    """A row that reads fewer masks accepts what the reference accepts from that many candidates:
+    narrowing a step never changes a prediction (causal attention), only how far it can reach."""
+    model, tokenizer, prompts, reference = setup
+    narrowed = 0
+    for tau in TAUS:
+        out = generate(model, tokenizer, prompts, tau=tau, metric=metric, cache=cache, use_last_mask=False,
+                       adaptive_width=True, max_new_tokens=MAX_NEW)
+        for i, (ids, steps) in enumerate(zip(out.token_ids, out.accepted_per_step)):
+            assert (ids, steps) == reference(i, tau, metric, "sliding", adaptive=True), (tau, i)
+            narrowed += ids != reference(i, tau, metric, "sliding")[0]
+    assert narrowed   # the adaptive widths did change some answers' path, so the check had teeth

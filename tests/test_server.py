@@ -24,7 +24,7 @@ import pytest
 
 from marslm import generate
 from marslm.data import toy
-from tests.trained import TRAIN_N
+from tests.trained import TRAIN_N, find_long_prompt
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -33,7 +33,6 @@ pytest.importorskip("uvicorn")
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_TOKENS_LIMIT = 1000
-LONG_CANDIDATES = ["Sort the list", "Write", "the the the", "List:", "Ana has", "AAAA", "ab " * 50]
 
 
 class ServerProcess:
@@ -112,12 +111,7 @@ def mars64(trained_checkpoints):
 @pytest.fixture(scope="module")
 def long_prompt(mars64):
     """A raw-text prompt the tiny model continues without EOS: a row that stays busy."""
-    model, tokenizer = mars64
-    for text in LONG_CANDIDATES:
-        out = generate(model, tokenizer, [text], tau=1.0, max_new_tokens=600, apply_chat_template=False)
-        if len(out.token_ids[0]) == 600:
-            return text
-    pytest.skip("no candidate prompt keeps the tiny model busy")
+    return find_long_prompt(*mars64, tokens=600)
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +171,23 @@ def test_openai_client_chat_and_completions(main_url, messages):
     # temperature samples the first token of each step (the masks keep the tau rule)
     sampled = c.chat.completions.create(model=model, messages=messages[0], max_tokens=16, temperature=1.5)
     assert sampled.usage.forwards >= 1 and sampled.choices[0].finish_reason in ("stop", "length")
+    # lossless sampling with a seed: the same seed gives the same answer
+    seeded = [c.chat.completions.create(model=model, messages=messages[0], max_tokens=24, temperature=1.0,
+                                        top_p=0.9, seed=5, extra_body={"mode": "lossless"}).choices[0].message.content
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+    # stop strings: the answer ends right before the first one, streamed or not
+    stop = [text[3:6], "\n"]
+    stopped = c.chat.completions.create(model=model, messages=messages[0], max_tokens=48, stop=stop,
+                                        extra_body={"tau": 0.9})
+    ends = [i for i in (text.find(s) for s in stop) if i >= 0]
+    assert stopped.choices[0].message.content == text[: min(ends)]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed_stop = "".join(chunk.choices[0].delta.content or "" for chunk in c.chat.completions.create(
+        model=model, messages=messages[0], max_tokens=48, stop=stop, stream=True, extra_body={"tau": 0.9})
+        if chunk.choices)
+    assert streamed_stop == text[: min(ends)]
 
     # the chat template is applied to completions only when asked
     templated = c.completions.create(model=model, prompt=messages[0][-1]["content"], max_tokens=48,
@@ -269,6 +280,11 @@ def test_bad_input_gets_openai_errors_and_the_server_stays_up(main_url, messages
         (chat, {"messages": user, "block_size": 5}, 400, "block_size"),
         (chat, {"messages": user, "mode": "fast"}, 400, "mode"),
         (chat, {"messages": user, "n": 2}, 400, "n"),
+        (chat, {"messages": user, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        (chat, {"messages": user, "stop": 3}, 400, "stop"),
+        (chat, {"messages": user, "top_p": 0}, 400, "top_p"),
+        (chat, {"messages": user, "seed": -1}, 400, "seed"),
+        (chat, {"messages": user, "temperature": 3}, 400, "temperature"),
         (comp, {"prompt": "word " * 1100, "max_tokens": 8}, 400, "prompt"),
         (comp, {"prompt": "word " * 150, "max_tokens": 800}, 400, "max_tokens"),   # ~450 + 800 > 1024
         (chat, {"model": "gpt-4", "messages": user}, 404, "model"),

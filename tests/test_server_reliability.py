@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.test_server import ServerProcess, assert_healthy
+from tests.trained import find_long_prompt
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -73,6 +74,12 @@ def guarded(trained_dirs, tmp_path_factory):
     assert code == 0, log[-3000:]
     # the deliberate bugs are the only tracebacks; no disconnect or cancellation ever printed one
     assert log.count("Traceback") == server.bugs and "ClientDisconnect" not in log and "CancelledError" not in log, log[-5000:]
+
+
+@pytest.fixture(scope="module")
+def long_prompt(trained_checkpoints) -> str:
+    """Raw text the model continues for 600 tokens: a row that stays busy."""
+    return find_long_prompt(*trained_checkpoints["mars64"], tokens=600)
 
 
 def address(url: str) -> tuple[str, int]:
@@ -253,14 +260,14 @@ def test_slow_and_many_clients_are_cut_off(guarded):
     assert_healthy(guarded.url)
 
 
-def test_client_disconnects_are_one_log_line(guarded):
+def test_client_disconnects_are_one_log_line(guarded, long_prompt):
     # hang up in the middle of sending a body
     with socket.create_connection(address(guarded.url)) as sock:
         sock.sendall(head("/v1/completions", 1000) + b'{"prompt": ')
         time.sleep(0.3)
     # hang up while waiting for a whole (non-streamed) answer
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(guarded.url + "/v1/completions", json={"prompt": "AAAA", "max_tokens": 600, "tau": 1.0},
+        httpx.post(guarded.url + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 600, "tau": 1.0},
                    timeout=0.5)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -282,7 +289,7 @@ def test_metrics_name_the_served_model_not_its_path(guarded, trained_dirs):
 
 
 # ------------------------------------------------------------------------------ shutdown
-def test_requests_cut_off_by_shutdown_get_503(trained_dirs, tmp_path):
+def test_requests_cut_off_by_shutdown_get_503(trained_dirs, tmp_path, long_prompt):
     server = ServerProcess(trained_dirs["dir"] / "mars", tmp_path / "server.log", "--max-batch", "1",
                            "--shutdown-timeout", "0", log_level="info")
     try:
@@ -291,10 +298,10 @@ def test_requests_cut_off_by_shutdown_get_503(trained_dirs, tmp_path):
 
         def queued_request():      # waits for the one batch row, behind the stream
             waiting["response"] = httpx.post(server.url + "/v1/completions", timeout=60,
-                                             json={"prompt": "AAAA", "max_tokens": 600, "tau": 1.0})
+                                             json={"prompt": long_prompt, "max_tokens": 600, "tau": 1.0})
 
         events, done = [], False
-        body = {"prompt": "AAAA", "max_tokens": 900, "tau": 1.0, "stream": True}
+        body = {"prompt": long_prompt, "max_tokens": 600, "tau": 1.0, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             for line in lines:

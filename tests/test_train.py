@@ -143,6 +143,18 @@ def test_generate_json_subprocess(trained):
     assert result["tokens_per_forward"] == pytest.approx(accepted / result["forwards"], abs=1e-4)
 
 
+def test_generate_cli_stop_strings_and_seeded_sampling(trained):
+    base = ["generate", "--model", trained["mars"], "--prompt", "What is 3 plus 4?", "--json", "--max-new-tokens", 24]
+    rc, out = run_cli(*base, "--tau", 1.0)
+    full = json.loads(out)["text"]
+    assert rc == 0 and len(full) > 4
+    stop = full[2:4]
+    rc, out = run_cli(*base, "--tau", 1.0, "--stop", stop, "--stop", "never in there")
+    assert rc == 0 and json.loads(out)["text"] == full[: full.find(stop)]
+    sampled = [run_cli(*base, "--mode", "lossless", "--temperature", 1.0, "--seed", 3)[1] for _ in range(2)]
+    assert json.loads(sampled[0])["text"] == json.loads(sampled[1])["text"]
+
+
 # ------------------------------------------------------------------ the mask token
 
 

@@ -18,6 +18,20 @@ from marslm.train import TrainConfig, train
 
 
 TRAIN_N = 64
+# Raw-text prompts some of which the tiny model continues for hundreds of tokens without EOS.
+LONG_CANDIDATES = ("def f(x):", "a b c d e f", "Return", "Sort the list", "Write", "the the the", "List:")
+
+
+def find_long_prompt(model, tokenizer, tokens: int = 300) -> str:
+    """A raw-text prompt the tiny model continues without EOS for ``tokens`` tokens (a row that
+    stays busy long enough to cancel, or to queue behind)."""
+    from marslm import generate
+
+    for text in LONG_CANDIDATES:
+        out = generate(model, tokenizer, [text], tau=1.0, max_new_tokens=tokens, apply_chat_template=False)
+        if len(out.token_ids[0]) == tokens:
+            return text
+    pytest.fail("no candidate prompt keeps the tiny model busy: add one to LONG_CANDIDATES")
 
 
 def build_trained_checkpoints(root: Path) -> dict:

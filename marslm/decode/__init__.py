@@ -1,9 +1,23 @@
-"""MARS decoding: acceptance rule, the batched step loop and the ``generate`` entry point."""
+"""MARS decoding: acceptance rule, the batched step loop and the ``generate`` entry point.
 
-from .acceptance import METRICS, accept_length, check_tau, confidence
-from .batch import MODES, DecodeBatch, FinishedRow, RowSettings
-from .block_cache import BlockCachedBatch
-from .generate import CACHE_MODES, GenerationResult, generate
+Names load on first use, so ``marslm.decode.acceptance`` (pure torch) imports without
+transformers: the vLLM plugin runs it under the transformers version vLLM pins.
+"""
 
-__all__ = ["METRICS", "CACHE_MODES", "MODES", "DecodeBatch", "FinishedRow", "GenerationResult", "RowSettings",
-           "BlockCachedBatch", "accept_length", "check_tau", "confidence", "generate"]
+from importlib import import_module
+
+_EXPORTS = {
+    "METRICS": "acceptance", "accept_length": "acceptance", "confidence": "acceptance",
+    "DecodeBatch": "batch", "FinishedRow": "batch",
+    "BlockCachedBatch": "block_cache",
+    "CACHE_MODES": "generate", "GenerationResult": "generate", "generate": "generate",
+    "MODES": "params", "DecodingParams": "params", "ParamError": "params", "check_tau": "params",
+    "TextStream": "text",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'marslm.decode' has no attribute {name!r}")

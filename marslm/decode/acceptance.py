@@ -23,20 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
-
 METRICS = ("prob", "entropy", "margin")
 PROB, ENTROPY, MARGIN = range(3)
-
-
-def check_tau(tau: float, metric: str) -> None:
-    if metric not in METRICS:
-        raise UserError(f"unknown confidence metric {metric!r}; choose from {', '.join(METRICS)}")
-    if metric == "entropy":
-        if not tau >= 0:
-            raise UserError(f"tau for the entropy metric must be >= 0, got {tau}")
-    elif not 0 < tau <= 1:
-        raise UserError(f"tau for the {metric} metric must be in (0, 1], got {tau}")
 
 
 def metric_code(metric: str) -> int:
@@ -48,10 +36,12 @@ def one_token_rows(tau: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
     return torch.where(metric == ENTROPY, tau <= 0, tau >= 1)
 
 
-def confidence(logits: torch.Tensor, metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def confidence(logits: torch.Tensor, metric: torch.Tensor,
+               present: set[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy tokens and their confidence under each row's metric.
 
-    logits: ``[batch, candidates, vocab]``; metric: ``[batch]`` metric codes.
+    logits: ``[batch, candidates, vocab]``; metric: ``[batch]`` metric codes. ``present``: the
+    codes in ``metric``, when the caller knows them without asking the device (which waits).
     Returns ``(tokens, conf)``, both ``[batch, candidates]``.
     """
     probs = logits.float().softmax(dim=-1)
@@ -59,9 +49,9 @@ def confidence(logits: torch.Tensor, metric: torch.Tensor) -> tuple[torch.Tensor
     tokens = top2.indices[..., 0]
     conf = top2.values[..., 0]
     row_metric = metric[:, None].expand_as(conf)
-    if (metric == MARGIN).any():
+    if MARGIN in present if present is not None else (metric == MARGIN).any():
         conf = torch.where(row_metric == MARGIN, top2.values[..., 0] - top2.values[..., 1], conf)
-    if (metric == ENTROPY).any():
+    if ENTROPY in present if present is not None else (metric == ENTROPY).any():
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
         conf = torch.where(row_metric == ENTROPY, entropy, conf)
     return tokens, conf

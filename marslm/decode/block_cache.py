@@ -25,7 +25,8 @@ import torch
 
 from ..masks import causal_step_mask, for_attention
 from .acceptance import accept_length, confidence, metric_code
-from .batch import BatchStats, FinishedRow, RowSettings
+from .batch import BatchStats, FinishedRow
+from .params import DecodingParams
 
 
 class BlockCachedBatch:
@@ -42,7 +43,7 @@ class BlockCachedBatch:
         self.stats = BatchStats()
 
     @torch.no_grad()
-    def run(self, prompts: list[list[int]], settings: RowSettings, request_ids: list) -> list[FinishedRow]:
+    def run(self, prompts: list[list[int]], settings: DecodingParams, request_ids: list) -> list[FinishedRow]:
         from transformers import DynamicCache
 
         rows, dev, size = len(prompts), self.device, self.size

@@ -1,0 +1,106 @@
+"""A preallocated KV cache whose slots the decoding loop manages itself.
+
+transformers' ``DynamicCache`` concatenates every new key/value onto the old ones, which copies the
+whole cache at every step and every layer: a cost that grows with the cache and, with a batch of
+long rows, dominates a small model's step. :class:`SlotCache` keeps one buffer per layer,
+``[rows, kv_heads, capacity, head_dim]``, writes a step's keys/values into the next free slots and
+hands attention a view of the used ones; dropping the masks' entries after a step only moves the
+end back. The buffer doubles when it fills, so the copies amortise to nothing.
+
+Slots are shared by all rows (a step appends the same number of slots to every row; a row that fed
+less leaves holes that ``DecodeBatch.slot_valid`` masks out), so rows can join, leave and be
+compacted with one indexing operation per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values in a buffer that grows by doubling; ``length`` slots are in use."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        rows, heads, _, dim = key_states.shape
+        self.keys = key_states.new_zeros(rows, heads, self.capacity, dim)
+        self.values = value_states.new_zeros(rows, heads, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            self._grow(end)
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.keys.shape[-2])
+        grow = capacity - self.keys.shape[-2]
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:2], grow, self.keys.shape[3])], dim=2)
+        self.values = torch.cat([self.values, self.values.new_zeros(*self.values.shape[:2], grow,
+                                                                    self.values.shape[3])], dim=2)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.length -= abs(tokens_to_remove)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys, self.values = self.keys[indices], self.values[indices]
+
+    def add_rows(self, count: int) -> None:
+        if self.is_initialized:
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(count, *self.keys.shape[1:])])
+            self.values = torch.cat([self.values, self.values.new_zeros(count, *self.values.shape[1:])])
+
+    def gather_slots(self, order: torch.Tensor) -> None:
+        """Keep, per row, the slots ``order[row]`` (``[rows, n]``), moved to the front."""
+        n = order.shape[1]
+        if self.is_initialized:
+            for name in ("keys", "values"):
+                buffer = getattr(self, name)
+                index = order[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
+                buffer[:, :, :n] = buffer.gather(2, index)
+        self.length = n
+
+
+class SlotCache(Cache):
+    """One :class:`SlotLayer` per model layer, created as the model first writes to them."""
+
+    def __init__(self, capacity: int = 256):
+        super().__init__(layer_class_to_replicate=lambda: SlotLayer(capacity))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+
+    def add_rows(self, count: int) -> None:
+        for layer in self.layers:
+            layer.add_rows(count)
+
+    def gather_slots(self, order: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.gather_slots(order)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].length if len(self.layers) > layer_idx else 0

