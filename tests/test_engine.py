@@ -142,7 +142,7 @@ def test_validation(mars64):
            (SamplingParams(tau=-1.0, metric="entropy"), "tau"), (SamplingParams(metric="entropy"), "tau"),
            (SamplingParams(metric="nope"), "metric"), (SamplingParams(block_size=5), "block_size"),
            (SamplingParams(block_size=0), "block_size"), (SamplingParams(mode="fast"), "mode"),
-           (SamplingParams(max_tokens=0), "max_tokens"),
+           (SamplingParams(mode="lossless", block_size=1), "block_size"), (SamplingParams(max_tokens=0), "max_tokens"),
            (SamplingParams(max_tokens=513), "max_tokens"), (SamplingParams(temperature=-1.0), "temperature")]
     for params, field in bad:
         with pytest.raises(InvalidRequest) as err:
@@ -157,8 +157,6 @@ def test_validation(mars64):
     row = engine.validate([5] * 1000, SamplingParams())
     assert (row.block_size, row.tau, row.max_new_tokens) == (4, 0.95, 24)
     assert engine.validate(ids, SamplingParams(tau=0.3, metric="entropy")).tau == 0.3
-    # lossless at block size 1 drafts from the last mask (as `generate` does)
-    assert engine.validate(ids, SamplingParams(mode="lossless", block_size=1)).block_size == 1
 
 
 def test_tau_controller_fixed_and_adaptive():
