@@ -15,11 +15,12 @@ Debian/Ubuntu package ``bubblewrap``):
   the namespace with it (a child that left the process group or session included).
 
 :func:`run_python` runs a program and returns its exit status and output. A pass/fail verdict
-must not trust the exit status: the program could ``os._exit(0)`` before its tests ran.
-:func:`run_to_end` appends nothing to the program's namespace the program can call; it prints a
-fresh random token after the program ran to its end, and only then is the run a pass. (Code
-that searches the interpreter's memory for that token could still forge a pass: in-process
-tests can only be as trustworthy as the process. The sandbox is what keeps the machine safe.)
+must not trust the exit status: the program could ``os._exit(0)`` before its tests ran. So
+:func:`run_to_end` wraps the program in a harness that prints a fresh random token once the
+program has run to its end, and only a run whose output ends with that token passes. (Code that
+searches the interpreter's memory for the token could still forge a pass: tests that run in the
+program's process can only be as trustworthy as that process. Scorers that can, compare results
+outside, as the toy suite does. The sandbox is what keeps the machine safe.)
 
 Without bubblewrap (or where it cannot create namespaces), model-written code is refused unless
 the user opted in with ``--unsafe-exec`` (:func:`allow_unsafe_exec`): then it runs as a plain
@@ -71,7 +72,7 @@ DEFAULT_LIMITS = Limits()
 
 @dataclass(frozen=True)
 class RunResult:
-    returncode: int           # negative: killed by that signal (the timeout kills with SIGKILL)
+    returncode: int           # 0: it ended normally (bwrap reports a signal as 128 + its number)
     stdout: str
     stderr: str
     timed_out: bool

@@ -18,9 +18,9 @@ the engine's tokens back into OpenAI objects. Every refusal is an OpenAI error o
 
 What a client may take is bounded (:class:`ServerLimits`): the body's size (checked as it
 arrives: 413 and the connection closed, the rest never read), the time to send a request's
-head and its body, the number of open connections. JSON parsing and tokenization run on one
-worker thread, never on the event loop, so a big request delays no other request's stream, and
-a prompt that cannot fit the model's context is refused before it is tokenized. No error closes
+head and its body, the number of open connections. JSON parsing and tokenization run on worker
+threads, never on the event loop, so a big request delays no other request's stream, and a
+prompt that cannot fit the model's context is refused before it is tokenized. No error closes
 a keep-alive connection except those that must (413, 408); a client that hangs up is one line
 in the log.
 """
