@@ -95,7 +95,7 @@ def _code_execution(args, check_now: bool = False) -> None:
 
 def _add_generate(sub) -> None:
     from .decode.acceptance import METRICS
-    from .decode.generate import CACHE_MODES
+    from .decode.params import CACHE_MODES
 
     gen = sub.add_parser("generate", help="decode one prompt with the MARS sliding window",
                          description="Apply the chat template to PROMPT and decode it, accepting several "
@@ -143,7 +143,7 @@ def _strings(text: str) -> list[str]:
 
 def _add_eval(sub) -> None:
     from .decode.acceptance import METRICS
-    from .decode.generate import CACHE_MODES
+    from .decode.params import CACHE_MODES
     from .evaluate import ENTROPY_TAUS, EVAL_SOURCES
 
     ev = sub.add_parser(

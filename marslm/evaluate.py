@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .decode import generate
 from .errors import UserError
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
 # mode, and a confident prediction has H well below 0.5.
 ENTROPY_TAUS = (0.0, 0.25, 0.5, 1.0)
-EVAL_SOURCES = "toy, gsm8k:PATH, humaneval:PATH, or a GSM8K/HumanEval-format JSONL path"
+EVAL_SOURCES = "toy, reworded, gsm8k:PATH, humaneval:PATH, or a GSM8K/HumanEval-format JSONL path"
 
 
 @dataclass
@@ -42,10 +41,11 @@ class EvalSet:
 
 
 def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
-    """``toy`` (the embedded suite's test split), ``gsm8k:PATH``, ``humaneval:PATH``, or a path whose
-    first record tells the format (GSM8K: question/answer; HumanEval: task_id/prompt/test/entry_point).
+    """``toy`` (the embedded suite's test split), ``reworded`` (its arithmetic and lists worded as the
+    training data never does), ``gsm8k:PATH``, ``humaneval:PATH``, or a path whose first record
+    tells the format (GSM8K: question/answer; HumanEval: task_id/prompt/test/entry_point).
 
-    Files give their first ``n`` records in file order; ``seed`` only applies to ``toy``.
+    Files give their first ``n`` records in file order; ``seed`` applies to ``toy`` and ``reworded``.
     """
     from .sandbox import require_isolation
 
@@ -54,6 +54,10 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
 
         require_isolation()   # its code family runs model-written code: refuse now, not after decoding
         return EvalSet("toy", toy.make_split("test", n, seed=seed), toy.score_many)
+    if source == "reworded":   # off-distribution: toy arithmetic and lists, worded as training never does
+        from .data import reworded, toy
+
+        return EvalSet("reworded", reworded.make_split(n, seed=seed), toy.score_many)
     kind, _, path = source.partition(":")
     if kind not in ("gsm8k", "humaneval") or not path:
         kind, path = _detect_eval_format(source), source
@@ -89,6 +93,8 @@ def evaluate(model, tokenizer, eval_set: EvalSet, *, taus=(1.0,), metric: str = 
              progress: bool = True, model_name: str | None = None) -> dict:
     """``{"model", "data", "results": [one entry per tau]}``; see :func:`summarise_result` for an entry."""
     from tqdm.auto import tqdm
+
+    from .decode import generate
 
     prompts = [ex.messages for ex in eval_set.examples]
     results = []

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-import marslm.evaluate as evaluate_module
+import marslm.decode.generation as generation
 from marslm import cli
 from marslm.evaluate import format_table, is_one_token, model_reports, plan_cells, sweep
 
@@ -30,13 +30,13 @@ def run_cli(*args) -> tuple[int, str, str]:
 def decode_calls(monkeypatch):
     """Counts calls of the decoder behind evaluate(), recording each call's settings."""
     calls = []
-    real = evaluate_module.generate
+    real = generation.generate
 
     def counting(*args, **kwargs):
         calls.append({k: kwargs[k] for k in ("tau", "metric", "block_size")})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate_module, "generate", counting)
+    monkeypatch.setattr(generation, "generate", counting)
     return calls
 
 
@@ -96,14 +96,14 @@ def test_sweep_grid_resume_and_shape(trained_dirs, tmp_path, decode_calls):
 def test_failed_cell_is_recorded_and_retried(trained_dirs, tmp_path, monkeypatch, decode_calls):
     mars = str(trained_dirs["dir"] / "mars")
     path = tmp_path / "sweep.json"
-    real = evaluate_module.generate                         # the counting decoder of `decode_calls`
+    real = generation.generate                              # the counting decoder of `decode_calls`
 
     def out_of_memory_at_low_tau(*args, **kwargs):
         if kwargs["tau"] == 0.5:
             raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore detail")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate_module, "generate", out_of_memory_at_low_tau)
+    monkeypatch.setattr(generation, "generate", out_of_memory_at_low_tau)
     grid = dict(taus=[1.0, 0.5, 0.9], metrics=["prob"], block_sizes=[4])
     payload = sweep([mars], "toy", json_path=path, **grid, **SMALL)
     cells = payload["results"]                              # one model: the plain eval-report shape
@@ -112,7 +112,7 @@ def test_failed_cell_is_recorded_and_retried(trained_dirs, tmp_path, monkeypatch
     assert "accuracy" not in cells[1] and "accuracy" in cells[2]     # the sweep went on
     assert "failed: RuntimeError" in format_table({"mars": payload})
 
-    monkeypatch.setattr(evaluate_module, "generate", real)  # the memory is back: a rerun retries the cell
+    monkeypatch.setattr(generation, "generate", real)  # the memory is back: a rerun retries the cell
     decode_calls.clear()
     retried = sweep([mars], "toy", json_path=path, **grid, **SMALL)
     assert [c["tau"] for c in decode_calls] == [0.5]

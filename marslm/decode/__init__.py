@@ -12,8 +12,8 @@ _EXPORTS = {
     "METRICS": "acceptance", "accept_length": "acceptance", "confidence": "acceptance",
     "DecodeBatch": "batch", "FinishedRow": "batch",
     "BlockCachedBatch": "block_cache",
-    "CACHE_MODES": "generate", "GenerationResult": "generate", "generate": "generate",
-    "MODES": "params", "DecodingParams": "params", "ParamError": "params", "check_tau": "params",
+    "GenerationResult": "generation", "generate": "generation",
+    "CACHE_MODES": "params", "MODES": "params", "DecodingParams": "params", "ParamError": "params", "check_tau": "params",
     "TextStream": "text",
 }
 __all__ = sorted(_EXPORTS)

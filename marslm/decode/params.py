@@ -14,6 +14,7 @@ from ..errors import UserError
 from .acceptance import METRICS
 
 MODES = ("threshold", "lossless")
+CACHE_MODES = ("none", "block", "cursor")   # none: recompute; block: the paper's; cursor: ours (generation.py)
 MAX_STOP_SEQUENCES = 4   # as OpenAI's API
 
 

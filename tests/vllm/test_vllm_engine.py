@@ -105,7 +105,8 @@ def marslm_oracle(trained_checkpoints, prompt, first_token, settings):
     model, tokenizer = trained_checkpoints["mars64"]
     out = generate(model, tokenizer, [prompt + [first_token]], tau=settings.get("tau", 0.95),
                    metric=settings.get("metric", "prob"), mode=settings.get("mode", "threshold"), cache="none",
-                   use_last_mask=True, max_new_tokens=MAX_TOKENS - 1, apply_chat_template=False)
+                   use_last_mask=True, adaptive_width=False, max_new_tokens=MAX_TOKENS - 1,
+                   apply_chat_template=False)
     return [first_token] + out.token_ids[0], 1 + out.forwards[0]
 
 

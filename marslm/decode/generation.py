@@ -8,10 +8,8 @@ from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
 from .batch import BatchStats, DecodeBatch, FinishedRow
 from .block_cache import BlockCachedBatch
-from .params import DecodingParams
+from .params import CACHE_MODES, DecodingParams
 from .text import TextStream
-
-CACHE_MODES = ("none", "block", "cursor")
 
 
 @dataclass
