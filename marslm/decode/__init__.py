@@ -4,9 +4,7 @@ Names load on first use, so ``marslm.decode.acceptance`` (pure torch) imports wi
 transformers: the vLLM plugin runs it under the transformers version vLLM pins.
 """
 
-import sys
 from importlib import import_module
-from types import ModuleType
 
 _EXPORTS = {
     "METRICS": "acceptance", "accept_length": "acceptance", "confidence": "acceptance",
@@ -23,16 +21,3 @@ def __getattr__(name):
     if name in _EXPORTS:
         return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module 'marslm.decode' has no attribute {name!r}")
-
-
-class _Package(ModuleType):
-    """Importing the submodule ``generate`` would set the package's ``generate`` to that module,
-    hiding the function for every later ``from marslm.decode import generate``."""
-
-    def __setattr__(self, name, value):
-        if name in _EXPORTS and isinstance(value, ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
