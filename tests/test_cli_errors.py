@@ -143,22 +143,22 @@ def test_eval_refuses_bad_settings(mars_dir, capsys, flags, fragment):
 
 
 def test_eval_exits_non_zero_when_a_cell_failed_after_writing_the_rest(mars_dir, capsys, tmp_path, monkeypatch):
-    from marslm import evaluate
+    from marslm.decode import generation
 
-    real = evaluate.generate
+    real = generation.generate
 
     def failing_below_tau_1(*args, tau, **kwargs):
         if tau < 1:
             raise RuntimeError("CUDA out of memory (simulated)")
         return real(*args, tau=tau, **kwargs)
 
-    monkeypatch.setattr(evaluate, "generate", failing_below_tau_1)
+    monkeypatch.setattr(generation, "generate", failing_below_tau_1)
     report = tmp_path / "sweep.json"
     rc, out, err = run(capsys, "eval", "--model", mars_dir, "--n", 4, "--tau", "1,0.9", "--json", report, "--quiet")
     assert rc == 1 and "1 of 2 cells failed" in err
     cells = json.loads(report.read_text())["results"]
     assert ["failed" in c for c in cells] == [False, True] and cells[0]["accuracy"] >= 0
 
-    monkeypatch.setattr(evaluate, "generate", real)                   # the rerun retries the failed cell
+    monkeypatch.setattr(generation, "generate", real)                 # the rerun retries the failed cell
     rc, _, err = run(capsys, "eval", "--model", mars_dir, "--n", 4, "--tau", "1,0.9", "--json", report, "--quiet")
     assert rc == 0, err
