@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml requirements-ci.txt
 
 test: install
 	-bash scripts/ensure-chromium.sh   # headless Chromium for the `show --html` screenshot test (needs root)
+	-bash scripts/ensure-bubblewrap.sh # the sandbox for model-written code (needs root)
 	$(BIN)/python -m pytest
 
 vllm-env: $(VLLM_STAMP)
@@ -42,6 +43,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 demo: install
+	-bash scripts/ensure-bubblewrap.sh # the demo scores model-written code in it
 	$(BIN)/marslm demo --preset default --out runs/demo
 
 # A real pretrained model as a plain HF checkpoint: runs/smollm2 (README, "Real model").

@@ -53,6 +53,17 @@ def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def _unicode(text: str) -> str:
+    """``text``, if it is valid Unicode: a lone surrogate (from JSON's ``\\ud800`` or a command
+    line's undecodable bytes) cannot be encoded, and tokenizers fail on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(f"the text holds a lone surrogate {text[exc.start]!r} (not valid Unicode) after "
+                        f"{text[max(0, exc.start - 30):exc.start]!r}") from None
+    return text
+
+
 def encode_prompt(tokenizer, prompt, apply_chat_template: bool = True) -> list[int]:
     """Token ids that a generation continues from.
 
@@ -66,10 +77,10 @@ def encode_prompt(tokenizer, prompt, apply_chat_template: bool = True) -> list[i
         if not prompt:
             raise UserError("empty prompt")
         if not apply_chat_template:
-            return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return tokenizer(_unicode(prompt), add_special_tokens=False)["input_ids"]
         prompt = [{"role": "user", "content": prompt}]
     text = _render(tokenizer, list(prompt), add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(_unicode(text), add_special_tokens=False)["input_ids"]
 
 
 def encode_conversation(tokenizer, messages: list[dict], max_length: int | None = None,
@@ -96,7 +107,7 @@ def encode_conversation(tokenizer, messages: list[dict], max_length: int | None 
                             "cannot locate assistant turns")
         spans.append((len(before), len(through)))
 
-    enc = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(_unicode(full_text), add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = enc["input_ids"], enc["offset_mapping"]
     labels = [IGNORE] * len(input_ids)
     end_of_last_turn = 0

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 
 from .errors import UserError
 
 EXIT_USAGE = 2
+EXIT_FAILED_CELLS = 1   # eval: some settings failed (out of memory, say); the rest is reported
 
 
 def _add_train(sub) -> None:
@@ -80,6 +82,21 @@ def _family_weights(text: str) -> dict[str, float]:
         except ValueError:   # also a part with no '=': float("") fails
             raise UserError(f"--data-mix: expected FAMILY=WEIGHT pairs such as lists=2, got {part!r}") from None
     return weights
+
+
+def _add_unsafe_exec(parser) -> None:
+    parser.add_argument("--unsafe-exec", action="store_true",
+                        help="where bubblewrap is unavailable, run model-written code (the code family, HumanEval) "
+                        "WITHOUT a sandbox: it can do whatever you can (default: refuse)")
+
+
+def _code_execution(args, check_now: bool = False) -> None:
+    """Apply --unsafe-exec; with ``check_now``, refuse before any slow work when code cannot run."""
+    from . import sandbox
+
+    sandbox.allow_unsafe_exec(args.unsafe_exec)
+    if check_now:
+        sandbox.require_isolation()
 
 
 def _add_generate(sub) -> None:
@@ -174,6 +191,7 @@ def _add_eval(sub) -> None:
     ev.add_argument("--markdown", metavar="FILE", help="also write the table as a markdown document")
     ev.add_argument("--no-resume", action="store_true", help="with --json: start afresh, replacing FILE")
     ev.add_argument("--quiet", action="store_true", help="no progress bars or per-cell lines")
+    _add_unsafe_exec(ev)
 
 
 def _add_plot(sub) -> None:
@@ -229,6 +247,7 @@ def _add_demo(sub) -> None:
                       "smollm2: MARS on SmolLM2-135M-Instruct, about 2 hours on 2 cores (needs `make smollm2`'s "
                       "packages); smollm2-quick: the same plumbing in a few minutes, no quality claims")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_unsafe_exec(demo)
 
 
 def _ints(text: str) -> list[int]:
@@ -265,6 +284,7 @@ def _add_ablate(sub) -> None:
                         "(default runs/ablate)")
     ablate.add_argument("--block-sizes", type=_ints, default=[4, 8, 16], help="MARS block sizes (default 4,8,16)")
     ablate.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_unsafe_exec(ablate)
 
 
 def _add_bench(sub) -> None:
@@ -297,6 +317,7 @@ def _add_bench(sub) -> None:
                        help="--cost-curve: B, for widths 1 .. 2B + 2 (default: the checkpoint's, else 4)")
     bench.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
     bench.add_argument("--quiet", action="store_true")
+    _add_unsafe_exec(bench)
 
 
 def _add_serve(sub) -> None:
@@ -316,7 +337,8 @@ def _add_serve(sub) -> None:
     srv.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                      help="weights dtype (default auto: as saved); float64 makes batching unable to flip near-ties")
     srv.add_argument("--device", default="auto", help="torch device (default: cuda if available, else cpu)")
-    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="model name clients send (default: the model directory's name, or the hub id)")
     srv.add_argument("--tau", type=float, default=0.95,
                      help="default tau for requests that name none; the adaptive policy's ceiling (default 0.95)")
     srv.add_argument("--tau-policy", choices=POLICIES, default="fixed",
@@ -328,7 +350,19 @@ def _add_serve(sub) -> None:
     srv.add_argument("--max-tokens", type=int, default=256, help="max_tokens of a request that names none (256)")
     srv.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted (4096)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled")
+                     help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled "
+                     "(they then get a 503 error object, or a last stream event saying so)")
+    limits = srv.add_argument_group("limits per client (slow or hostile clients)")
+    limits.add_argument("--max-request-bytes", type=int, default=2**20,
+                        help="largest request body; a larger one is refused (413) as it arrives (default 1 MiB)")
+    limits.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection may take to send a request's line and headers (default 10)")
+    limits.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request's body may take to arrive, then 408 (default 30)")
+    limits.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open (default 5)")
+    limits.add_argument("--max-connections", type=int, default=1024,
+                        help="open connections; one more is answered 503 and closed (default 1024)")
     srv.add_argument("--seed", type=int, default=0, help="seed of temperature sampling")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     srv.add_argument("--engine", choices=["marslm", "vllm"], default="marslm",
@@ -369,6 +403,7 @@ def _add_loadtest(sub) -> None:
     lt.add_argument("--repeats", type=int, default=3, help="with --engine vllm: interleaved repeats (default 3)")
     lt.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
                     help="with --engine vllm: options for every `vllm serve`, e.g. -- --gpu-memory-utilization 0.25")
+    _add_unsafe_exec(lt)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -438,12 +473,29 @@ def _check_decoding_args(args) -> None:
     check_model_source(args.model)
 
 
+def _check_decoding_model(args, model, tokenizer) -> None:
+    """What `generate` and `show` check once the model is loaded: the settings against the block size
+    it was trained with (the server's rule), and a warning when an AR checkpoint is asked to accept
+    untrained mask guesses."""
+    from .decode.params import DecodingParams
+    from .modeling import checkpoint_facts
+
+    facts = checkpoint_facts(model, tokenizer)
+    params = DecodingParams(tau=args.tau, metric=args.metric, block_size=args.block_size,
+                            mode=getattr(args, "mode", "threshold")).verify(facts.block_size)
+    if facts.stage == "ar" and not params.one_token:
+        logging.getLogger("marslm").warning(
+            "%s is an AR checkpoint (marslm.json stage 'ar'): its masks were never trained, so tau %g accepts "
+            "untrained guesses; use tau 1, or a MARS checkpoint", args.model, args.tau)
+
+
 def cmd_generate(args) -> int:
     from .decode import generate
     from .modeling import load_model
 
     _check_decoding_args(args)
     model, tokenizer, _ = load_model(args.model)
+    _check_decoding_model(args, model, tokenizer)
     result = generate(model, tokenizer, [args.prompt], tau=args.tau, block_size=args.block_size,
                       metric=args.metric, max_new_tokens=args.max_new_tokens,
                       apply_chat_template=not args.no_chat_template, cache=args.cache,
@@ -466,8 +518,10 @@ def cmd_generate(args) -> int:
 
 def cmd_eval(args) -> int:
     from .decode.acceptance import METRICS
-    from .evaluate import format_markdown, format_table, labelled, model_reports, sweep, write_text_atomically
+    from .evaluate import (data_key, format_markdown, format_table, labelled, model_reports, sweep,
+                           write_text_atomically)
 
+    _code_execution(args)
     models = [m for group in args.model for m in group]
     for metric in args.metric:
         if metric not in METRICS:
@@ -480,9 +534,16 @@ def cmd_eval(args) -> int:
                     metrics=args.metric, block_sizes=args.block_size, cache=args.cache, mode=args.mode,
                     batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, json_path=args.json,
                     resume=not args.no_resume, progress=not args.quiet, device=args.device)
-    print(format_table(labelled(model_reports(payload))))
+    reports = model_reports(payload)
+    print(format_table(labelled(reports)))
     if args.markdown:
         write_text_atomically(args.markdown, format_markdown(payload))
+    this_run = {(model, args.data, args.n, args.seed) for model in models}
+    cells = [cell for rep in reports if data_key(rep) in this_run for cell in rep["results"]]
+    failed = sum("failed" in cell for cell in cells)
+    if failed:   # what succeeded is written; a rerun retries the rest
+        print(f"marslm eval: {failed} of {len(cells)} cells failed (see the table)", file=sys.stderr)
+        return EXIT_FAILED_CELLS
     return 0
 
 
@@ -497,12 +558,13 @@ def cmd_plot(args) -> int:
 def cmd_show(args) -> int:
     import os
 
-    from .evaluate import resolve_device, write_text_atomically
-    from .modeling import load_model
+    from .evaluate import write_text_atomically
+    from .modeling import load_model, resolve_device
     from .show import render_ansi, render_html, show_generation
 
     _check_decoding_args(args)
     model, tokenizer, _ = load_model(args.model, device=resolve_device(args.device))
+    _check_decoding_model(args, model, tokenizer)
     shown = show_generation(model, tokenizer, args.prompt, tau=args.tau, metric=args.metric,
                             block_size=args.block_size, max_new_tokens=args.max_new_tokens)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
@@ -516,6 +578,7 @@ def cmd_show(args) -> int:
 def cmd_demo(args) -> int:
     from .demo_smollm2 import PRESETS as REAL_PRESETS
 
+    _code_execution(args, check_now=True)   # both score the toy suite's code items
     if args.preset in REAL_PRESETS:
         from .demo_smollm2 import run_smollm2_demo
 
@@ -530,6 +593,7 @@ def cmd_demo(args) -> int:
 def cmd_ablate(args) -> int:
     from .ablate import run_ablation
 
+    _code_execution(args, check_now=True)
     run_ablation(args.out, args.preset, block_sizes=args.block_sizes, progress=not args.quiet)
     return 0
 
@@ -538,6 +602,7 @@ def cmd_bench(args) -> int:
     from .bench import default_contenders, format_bench_table, load_bench_models, run_bench
     from .evaluate import load_eval_set
 
+    _code_execution(args)
     if args.n < 1 or args.repeats < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
         raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
     if args.cost_curve:
@@ -588,13 +653,18 @@ def cmd_serve(args) -> int:
         raise UserError("--max-batch, --max-queue, --max-tokens and --max-tokens-limit must be >= 1")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
-    if args.slo_ms is not None and args.slo_ms <= 0:
-        raise UserError(f"--slo-ms must be > 0, got {args.slo_ms}")
-    check_model_source(args.model)
-    from .server import serve
+    if args.slo_ms is not None and not (math.isfinite(args.slo_ms) and args.slo_ms > 0):
+        raise UserError(f"--slo-ms must be a finite number > 0, got {args.slo_ms}")
+    from .server import ServerLimits, serve
 
+    limits = ServerLimits(max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
+                          body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                          max_connections=args.max_connections)
+    limits.validate()
+    check_model_source(args.model)
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key, dtype=args.dtype, device=args.device,
           served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+          limits=limits,
           max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
           max_tokens_limit=args.max_tokens_limit, tau=args.tau, tau_policy=args.tau_policy, tau_floor=args.tau_floor,
           slo_ms=args.slo_ms, seed=args.seed)
@@ -629,6 +699,7 @@ def cmd_loadtest(args) -> int:
         raise UserError("--policies is empty")
     for name in args.policies:
         policy_settings(name)
+    _code_execution(args, check_now=True)   # the answers are scored, code included
     report = run_loadtest(args.url, concurrencies=args.concurrency, requests=args.requests, policies=args.policies,
                           max_tokens=args.max_tokens, api_key=args.api_key, model=args.model,
                           adaptive_tau=args.adaptive_tau, tau_floor=args.tau_floor, timeout=args.timeout,
@@ -713,6 +784,7 @@ def _loadtest_vllm(args) -> int:
     for tau in args.taus:
         check_tau(tau, "prob")
     check_model_source(args.checkpoint)
+    _code_execution(args, check_now=True)   # the answers are scored, code included
     vllm_python()
     report = run_vllm_bench(args.checkpoint, concurrencies=args.concurrency, requests=args.requests,
                             repeats=args.repeats, taus=args.taus, max_tokens=args.max_tokens, timeout=args.timeout,

@@ -11,7 +11,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .errors import UserError
+
 FILENAME = "marslm.json"
+STAGES = ("ar", "mars")
 MASK_TOKEN = "<|mask|>"
 # Learning-rate schedules `train` offers: Trainer's names for those that need nothing beyond the
 # warmup and the step count. Here rather than in train.py so the CLI can list them without torch.
@@ -36,9 +39,27 @@ class MarsConfig:
 
     @classmethod
     def load(cls, directory: str | Path) -> "MarsConfig | None":
+        """The directory's ``marslm.json`` (None: there is none); refuses one that is not a valid record."""
         path = Path(directory, FILENAME)
         if not path.is_file():
             return None
-        raw = json.loads(path.read_text())
-        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
-        return cls(**known)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise UserError(f"{path} is not valid JSON ({exc}); restore it or remove it") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{path} must hold a JSON object, got {type(raw).__name__}; restore it or remove it")
+        config = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+        config.check(path)
+        return config
+
+    def check(self, where: str | Path) -> None:
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if self.stage not in STAGES:
+            raise UserError(f"{where}: stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
+        if not is_int(self.block_size) or self.block_size < 1:
+            raise UserError(f"{where}: block_size must be an integer >= 1, got {self.block_size!r}")
+        if self.mask_token_id is not None and (not is_int(self.mask_token_id) or self.mask_token_id < 0):
+            raise UserError(f"{where}: mask_token_id must be a token id (an integer >= 0), got {self.mask_token_id!r}")

@@ -35,6 +35,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -169,8 +170,9 @@ class TauController:
     tau drops to the target at once (requests are waiting now, and waiting makes the queue
     longer) but climbs back at most ``recover_per_s`` per second, so a queue that empties for a
     step does not make tau flap. A lower tau accepts more tokens per forward: requests finish in
-    fewer steps and free their rows sooner, which is what drains the queue. Values are rounded to
-    0.01 so running rows are touched only when the default really changes.
+    fewer steps and free their rows sooner, which is what drains the queue. Between the bounds
+    values are rounded to 0.01 so running rows are touched only when the default really changes;
+    the bounds themselves are exactly what was set.
     """
 
     def __init__(self, tau: float = 0.95, policy: str = "fixed", floor: float = 0.9,
@@ -199,14 +201,15 @@ class TauController:
             check_tau(floor, "prob")
             if floor > ceiling:
                 raise UserError(f"tau floor {floor} is above the default tau {ceiling}")
-            if slo_ms is not None and not slo_ms > 0:
-                raise UserError(f"slo_ms must be > 0, got {slo_ms}")
+            if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):
+                raise UserError(f"slo_ms must be a finite number > 0 (or null: off), got {slo_ms}")
             self.policy, self.ceiling, self.floor, self.slo_ms = policy, float(ceiling), float(floor), slo_ms
             self._level = self.ceiling
             self._set(self.ceiling)
 
-    def _set(self, tau: float) -> None:
-        tau = round(tau, 2)
+    def _set(self, level: float) -> None:
+        tau = self.ceiling if level >= self.ceiling else self.floor if level <= self.floor else round(level, 2)
+        tau = min(max(tau, self.floor), self.ceiling)
         current = getattr(self, "tau", None)
         if current is not None and tau != current:
             self.changes["down" if tau < current else "up"] += 1
@@ -324,14 +327,14 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "auto", device: str | None = "auto", **kwargs) -> "Engine":
-        from .modeling import load_model
+        from .modeling import load_model, resolve_device
 
         if dtype not in DTYPES:
             raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else None
-        model, tokenizer, _ = load_model(path, dtype=DTYPES[dtype], device=device)
-        return cls(model, tokenizer, model_name=kwargs.pop("model_name", None) or path, **kwargs)
+        model, tokenizer, _ = load_model(path, dtype=DTYPES[dtype], device=resolve_device(device))
+        # The served name: a hub id as given, a local directory by its name (not its path).
+        name = kwargs.pop("model_name", None) or (Path(path).resolve().name if Path(path).exists() else path)
+        return cls(model, tokenizer, model_name=name, **kwargs)
 
     # ---------------------------------------------------------------------------- lifecycle
     @property

@@ -47,9 +47,12 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
 
     Files give their first ``n`` records in file order; ``seed`` applies to ``toy`` and ``reworded``.
     """
+    from .sandbox import require_isolation
+
     if source == "toy":
         from .data import toy
 
+        require_isolation()   # its code family runs model-written code: refuse now, not after decoding
         return EvalSet("toy", toy.make_split("test", n, seed=seed), toy.score_many)
     if source == "reworded":   # off-distribution: toy arithmetic and lists, worded as training never does
         from .data import reworded, toy
@@ -63,6 +66,8 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
 
         return EvalSet(source, gsm8k.load_gsm8k(path, n), gsm8k.score_many)
     from .data import humaneval
+
+    require_isolation()
 
     return EvalSet(source, humaneval.load_humaneval(path, n), humaneval.score_many)
 
@@ -203,7 +208,7 @@ def _setting_key(cell: dict) -> tuple:
     return tuple(cell.get(k) for k in SETTING_KEYS)
 
 
-def _data_key(model_report: dict) -> tuple:
+def data_key(model_report: dict) -> tuple:
     return tuple(model_report.get(k) for k in DATA_KEYS)
 
 
@@ -247,15 +252,6 @@ def write_json_atomically(path: str | Path, payload: dict) -> None:
     write_text_atomically(path, json.dumps(payload, indent=2) + "\n")
 
 
-def resolve_device(device: str | None) -> str | None:
-    """``auto``: the GPU when there is one, else the CPU (load_model's None)."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else None
-
-
 def _load_previous(json_path: str | Path | None) -> list[dict]:
     if json_path is None or not Path(json_path).exists():
         return []
@@ -287,8 +283,13 @@ def sweep(models: list[str], data: str = "toy", *, n: int = 500, seed: int = 0, 
     their output is greedy AR decoding.
     """
     from .decode import check_tau
-    from .modeling import check_model_source, load_model
+    from .modeling import check_model_source, load_model, resolve_device
 
+    for flag, value in (("--batch-size", batch_size), ("--max-new-tokens", max_new_tokens)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    device = resolve_device(device)
+    eval_set = load_eval_set(data, n, seed=seed)
     for model in models:
         check_model_source(model)
     for metric in metrics:
@@ -296,10 +297,9 @@ def sweep(models: list[str], data: str = "toy", *, n: int = 500, seed: int = 0, 
             check_tau(tau, metric)
     if any(b < 1 for b in block_sizes or ()):
         raise UserError(f"block sizes must be >= 1, got {list(block_sizes)}")
-    eval_set = load_eval_set(data, n, seed=seed)
 
     reports = _load_previous(json_path) if resume else []
-    by_key = {_data_key(rep): rep for rep in reports}
+    by_key = {data_key(rep): rep for rep in reports}
     plans = []
     for model in models:
         stage, trained_block = _checkpoint_facts(model)
@@ -330,7 +330,7 @@ def sweep(models: list[str], data: str = "toy", *, n: int = 500, seed: int = 0, 
                 entry = {**shared, **cell, "shared_with": origin}
             else:
                 if loaded is None:
-                    loaded = load_model(report["model"], device=resolve_device(device))[:2]
+                    loaded = load_model(report["model"], device=device)[:2]
                 entry = _run_cell(loaded, eval_set, cell, report["model"], batch_size, max_new_tokens, progress)
             if "failed" not in entry:
                 finished[_setting_key(cell)] = entry

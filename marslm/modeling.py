@@ -5,14 +5,19 @@ MARS changes no model code: any ``AutoModelForCausalLM`` whose attention takes a
 
 from __future__ import annotations
 
+import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .config import FILENAME as CONFIG_FILENAME
 from .config import MASK_TOKEN, MarsConfig
 from .errors import UserError
+
+log = logging.getLogger("marslm")
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -31,22 +36,68 @@ def check_model_source(name_or_path: str) -> None:
 
 def load_model(name_or_path: str, dtype: torch.dtype | str | None = None, attn_implementation: str = "sdpa",
                device: str | torch.device | None = None):
-    """``(model, tokenizer, mars_config)``; ``mars_config`` is None for checkpoints marslm did not write."""
+    """``(model, tokenizer, mars_config)``; ``mars_config`` is None for checkpoints marslm did not write
+    (with a warning saying what decoding then assumes). Anything unloadable is a :class:`UserError`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_source(name_or_path)
-    try:
+    mars_config = MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None   # before the slow part
+    with loading_errors(name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation)
-    except (OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise UserError(f"cannot load model {name_or_path}: {first_line}") from None
+    check_tokenizer(tokenizer, name_or_path)
+    if mars_config is None:
+        log.warning("%s has no %s (marslm train writes one): decoding assumes block size %d and the %s token",
+                    name_or_path, CONFIG_FILENAME, MarsConfig().block_size, MASK_TOKEN)
+    elif mars_config.mask_token_id is not None:
+        rows = model.get_input_embeddings().weight.shape[0]
+        if mars_config.mask_token_id >= rows:
+            raise UserError(f"{name_or_path}: {CONFIG_FILENAME} names mask_token_id {mars_config.mask_token_id}, "
+                            f"outside the model's vocabulary (0..{rows - 1})")
     if device is not None:
         model.to(device)
     model.eval()
-    mars_config = MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None
     return model, tokenizer, mars_config
+
+
+@contextmanager
+def loading_errors(name_or_path: str):
+    """Whatever loading a checkpoint raises (a truncated or empty safetensors file, a broken config,
+    a missing file) becomes one line naming the checkpoint."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the libraries raise many types for a bad file
+        lines = str(exc).strip().splitlines()
+        reason = f"{exc.__class__.__name__}: {lines[0]}" if lines else exc.__class__.__name__
+        raise UserError(f"cannot load model {name_or_path}: {reason}") from None
+
+
+def check_tokenizer(tokenizer, name_or_path: str) -> None:
+    """A tokenizer that turns text into no tokens is missing its vocabulary (tokenizer.json), and
+    would decode every answer to empty text."""
+    if not tokenizer("Hello, world 123", add_special_tokens=False)["input_ids"]:
+        raise UserError(f"the tokenizer of {name_or_path} turns text into no tokens: its vocabulary is missing "
+                        "(no tokenizer.json?)")
+
+
+def resolve_device(device: str | None) -> str | None:
+    """``auto``: the GPU when there is one, else the CPU (None); otherwise a device this machine has."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else None
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"unknown device {device!r} (expected auto, cpu, cuda, cuda:N, mps, ...)") from None
+    if parsed.type == "cuda" and (not torch.cuda.is_available() or (parsed.index or 0) >= torch.cuda.device_count()):
+        raise UserError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("device 'mps': not available on this machine")
+    return device
 
 
 def ensure_mask_token(model, tokenizer, mask_token: str = MASK_TOKEN) -> int:

@@ -14,7 +14,15 @@ shape (``n`` > 1, ``logprobs``) are refused.
 This module only translates: it parses and checks JSON, turns text into token ids (chat
 formatting goes through ``marslm.chat.encode_prompt``), hands the ids to the engine and turns
 the engine's tokens back into OpenAI objects. Every refusal is an OpenAI error object
-``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status (503 at shutdown).
+
+What a client may take is bounded (:class:`ServerLimits`): the body's size (checked as it
+arrives: 413 and the connection closed, the rest never read), the time to send a request's
+head and its body, the number of open connections. JSON parsing and tokenization run on worker
+threads, never on the event loop, so a big request delays no other request's stream, and a
+prompt that cannot fit the model's context is refused before it is tokenized. No error closes
+a keep-alive connection except those that must (413, 408); a client that hangs up is one line
+in the log.
 """
 
 from __future__ import annotations
@@ -23,16 +31,19 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import secrets
 import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import encode_prompt
@@ -44,6 +55,28 @@ from .errors import UserError
 log = logging.getLogger("marslm.server")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+PARSE_WORKERS = 4   # threads that parse and tokenize requests
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may take of the server; :meth:`validate` is the one check of these settings."""
+
+    max_request_bytes: int = 2**20     # a larger body: 413, and the connection is closed unread
+    header_timeout: float = 10.0       # seconds for a request line and its headers to arrive
+    body_timeout: float = 30.0         # seconds for the whole body to arrive (then 408)
+    keep_alive_timeout: float = 5.0    # an idle keep-alive connection is closed after this
+    max_connections: int = 1024        # open connections; one more is answered 503 and closed
+
+    def validate(self) -> None:
+        for flag, value in (("--max-request-bytes", self.max_request_bytes),
+                            ("--max-connections", self.max_connections)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{flag} must be an integer >= 1, got {value}")
+        for flag, value in (("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout),
+                            ("--keep-alive-timeout", self.keep_alive_timeout)):
+            if not (math.isfinite(value) and value > 0):
+                raise UserError(f"{flag} must be a finite number of seconds > 0, got {value}")
 
 
 class APIError(Exception):
@@ -80,9 +113,16 @@ def _field(body: dict, name: str, kind: str, default=None, *, required: bool = F
     if not ok:
         kind_name = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a boolean",
                      "list": "an array", "dict": "an object"}[kind]
-        raise APIError(400, f"'{name}' must be {kind_name}, got {json.dumps(value)[:80]}", param=name,
+        raise APIError(400, f"'{name}' must be {kind_name}, got {_describe(value)}", param=name,
                        code="invalid_type")
     return float(value) if kind == "number" else value
+
+
+def _describe(value) -> str:
+    """A value for an error message: short, and safe for any nesting depth."""
+    if isinstance(value, (list, dict)):
+        return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
+    return json.dumps(value)[:80]
 
 
 def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
@@ -126,7 +166,30 @@ def _content_text(content, where: str) -> str:
                    code="invalid_type")
 
 
-def chat_prompt_ids(tokenizer, body: dict) -> list[int]:
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object. NaN and Infinity are not JSON (Python accepts them)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not valid JSON (numbers must be finite)")
+
+    try:
+        body = json.loads(raw, parse_constant=refuse)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _check_length(chars: int, max_chars: int | None, context: int | None, param: str) -> None:
+    """Refuse, before tokenizing, text that cannot fit the context (``max_chars``: see create_app)."""
+    if max_chars is not None and chars > max_chars:
+        raise APIError(400, f"the prompt has {chars} characters, too many for the model's context of {context} "
+                       "tokens", param=param, code="context_length_exceeded")
+
+
+def chat_prompt_ids(tokenizer, body: dict, max_chars: int | None = None, context: int | None = None) -> list[int]:
     messages = _field(body, "messages", "list", required=True)
     if not messages:
         raise APIError(400, "'messages' is empty", param="messages", code="empty_prompt")
@@ -137,16 +200,18 @@ def chat_prompt_ids(tokenizer, body: dict) -> list[int]:
             raise APIError(400, f"{where} must be an object", param="messages", code="invalid_type")
         role = message.get("role")
         if role not in ROLES:
-            raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+            raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {_describe(role)}",
                            param="messages")
         clean.append({"role": role, "content": _content_text(message.get("content"), where)})
     if not any(m["content"] for m in clean):
         raise APIError(400, "the prompt is empty: every message has empty content", param="messages",
                        code="empty_prompt")
+    _check_length(sum(len(m["content"]) for m in clean), max_chars, context, "messages")
     return _encode(tokenizer, clean, True, "messages")
 
 
-def completion_prompt_ids(tokenizer, body: dict) -> list[int]:
+def completion_prompt_ids(tokenizer, body: dict, max_chars: int | None = None,
+                          context: int | None = None) -> list[int]:
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError(400, "missing required parameter 'prompt'", param="prompt", code="missing_required_parameter")
@@ -163,6 +228,8 @@ def completion_prompt_ids(tokenizer, body: dict) -> list[int]:
         raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
+    if isinstance(prompt, str):
+        _check_length(len(prompt), max_chars, context, "prompt")
     chat_template = _field(body, "chat_template", "bool", False)
     return _encode(tokenizer, prompt, chat_template, "prompt")
 
@@ -183,9 +250,16 @@ def _usage(result: Result) -> dict:
             "forwards": result.forwards, "tokens_per_forward": round(result.tokens_per_forward, 4)}
 
 
-def _finish_reason(result: Result) -> str:
-    # OpenAI has no "cancelled"; a request cut off by shutdown ended early, like a length stop.
-    return "length" if result.finish_reason == "cancelled" else result.finish_reason
+def _cut_off(result: Result) -> APIError:
+    """A request the engine cancelled while a client still waits: the server is shutting down."""
+    return APIError(503, f"the server is shutting down; the answer was cut off after {result.completion_tokens} "
+                    "tokens", type="server_error", code="shutting_down")
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most text characters one token can stand for: a byte-level token's string has one
+    character per byte, a SentencePiece piece one per character (a byte-fallback piece more)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 # ------------------------------------------------------------------------------ Prometheus text
@@ -250,19 +324,32 @@ def _num(value) -> str:
 
 # ------------------------------------------------------------------------------------ the app
 def create_app(engine: Engine, *, api_key: str | None = None, served_model_name: str | None = None,
-               shutdown_timeout: float = 30.0):
-    """The FastAPI app. Its lifespan starts the engine (if not yet running) and stops it."""
+               shutdown_timeout: float = 30.0, limits: ServerLimits = ServerLimits()):
+    """The ASGI app: FastAPI inside :class:`_Guard`. Its lifespan starts the engine (if not yet
+    running) and stops it."""
+    limits.validate()
     model_name = served_model_name or engine.model_name
     tokenizer = engine.tokenizer
     created = int(time.time())
+    # Twice the most characters a token can cover (a normalizer may merge two characters into
+    # one): a prompt longer than this cannot fit the context, whatever its tokens.
+    max_chars = None if engine.max_context is None else 2 * max_token_chars(tokenizer) * engine.max_context
+    # Parsing and tokenizing run on a few worker threads, never on the event loop: a big body
+    # delays neither the streams nor the other requests' parsing. (The fast tokenizers encode
+    # concurrently; nothing here changes their truncation or padding settings.)
+    worker = ThreadPoolExecutor(max_workers=PARSE_WORKERS, thread_name_prefix="marslm-parse")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
 
     @asynccontextmanager
     async def lifespan(_app):
         engine.start()
         yield
-        # uvicorn has already waited (up to its graceful timeout) for in-flight requests; what is
-        # left gets cancelled. Joining the engine thread blocks, so it runs off the loop.
+        # serve() drains the engine as shutdown begins; here only what is left (a plain uvicorn
+        # run). Joining the engine thread blocks, so it runs off the loop.
         await asyncio.to_thread(engine.stop, shutdown_timeout)
+        worker.shutdown(wait=False)
 
     app = FastAPI(title="marslm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -282,8 +369,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
         return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_request, exc):   # starlette re-raises it afterwards: uvicorn logs the traceback
+    async def _internal_error(_request, exc):   # starlette re-raises it afterwards: _Guard logs it
         return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request, exc):       # nobody reads this answer
+        log.info("%s went away %s", _client(request), exc)
+        return Response(status_code=499)
 
     def authorize(request: Request) -> None:
         if api_key is None:
@@ -296,15 +388,35 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
 
     auth = [Depends(authorize)]
 
+    async def read_body(request: Request) -> bytes:
+        """The body, read as it arrives against the size limit and the body deadline."""
+        limit = limits.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            if not declared.isdigit():
+                raise APIError(400, f"invalid Content-Length {declared[:40]!r}", headers={"Connection": "close"})
+            raise _too_large(limit)
+        chunks, size = [], 0
+        deadline = time.monotonic() + limits.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(request.receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                log.info("%s sent no complete body within %g s: 408", _client(request), limits.body_timeout)
+                raise APIError(408, f"the request body did not arrive within {limits.body_timeout:g} s",
+                               code="request_timeout", headers={"Connection": "close"}) from None
+            if message["type"] == "http.disconnect":
+                raise ClientGone("while sending its request")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
     async def json_body(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        return body
+        return await off_loop(parse_json, await read_body(request))
 
     def check_model(body: dict) -> None:
         name = _field(body, "model", "str")
@@ -336,7 +448,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
         try:
             done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
             if task not in done:
-                raise APIError(499, "client closed the request")   # nobody reads this
+                raise ClientGone("before its answer was ready; its row is freed")
             result = task.result()
         except EngineError as exc:
             raise APIError(500, str(exc), type="server_error") from None
@@ -345,6 +457,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
             if not task.done():   # the client hung up, or shutdown cancelled us: free the row
                 engine.cancel(stream.request_id)
                 task.cancel()
+        if result.finish_reason == "cancelled":
+            raise _cut_off(result)
         text = result.text if result.text is not None else tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result, text
 
@@ -360,9 +474,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
                 if delta:
                     yield _sse(make_chunk(delta, None))
             result = stream.result
-            yield _sse(make_chunk(detok.finish(), _finish_reason(result)))
-            if include_usage:
-                yield _sse(make_chunk(None, None, usage=_usage(result)))
+            if result.finish_reason == "cancelled":   # the stream's last event says why it ends early
+                error = _cut_off(result)
+                yield _sse(error_body(error.message, error.type, code=error.code))
+            else:
+                yield _sse(make_chunk(detok.finish(), result.finish_reason))
+                if include_usage:
+                    yield _sse(make_chunk(None, None, usage=_usage(result)))
         except EngineError as exc:
             yield _sse(error_body(str(exc), "server_error"))
         finally:
@@ -394,7 +512,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
         body = await json_body(request)
         check_model(body)
         params, stream_mode, include_usage = parse_sampling(body, chat=True)
-        stream = submit(chat_prompt_ids(tokenizer, body), params, "messages")
+        prompt_ids = await off_loop(chat_prompt_ids, tokenizer, body, max_chars, engine.max_context)
+        stream = submit(prompt_ids, params, "messages")
         rid, now = "chatcmpl-" + secrets.token_hex(12), int(time.time())
 
         def chunk(text, finish_reason, usage=None, role=None):
@@ -414,7 +533,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
         result, text = await collect(request, stream)
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": _finish_reason(result)}],
+                             "logprobs": None, "finish_reason": result.finish_reason}],
                 "usage": _usage(result)}
 
     @app.post("/v1/completions", dependencies=auth)
@@ -422,7 +541,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
         body = await json_body(request)
         check_model(body)
         params, stream_mode, include_usage = parse_sampling(body, chat=False)
-        stream = submit(completion_prompt_ids(tokenizer, body), params, "prompt")
+        prompt_ids = await off_loop(completion_prompt_ids, tokenizer, body, max_chars, engine.max_context)
+        stream = submit(prompt_ids, params, "prompt")
         rid, now = "cmpl-" + secrets.token_hex(12), int(time.time())
 
         def chunk(text, finish_reason, usage=None):
@@ -438,7 +558,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
                                      media_type="text/event-stream")
         result, text = await collect(request, stream)
         return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(result)}],
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}],
                 "usage": _usage(result)}
 
     # --- admin: the default tau and its policy, live (from the next step on, no restart)
@@ -465,7 +585,60 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
         except UserError as exc:
             raise APIError(400, str(exc)) from None
 
-    return app
+    return _Guard(app)
+
+
+class ClientGone(Exception):
+    """The client hung up; the message says when."""
+
+
+def _too_large(limit: int) -> APIError:
+    # Connection: close: the rest of the body is never read, so the connection cannot carry on.
+    return APIError(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
+                    code="request_too_large", headers={"Connection": "close"})
+
+
+def _client(request) -> str:
+    host, port = request.client or ("?", 0)
+    return f"client {host}:{port}"
+
+
+class _Guard:
+    """The outermost ASGI layer. An exception that escapes the app is answered (a 500 OpenAI error
+    object, or 503 when shutdown cancels the request) and logged once, then swallowed: uvicorn
+    would close the keep-alive connection and log its own traceback."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            log.warning("%s %s cancelled by the shutdown", scope.get("method"), scope.get("path"))
+            if not started:
+                await _send_json(send, 503, error_body("the server is shutting down", "server_error",
+                                                       code="shutting_down"))
+        except Exception:   # noqa: BLE001 - a bug: log it with its traceback, keep serving
+            log.exception("error answering %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await _send_json(send, 500, error_body("internal server error", "server_error"))
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
 
 
 def _sse(obj: dict) -> str:
@@ -484,14 +657,20 @@ async def _disconnected(request) -> None:
 # --------------------------------------------------------------------------------------- serve
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           dtype: str = "auto", device: str | None = "auto", served_model_name: str | None = None,
-          shutdown_timeout: float = 30.0, log_level: str = "info", **engine_kwargs) -> None:
+          shutdown_timeout: float = 30.0, log_level: str = "info", limits: ServerLimits = ServerLimits(),
+          **engine_kwargs) -> None:
     """Load ``model``, bind ``host:port`` (0: any free port) and serve until SIGINT/SIGTERM.
 
     SIGTERM: stop accepting connections, let in-flight requests finish for up to
-    ``shutdown_timeout`` seconds, cancel the rest, stop the engine, return (exit status 0).
+    ``shutdown_timeout`` seconds, cancel the rest (each gets a 503 error object, or a last stream
+    event saying so), stop the engine, return (exit status 0).
     """
     import uvicorn
 
+    limits.validate()
+    logging.getLogger("marslm").setLevel(log_level.upper())   # disconnects and timeouts are info lines
+    if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
+        raise UserError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {shutdown_timeout}")
     sock = _bind(host, port)   # before the slow model load: a taken port fails at once
     try:
         engine = Engine.from_pretrained(model, dtype=dtype, device=device, model_name=served_model_name,
@@ -501,10 +680,23 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
         raise
     sock.listen(2048)
     app = create_app(engine, api_key=api_key, served_model_name=served_model_name,
-                     shutdown_timeout=shutdown_timeout)
+                     shutdown_timeout=shutdown_timeout, limits=limits)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # Drain the engine while uvicorn waits for the connections: requests still running
+            # at the deadline are cancelled there, and their handlers answer 503 themselves.
+            drain = asyncio.ensure_future(asyncio.to_thread(engine.stop, shutdown_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                await drain
+
+    # uvicorn's own deadline (it then cancels handlers outright) is only a safety net behind the engine's.
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=max(1, round(shutdown_timeout)))
-    server = uvicorn.Server(config)
+                            http=_protocol(limits), timeout_keep_alive=limits.keep_alive_timeout,
+                            timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 10)
+    server = Server(config)
     bound_host, bound_port = sock.getsockname()[:2]
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
@@ -523,6 +715,55 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
         sock.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _protocol(limits: ServerLimits):
+    """uvicorn's h11 protocol with two guards for slow or many clients: a deadline for every
+    request's line and headers (uvicorn has none: a client sending half a request held its socket
+    for good), and a cap on open connections."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    too_many = json.dumps(error_body("too many open connections; retry later", "server_error",
+                                     code="too_many_connections")).encode()
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport):
+            self._head_timer = None
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                log.warning("refusing a connection: %d are open already (--max-connections)", limits.max_connections)
+                transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(too_many), too_many))
+                transport.close()
+                return
+            self._await_head()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._await_head()
+
+        def connection_lost(self, exc):
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _await_head(self):
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(limits.header_timeout, self._head_overdue)
+
+        def _head_overdue(self):
+            self._head_timer = None
+            # IDLE: no complete request line and headers since the connection (or the last
+            # response) began. A request being read or answered is the body deadline's business.
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                host, port = self.client or ("?", 0)
+                log.info("client %s:%s sent no complete request head within %g s: closing", host, port,
+                         limits.header_timeout)
+                self.transport.close()
+
+    return Protocol
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -24,14 +25,14 @@ from pathlib import Path
 import torch
 
 from .chat import encode_conversation, end_of_turn_id, stop_token_ids
-from .config import LR_SCHEDULES, MASK_TOKEN, MASKED_WEIGHTINGS, NORMALIZATIONS, MarsConfig
+from .config import LR_SCHEDULES, MASK_TOKEN, MASKED_WEIGHTINGS, NORMALIZATIONS, STAGES, MarsConfig
 from .data import check_mix, load_conversations
 from .errors import UserError
-from .modeling import check_model_source, count_parameters, ensure_mask_token, freeze_for_training
+from .modeling import (check_model_source, check_tokenizer, count_parameters, ensure_mask_token,
+                       freeze_for_training, loading_errors)
 from .objective import ar_loss, collate, collate_packed, mars_loss, normalizer
 
 log = logging.getLogger("marslm.train")
-STAGES = ("ar", "mars")
 
 
 @dataclass
@@ -70,12 +71,20 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
+        """Every setting checked before anything is loaded or written (the CLI relies on it)."""
         if self.stage not in STAGES:
             raise UserError(f"stage must be one of {STAGES}, got {self.stage!r}")
-        if self.block_size < 1:
-            raise UserError(f"--block-size must be >= 1, got {self.block_size}")
-        if self.ar_weight < 0:
-            raise UserError(f"--ar-weight must be >= 0, got {self.ar_weight}")
+        _check_range("--lr", self.learning_rate, low=0, low_open=True)
+        _check_range("--ar-weight", self.ar_weight, low=0)
+        _check_range("--warmup-ratio", self.warmup_ratio, low=0, high=1, high_open=True)
+        _check_range("--weight-decay", self.weight_decay, low=0)
+        _check_range("--epochs", self.epochs)
+        _check_range("--max-grad-norm", self.max_grad_norm, low=0)
+        for flag, value in (("--block-size", self.block_size), ("--batch-size", self.batch_size),
+                            ("--grad-accum", self.grad_accum), ("--save-steps", self.save_steps),
+                            ("--logging-steps", self.logging_steps), ("--data-n", self.data_n)):
+            if value is not None and value < 1:
+                raise UserError(f"{flag} must be >= 1, got {value}")
         if self.loss_normalization not in NORMALIZATIONS:
             raise UserError(f"--loss-normalization must be one of {', '.join(NORMALIZATIONS)}, "
                             f"got {self.loss_normalization!r}")
@@ -86,8 +95,6 @@ class TrainConfig:
             raise UserError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.max_length < 2:
             raise UserError(f"--max-length must be >= 2, got {self.max_length}")
-        if self.batch_size < 1 or self.grad_accum < 1:
-            raise UserError("--batch-size and --grad-accum must be >= 1")
         check_mix(self.data, self.data_mix)
         if self.train_layers is not None and self.train_layers < 1:
             raise UserError(f"--train-layers must be >= 1, got {self.train_layers}")
@@ -96,6 +103,17 @@ class TrainConfig:
         out = Path(self.output)
         if out.exists() and (not out.is_dir() or any(out.iterdir())) and not self.overwrite:
             raise UserError(f"output directory {out} already holds something; pass --overwrite to replace it")
+
+
+def _check_range(flag: str, value: float, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False) -> None:
+    """A finite number within [low, high] (an open end excludes the bound)."""
+    if not math.isfinite(value):
+        raise UserError(f"{flag} must be a finite number, got {value}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise UserError(f"{flag} must be {'>' if low_open else '>='} {low:g}, got {value:g}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise UserError(f"{flag} must be {'<' if high_open else '<='} {high:g}, got {value:g}")
 
 
 @dataclass
@@ -113,6 +131,85 @@ class TrainSummary:
     masked_weighting: str = "uniform"
 
 
+# ------------------------------------------------------------------------ crash-safe checkpoints
+CHECKPOINT_MARKER = "marslm-complete.json"
+
+
+class CrashSafeCheckpoints:
+    """Trainer mixin: no checkpoint counts until it is complete, and no garbage is saved.
+
+    Trainer writes ``checkpoint-N/`` file by file, so a kill part way leaves a directory that looks
+    like a checkpoint (and resuming from it fails for good). Once Trainer has written everything,
+    a marker listing every file and its size is renamed into place, last: a checkpoint is complete
+    iff the marker is there and every file it lists has that size (:func:`checkpoint_is_complete`).
+    A loss that is not finite stops the run, and weights that are not finite are never saved.
+    """
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not torch.isfinite(loss).all():
+            raise NonFiniteTraining(f"the loss became {float(loss)} at step {self.state.global_step + 1}")
+        return loss
+
+    def _save_checkpoint(self, model, trial):
+        require_finite_parameters(self.model, self.state.global_step)
+        super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()       # every rank's shards are written
+        if self.args.should_save:
+            mark_checkpoint_complete(Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}")
+
+
+class NonFiniteTraining(UserError):
+    """Training diverged (NaN or inf); the run stops before saving from it."""
+
+
+def require_finite_parameters(model, step: int) -> None:
+    for name, param in model.named_parameters():
+        if param.numel() and not torch.isfinite(param).all():
+            raise NonFiniteTraining(f"parameter {name} is not finite after step {step}")
+
+
+def mark_checkpoint_complete(directory: Path) -> None:
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.name != CHECKPOINT_MARKER}
+    tmp = directory / (CHECKPOINT_MARKER + ".tmp")
+    tmp.write_text(json.dumps({"files": files}, indent=1))
+    os.replace(tmp, directory / CHECKPOINT_MARKER)
+
+
+def checkpoint_is_complete(directory: Path) -> bool:
+    try:
+        files = json.loads((directory / CHECKPOINT_MARKER).read_text())["files"]
+        return bool(files) and all((directory / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _checkpoint_step(path: Path) -> int:
+    suffix = path.name.removeprefix("checkpoint-")
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def resume_point(partial_dir: Path, resume: bool) -> Path | None:
+    """The newest complete checkpoint to resume from (None: start afresh). What a kill left
+    half-written is deleted: incomplete checkpoints and an unfinished final directory. Without
+    ``resume`` everything from an earlier run goes."""
+    if not partial_dir.is_dir():
+        return None
+    if not resume:
+        shutil.rmtree(partial_dir)
+        return None
+    shutil.rmtree(partial_dir / "final", ignore_errors=True)
+    newest = None
+    for path in sorted(partial_dir.glob("checkpoint-*"), key=_checkpoint_step, reverse=True):
+        if newest is None and checkpoint_is_complete(path):
+            newest = path
+        elif not checkpoint_is_complete(path):
+            log.warning("removing %s: an interrupted run left it incomplete", path)
+            shutil.rmtree(path)
+    return newest
+
+
 class MarsTrainer:
     """Builds a ``transformers.Trainer`` whose loss is the stage's objective (AR or MARS)."""
 
@@ -120,7 +217,7 @@ class MarsTrainer:
     def build(model, tokenizer, dataset, args, loss_fn, collator, normalization: str, callbacks=()):
         from transformers import Trainer
 
-        class _Trainer(Trainer):
+        class _Trainer(CrashSafeCheckpoints, Trainer):
             """Trainer with our loss, normalised over the whole optimizer step; logs the noisy/clean
             terms next to the total.
 
@@ -203,12 +300,11 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     set_seed(cfg.seed)
 
     if model is None:
-        try:
+        with loading_errors(cfg.model):
             tokenizer = AutoTokenizer.from_pretrained(cfg.model)
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32,
                                                          attn_implementation="sdpa")
-        except (OSError, ValueError) as exc:
-            raise UserError(f"cannot load model {cfg.model}: {str(exc).strip().splitlines()[0]}") from None
+        check_tokenizer(tokenizer, cfg.model)
     parameters_before = count_parameters(model)
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     eos_id = end_of_turn_id(tokenizer, stop_ids)   # what block padding repeats (objective.pad_to_block)
@@ -265,13 +361,16 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     )
     trainer = MarsTrainer.build(model, tokenizer, examples, args, loss_fn, collator, cfg.loss_normalization,
                                 callbacks)
-    resume = cfg.resume and any(partial_dir.glob("checkpoint-*"))
-    if resume:
-        log.warning("resuming from the last checkpoint in %s", partial_dir)
-    result = trainer.train(resume_from_checkpoint=True if resume else None)
+    resume_from = resume_point(partial_dir, cfg.resume) if trainer.is_world_process_zero() else None
+    trainer.accelerator.wait_for_everyone()   # rank 0 has cleaned up before any rank looks
+    if not trainer.is_world_process_zero():
+        resume_from = resume_point(partial_dir, True)   # read-only now: nothing incomplete is left
+    if resume_from is not None:
+        log.warning("resuming from %s", resume_from)
+    steps = _train_from(trainer, resume_from)
 
     summary = TrainSummary(stage=cfg.stage, output=cfg.output, examples=len(examples), truncated=truncated,
-                           dropped=dropped, steps=result.global_step, final_loss=_last_loss(trainer),
+                           dropped=dropped, steps=steps, final_loss=_last_loss(trainer),
                            seconds=round(time.time() - started, 1), parameters=count_parameters(model),
                            loss_normalization=cfg.loss_normalization, masked_weighting=cfg.masked_weighting)
     if cfg.stage == "mars" and summary.parameters != parameters_before:
@@ -284,6 +383,23 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     return summary
 
 
+def _train_from(trainer, checkpoint: Path | None) -> int:
+    """``trainer.train()`` from ``checkpoint``; returns the global step reached.
+
+    A checkpoint that already holds the last step (the run was killed while writing its final
+    directory) is loaded, not trained from: Trainer checks ``max_steps`` only after a step, so it
+    would take one step more than asked."""
+    if checkpoint is not None and trainer.args.max_steps > 0:
+        from transformers import TrainerState
+
+        state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        if state.global_step >= trainer.args.max_steps:
+            trainer._load_from_checkpoint(str(checkpoint))
+            trainer.state = state
+            return state.global_step
+    return trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None).global_step
+
+
 def _last_loss(trainer) -> float | None:
     """The last logged loss, or the run's mean loss when it ended before the first log."""
     history = trainer.state.log_history
@@ -294,6 +410,7 @@ def _last_loss(trainer) -> float | None:
 def _save_atomically(trainer, mars_config: MarsConfig, output: Path, partial_dir: Path, overwrite: bool) -> None:
     """Write the final model next to ``output`` and rename it into place (process 0 only)."""
     staging = partial_dir / "final"
+    require_finite_parameters(trainer.model, trainer.state.global_step)
     trainer.save_model(str(staging))          # gathers sharded (FSDP/DeepSpeed) weights
     if not trainer.is_world_process_zero():
         return

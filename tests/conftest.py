@@ -9,6 +9,7 @@ Everything here is small enough to build in well under a second, so tests stay f
     save_model              fixture: save_model(model, tokenizer, path=None) -> Path (save_pretrained dir)
     write_chat_jsonl        fixture: write_chat_jsonl(path, n, seed=0) -> Path ({"messages": [...]} per line)
     tiny_model_dir          session-wide saved random Qwen2 dir (with tokenizer); treat as read-only
+    outside_dir             a world-writable directory the code sandbox can see but must not change
     trained_dirs, trained_checkpoints   re-exported from tests/trained.py (toy-trained checkpoint pair)
 
 Plain helpers, importable with ``from conftest import ...``: chat_conversations(n, seed=0),
@@ -21,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -156,6 +159,17 @@ def tiny_model_dir(tiny_tokenizer, make_tiny_model, tmp_path_factory) -> Path:
     """A saved random tiny Qwen2 with its tokenizer (has <|mask|> and spare rows). Do not write into it."""
     return save_model_dir(make_tiny_model("qwen2", "sdpa", seed=0), tiny_tokenizer,
                           tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture
+def outside_dir():
+    """A world-writable directory on the machine that the code sandbox sees (read-only): under
+    /var/tmp, since the sandbox replaces /tmp with its own. A write or delete there by sandboxed
+    code is an escape."""
+    path = Path(tempfile.mkdtemp(prefix="marslm-outside-", dir="/var/tmp" if os.path.isdir("/var/tmp") else "."))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 # Fixtures of tests/trained.py (a tiny checkpoint pair trained on the toy suite, for the decoding

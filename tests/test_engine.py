@@ -185,3 +185,18 @@ def test_tau_controller_fixed_and_adaptive():
         with pytest.raises(Exception):
             c.configure(**bad)
     assert c.state()["tau"] == 0.9   # a refused change leaves the state alone
+
+
+def test_tau_controller_honours_exact_bounds_and_refuses_non_finite():
+    from marslm.errors import UserError
+
+    controller = TauController(tau=0.004, floor=0.004)
+    assert controller.tau == 0.004                          # not rounded to 0.0
+    controller.configure(policy="adaptive", tau=0.123456, floor=0.1)
+    assert controller.observe(0.0, 0, None) == 0.123456      # no load: exactly the ceiling
+    assert controller.observe(1.0, 100, None) == 0.1        # full pressure: exactly the floor
+    before = controller.state()
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(UserError):
+            controller.configure(slo_ms=bad)
+    assert controller.state() == before                     # nothing applied

@@ -36,14 +36,16 @@ MAX_TOKENS_LIMIT = 1000
 
 
 class ServerProcess:
-    """``python -m marslm.cli serve --port 0 ...``; the port is read from its first log line."""
+    """``python -m marslm.cli serve --port 0 ...``; the port is read from its first log line.
+    ``launcher`` replaces ``python -m marslm.cli`` (a script that patches the server first)."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *args: str):
+    def __init__(self, model_dir: Path, log_path: Path, *args: str, launcher: list[str] | None = None,
+                 log_level: str = "warning"):
         self.log_path = log_path
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "marslm.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-             "--port", "0", "--log-level", "warning", *args],
+            [*(launcher or [sys.executable, "-m", "marslm.cli"]), "serve", "--model", str(model_dir),
+             "--host", "127.0.0.1", "--port", "0", "--log-level", log_level, *args],
             stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
         self.url = None
 

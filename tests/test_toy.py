@@ -286,46 +286,37 @@ def test_wall_clock_timeout_is_respected(add_example):
     assert time.monotonic() - start < 3
 
 
-def test_file_writes_are_blocked(add_example, tmp_path):
-    targets = [tmp_path / f"pwned{i}.txt" for i in range(3)]
+def test_file_writes_and_deletes_do_not_reach_the_machine(add_example, outside_dir):
+    """The answers are otherwise right: the verdict is not the point, the files are."""
+    keep = outside_dir / "keep.txt"
+    keep.write_text("precious")
+    keep.chmod(0o666)
+    targets = [outside_dir / f"pwned{i}.txt" for i in range(3)]
     attacks = [
         f"open({str(targets[0])!r}, 'w').write('x')",
         f"import pathlib\npathlib.Path({str(targets[1])!r}).write_text('x')",
-        f"import io\nio.open({str(targets[2])!r}, 'a').write('x')",
+        f"import _io\n_io.open({str(targets[2])!r}, 'a').write('x')",
+        f"import posix\nposix.unlink({str(keep)!r})",
+        f"import os\nos.system('touch {outside_dir}/system')",
+        f"import subprocess\nsubprocess.run(['touch', '{outside_dir}/subprocess'])",
     ]
     responses = [add_example.answer + "\n" + attack for attack in attacks]
-    assert toy.score_many([add_example] * len(responses), responses) == [False] * len(responses)
-    assert not any(target.exists() for target in targets)
-
-
-def test_deleting_files_is_blocked(add_example, tmp_path):
-    keep = tmp_path / "keep.txt"
-    keep.write_text("precious")
-    assert not toy.score(add_example, add_example.answer + f"\nimport os\nos.remove({str(keep)!r})")
+    toy.score_many([add_example] * len(responses), responses)
     assert keep.read_text() == "precious"
+    assert sorted(p.name for p in outside_dir.iterdir()) == ["keep.txt"]
 
 
-def test_shell_and_subprocesses_are_blocked(add_example, tmp_path):
-    markers = [tmp_path / "system", tmp_path / "subprocess"]
-    attacks = [
-        f"import os\nos.system('touch {markers[0]}')",
-        f"import subprocess\nsubprocess.run(['touch', {str(markers[1])!r}])",
-    ]
-    responses = [add_example.answer + "\n" + attack for attack in attacks]
-    assert toy.score_many([add_example] * 2, responses) == [False, False]
-    assert not any(marker.exists() for marker in markers)
-
-
-def test_os_system_inside_the_function_is_rejected(add_example, tmp_path):
-    marker = tmp_path / "called"
+def test_os_system_inside_the_function_does_not_reach_the_machine(add_example, outside_dir):
+    marker = outside_dir / "called"
     k = add_example.meta["tests"][0][1]  # f(0) == k
     body = f"import os\nos.system('touch {marker}')\nreturn x + {k}"
-    assert not toy.score(add_example, _stub(add_example, body))
+    toy.score(add_example, _stub(add_example, body))
     assert not marker.exists()
 
 
 def test_exiting_early_does_not_pass(add_example):
-    for exit_call in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit(0)"):
+    for exit_call in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit(0)",
+                      "import sys\nsys.modules['__main__']._exit(0)", "import posix\nposix._exit(0)"):
         assert not toy.score(add_example, _stub(add_example, "return 0") + "\n" + exit_call)
 
 

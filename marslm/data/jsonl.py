@@ -16,6 +16,7 @@ record is the usual case.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from ..errors import UserError
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "model": "assistant", "system": "system", "tool": "tool"}
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 SHAPES = "{messages}, Alpaca {instruction, output}, {prompt, completion} or ShareGPT {conversations}"
 
 
@@ -52,6 +54,12 @@ def read_jsonl_records(path: str | Path) -> Iterator[tuple[str, dict]]:
             raise UserError(f"{where}: malformed JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if _SURROGATE_ESCAPE.search(line):   # the file is UTF-8, so only an escape can make one
+            try:
+                json.dumps(record, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise UserError(f"{where}: a string holds a lone surrogate escape "
+                                f"({_SURROGATE_ESCAPE.search(line).group()}): not valid Unicode text") from None
         empty = False
         yield where, record
     if empty:

@@ -46,28 +46,23 @@ Design
 * **Strict scorers.** Each family is scored by checking what the instruction
   asked for (the final number; the JSON fields and values; the bullet count
   and words; the exact list; hidden unit tests), not by string equality with
-  the reference, and near misses fail. Code runs in a separate, resource
-  limited ``python -I`` process in a throw-away directory, with a guard that
-  disables file writes, process spawning and deletion. That guard is a seat
-  belt against accidental damage by model output, not a security boundary
-  against a determined adversary.
+  the reference, and near misses fail. Code runs in marslm's sandbox
+  (``marslm.sandbox``: an operating-system sandbox with no network, a
+  read-only file system and resource limits); the expected values stay
+  outside it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
-import os
 import random
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+
+from .. import sandbox
 
 FAMILIES: tuple[str, ...] = ("arithmetic", "format", "lists", "code")
 SPLITS: tuple[str, ...] = ("train", "test")
@@ -79,10 +74,7 @@ TEST_BUCKETS = 10
 FRESH_CONTENT_TRIES = 10
 MAX_DRAWS_PER_EXAMPLE = 1000
 
-CODE_TIMEOUT_S = 5.0  # wall clock, per program: also catches sleeping code
-CODE_CPU_LIMIT_S = 2  # a busy loop dies here, well before the wall-clock timeout
-CODE_MEMORY_LIMIT_BYTES = 512 * 2**20
-CODE_WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))
+CODE_TIMEOUT_S = 5.0  # wall clock, per program: also catches sleeping code (CPU: sandbox.Limits)
 
 
 @dataclass(frozen=True)
@@ -634,74 +626,31 @@ def _draw_code(rng: random.Random) -> _Draw:
 
 # --- Running answers against hidden tests -----------------------------------
 #
-# Every program runs in its own `python -I -S` process (isolated: no user site,
-# no PYTHON* variables; no site: faster start-up), in a fresh temporary
-# directory, in a new session so that a timeout kills its whole process group.
-# Resource limits are set by the child itself, first thing, instead of in a
-# preexec_fn: preexec_fn is unsafe when the parent has threads, and both our
-# worker pool and torch have them.
+# The answer runs in marslm's sandbox (marslm/sandbox.py: bubblewrap, rlimits, a timeout), with a
+# driver that calls the function on each test's arguments and prints the results, each with its
+# exact type spelled out. The expected values never enter the sandbox: the comparison happens
+# here, on printed values, so neither an object with a forged __eq__ nor an early exit can pass.
 
-_CHILD_PROGRAM = r'''
-import builtins, io, os, posix, resource, sys
+def _typed(value):
+    """``value`` with its exact type at every level (runs in the sandbox too, as source)."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return [kind.__name__, [_typed(item) for item in value]]
+    if value is None or kind is int or kind is bool or kind is str or kind is float:
+        return [kind.__name__, value]
+    return [kind.__name__, None]  # anything else matches no expected value
 
-resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))
-resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))
-resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-try:
-    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no fork (not enforced for root)
-except (ValueError, OSError):
-    pass
 
-# Keep what the harness needs before the answer can touch it.
-_exit, _compile, _exec, _type, _len, _zip, _all = os._exit, compile, exec, type, len, zip, all
-
-# Guard: no writing files, spawning processes or deleting anything.
-def _blocked(what):
-    def refuse(*args, **kwargs):
-        raise PermissionError("sandbox: " + what + " is disabled")
-    return refuse
-
-_real_open = builtins.open
-def _read_only_open(file, mode="r", *args, **kwargs):
-    if set(str(mode)) & set("wax+"):
-        raise PermissionError("sandbox: writing files is disabled")
-    return _real_open(file, mode, *args, **kwargs)
-builtins.open = io.open = _read_only_open
-import _io
-_io.open = _read_only_open
-
-for _name in ("system", "popen", "open", "remove", "unlink", "rmdir", "removedirs", "rename",
-              "renames", "replace", "mkdir", "makedirs", "mkfifo", "mknod", "chmod", "chown",
-              "link", "symlink", "truncate", "ftruncate", "kill", "killpg", "fork", "forkpty",
-              "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe",
-              "spawnv", "spawnve", "spawnl", "spawnle", "posix_spawn", "posix_spawnp",
-              "_exit", "putenv", "unsetenv", "chdir", "utime"):
-    for _module in (os, posix):
-        if hasattr(_module, _name):
-            setattr(_module, _name, _blocked("os." + _name))
-for _name in ("subprocess", "shutil", "ctypes", "_ctypes", "socket", "_socket", "multiprocessing",
-              "_posixsubprocess", "pty"):
-    sys.modules[_name] = None  # makes `import <name>` raise ImportError
-
-def _same(got, want):
-    # Exact types all the way down, so an object with a forged __eq__ cannot pass.
-    if _type(got) is not _type(want):
-        return False
-    if _type(want) is list:
-        return _len(got) == _len(want) and _all(_same(g, w) for g, w in _zip(got, want))
-    return got == want
-
-try:
-    _namespace = {{"__name__": "solution"}}
-    _exec(_compile({code!r}, "<answer>", "exec"), _namespace)
-    _function = _namespace[{entry_point!r}]
-    for _args, _want in {tests!r}:
-        if not _same(_function(*_args), _want):
-            _exit(1)
-except BaseException:  # including SystemExit from the answer
-    _exit(1)
-_exit(0)
-'''
+_DRIVER = """
+import json as _json
+{typed}
+_namespace = {{"__name__": "solution"}}
+exec(compile({code!r}, "<answer>", "exec"), _namespace)
+_function = _namespace[{entry_point!r}]
+_results = [_typed(_function(*_args)) for _args in {arguments!r}]
+print()
+print(_json.dumps(_results))
+"""
 
 
 def extract_code(response: str) -> str:
@@ -709,57 +658,27 @@ def extract_code(response: str) -> str:
     return _strip_fence(response)
 
 
-def _child_program(code: str, entry_point: str, tests: list) -> str:
-    return _CHILD_PROGRAM.format(memory=CODE_MEMORY_LIMIT_BYTES, cpu=CODE_CPU_LIMIT_S,
-                                 code=code, entry_point=entry_point, tests=tests)
+def _driver_program(code: str, entry_point: str, tests: list) -> str:
+    return _DRIVER.format(typed=inspect.getsource(_typed), code=code, entry_point=entry_point,
+                          arguments=[args for args, _ in tests])
 
 
-def _passes_hidden_tests(code: str, entry_point: str, tests: list, timeout: float) -> bool:
-    return run_isolated(_child_program(code, entry_point, tests), timeout)
-
-
-def run_isolated(program: str, timeout: float, prefix: str = "marslm-code-") -> bool:
-    """Run a Python program in a child (``-I -S``, empty env, throw-away cwd, own process group).
-
-    True iff it exits 0 before ``timeout`` seconds; the whole group is killed either way.
-    """
-    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
-        path = Path(workdir) / "program.py"
-        path.write_text(program, encoding="utf-8")
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(path)], cwd=workdir, env={},
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            return process.wait(timeout=timeout) == 0
-        except subprocess.TimeoutExpired:
-            return False
-        finally:
-            _kill_group(process)
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """Kill the child's whole process group (it may have spawned helpers) and reap it."""
+def _passed(output: str | None, tests: list) -> bool:
+    if output is None:  # it raised, exited early or ran out of time
+        return False
     try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # already gone
-    process.wait()
+        results = json.loads(output.rpartition("\n")[2])
+    except ValueError:
+        return False
+    return results == json.loads(json.dumps([_typed(want) for _, want in tests]))
 
 
 def _score_code_batch(examples: Sequence[Example], responses: Sequence[str], timeout: float) -> list[bool]:
-    """Hidden-test verdicts for many code answers, a few child processes at a time."""
-    if not examples:
-        return []
-
-    def check(pair: tuple[Example, str]) -> bool:
-        example, response = pair
-        return _passes_hidden_tests(extract_code(response), example.meta["entry_point"],
-                                    example.meta["tests"], timeout)
-
-    with ThreadPoolExecutor(max_workers=CODE_WORKERS) as pool:
-        return list(pool.map(check, zip(examples, responses)))
+    """Hidden-test verdicts for many code answers, a few sandboxed programs at a time."""
+    programs = [_driver_program(extract_code(response), ex.meta["entry_point"], ex.meta["tests"])
+                for ex, response in zip(examples, responses)]
+    outputs = sandbox.run_many_to_end(programs, timeout)
+    return [_passed(output, ex.meta["tests"]) for ex, output in zip(examples, outputs)]
 
 
 # ---------------------------------------------------------------------------

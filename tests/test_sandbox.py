@@ -1,0 +1,184 @@
+"""marslm.sandbox: model-written code cannot change the machine, reach the network, outlive its
+timeout or forge a pass. The attacks are the ones a probe of the earlier Python-level guard
+found to work. Every test first checks that the attack would have worked without the sandbox
+(the program could see the target, spawn the child, ...), so none passes for a trivial reason."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from pathlib import Path
+
+import pytest
+
+from marslm import cli, sandbox
+from marslm.data import humaneval, toy
+
+MANY_PROCESSES = sandbox.Limits(processes=10**5)   # forks allowed: only the sandbox contains them
+
+
+def test_this_machine_has_isolation():
+    # CI installs bubblewrap (scripts/ensure-bubblewrap.sh): every code-scoring test runs isolated.
+    assert sandbox.isolation_problem() is None
+
+
+@pytest.fixture
+def precious(outside_dir) -> Path:
+    path = outside_dir / "precious.txt"
+    path.write_text("precious")
+    path.chmod(0o666)      # only the read-only mount stands between the program and the file
+    return path
+
+
+def test_reimported_io_cannot_write_outside(precious):
+    program = f"""
+print(open({str(precious)!r}).read())
+import _io
+for mode in ("w", "a", "r+"):
+    try:
+        _io.open({str(precious)!r}, mode).write("pwned")
+    except OSError as exc:
+        print(mode, exc.errno)
+"""
+    result = sandbox.run_python(program)
+    assert result.returncode == 0 and result.stdout.startswith("precious\n")   # it could see the file
+    assert precious.read_text() == "precious"
+    assert result.isolated
+
+
+def test_reimported_posix_cannot_delete_and_forks_stay_inside(precious):
+    program = f"""
+import posix
+try:
+    posix.unlink({str(precious)!r})
+except OSError as exc:
+    print("unlink", exc.errno)
+pid = posix.fork()
+if pid == 0:
+    try:
+        posix.unlink({str(precious)!r})
+    finally:
+        posix._exit(0)
+posix.waitpid(pid, 0)
+print("forked")
+"""
+    result = sandbox.run_python(program, limits=MANY_PROCESSES)
+    assert "forked" in result.stdout, result.stderr
+    assert precious.read_text() == "precious"
+    # by default it may not start a process at all
+    refused = sandbox.run_python("import posix\nposix.fork()")
+    assert refused.returncode != 0 and "BlockingIOError" in refused.stderr
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_a_new_session_child_does_not_outlive_the_timeout():
+    marker = "marslm-sleeper-" + secrets.token_hex(8)
+    program = f"""
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", {marker!r}], start_new_session=True,
+                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print("spawned", flush=True)
+time.sleep(60)
+"""
+    result = sandbox.run_python(program, timeout=3.0, limits=MANY_PROCESSES)
+    assert result.timed_out and "spawned" in result.stdout, result.stderr
+    assert _processes_with(marker) == []
+
+
+def test_no_network_not_even_localhost():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    program = f"""
+import _socket
+s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+try:
+    s.connect(("127.0.0.1", {port}))
+    s.send(b"exfiltrated")
+    print("connected")
+except OSError as exc:
+    print("refused", exc.errno)
+"""
+    try:
+        result = sandbox.run_python(program)
+        assert result.stdout.startswith("refused"), result.stdout + result.stderr
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+def test_limits_and_timeout():
+    assert sandbox.run_python("x = bytearray(2 * 10**9)").returncode != 0            # address space
+    assert sandbox.run_python("open('big', 'wb').write(b'x' * (9 * 2**20))").returncode != 0   # file size
+    spin = sandbox.run_python("while True: pass", timeout=30)                             # CPU seconds
+    assert spin.returncode != 0 and not spin.timed_out
+    sleeper = sandbox.run_python("import time; time.sleep(30)", timeout=1)               # wall clock
+    assert sleeper.timed_out
+    work = sandbox.run_python("import os\nopen('note', 'w').write('hi')\nprint(sorted(os.listdir('.')), os.getcwd())")
+    assert work.stdout.strip() == "['main.py', 'note'] /tmp"                             # a private work dir
+    hidden = sandbox.run_python("import os\nprint(os.listdir('/tmp'))")
+    assert hidden.stdout.strip() == "['main.py']"                                        # not the machine's /tmp
+
+
+@pytest.mark.parametrize("forgery", [
+    "import os\nos._exit(0)",
+    "import sys\nsys.modules['__main__']._exit(0)",
+    "import posix\nposix._exit(0)",
+    "raise SystemExit(0)",
+    "import os\nos._exit = lambda code: None\nraise ValueError",
+    "import sys\nsys.stdin.read()\nprint('token?')\nimport os\nos._exit(0)",
+])
+def test_an_early_exit_is_not_a_pass(forgery):
+    assert sandbox.run_to_end("print('fine')") == "fine"
+    assert sandbox.run_to_end(forgery) is None
+    assert sandbox.run_to_end("import time; time.sleep(30)", timeout=1) is None
+
+
+def test_scorers_use_the_harness_verdict():
+    add = {"task_id": "T/0", "entry_point": "add", "prompt": "def add(a, b):\n",
+           "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}
+    forged = ["    import os\n    os._exit(0)\n", "    return 0\nimport os\nos._exit(0)\n",
+              "    return 0\nimport sys\nsys.modules['__main__']._exit(0)\n"]
+    assert humaneval.run_checks([add] * 4, ["    return a + b\n", *forged]) == [True, False, False, False]
+    example = next(ex for ex in toy.make_split("test", 40, families=["code"]))
+    assert toy.score(example, example.answer)
+    assert not toy.score(example, example.answer + "\nimport os\nos._exit(0)")
+
+
+def test_without_isolation_code_is_refused_unless_unsafe_exec(monkeypatch, capsys):
+    monkeypatch.setattr(sandbox, "_probe", ["bubblewrap (bwrap) is not installed"])
+    monkeypatch.setattr(sandbox, "_unsafe_allowed", False)
+    with pytest.raises(sandbox.SandboxUnavailable, match="--unsafe-exec"):
+        sandbox.run_python("print(1)")
+    with pytest.raises(sandbox.SandboxUnavailable):
+        toy.score(toy.make_split("test", 4, families=["code"])[0], "def f(): pass")
+
+    # the CLI refuses before loading anything (the model path does not even exist)
+    assert cli.main(["eval", "--model", "no/such-model-dir", "--data", "toy", "--n", "4"]) == 2
+    assert "--unsafe-exec" in capsys.readouterr().err
+
+    sandbox.allow_unsafe_exec()
+    result = sandbox.run_python("print(1)")
+    assert result.stdout == "1\n" and not result.isolated
+    assert sandbox.run_to_end("import os\nos._exit(0)") is None   # the verdict still holds
+
+
+def test_unsafe_exec_still_has_the_timeout(monkeypatch):
+    monkeypatch.setattr(sandbox, "_probe", ["bubblewrap (bwrap) is not installed"])
+    monkeypatch.setattr(sandbox, "_unsafe_allowed", True)
+    result = sandbox.run_python("import time; time.sleep(30)", timeout=1)
+    assert result.timed_out and not result.isolated
