@@ -756,8 +756,7 @@ def _add_distill(sub) -> None:
 
 def cmd_distill(args) -> int:
     from .distill import distill, load_prompts
-    from .evaluate import resolve_device
-    from .modeling import check_model_source, load_model
+    from .modeling import check_model_source, load_model, resolve_device
 
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("--max-new-tokens and --batch-size must be >= 1")
