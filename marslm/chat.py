@@ -18,7 +18,7 @@ IGNORE = -100
 @dataclass
 class EncodedChat:
     input_ids: list[int]
-    labels: list[int]          # IGNORE outside assistant turns
+    labels: list[int]  # IGNORE outside assistant turns
     truncated: bool = False
 
 
@@ -59,8 +59,10 @@ def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise UserError(f"the text holds a lone surrogate {text[exc.start]!r} (not valid Unicode) after "
-                        f"{text[max(0, exc.start - 30):exc.start]!r}") from None
+        raise UserError(
+            f"the text holds a lone surrogate {text[exc.start]!r} (not valid Unicode) after "
+            f"{text[max(0, exc.start - 30) : exc.start]!r}"
+        ) from None
     return text
 
 
@@ -83,8 +85,9 @@ def encode_prompt(tokenizer, prompt, apply_chat_template: bool = True) -> list[i
     return tokenizer(_unicode(text), add_special_tokens=False)["input_ids"]
 
 
-def encode_conversation(tokenizer, messages: list[dict], max_length: int | None = None,
-                        stop_ids: list[int] | None = None) -> EncodedChat:
+def encode_conversation(
+    tokenizer, messages: list[dict], max_length: int | None = None, stop_ids: list[int] | None = None
+) -> EncodedChat:
     """Token ids and labels for one conversation, loss on assistant turns only.
 
     Each assistant span ends at its stop token (inclusive): template text after it, such as
@@ -103,8 +106,9 @@ def encode_conversation(tokenizer, messages: list[dict], max_length: int | None 
         before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if not full_text.startswith(through) or not through.startswith(before):
-            raise UserError("the chat template does not render conversations prefix by prefix; "
-                            "cannot locate assistant turns")
+            raise UserError(
+                "the chat template does not render conversations prefix by prefix; cannot locate assistant turns"
+            )
         spans.append((len(before), len(through)))
 
     enc = tokenizer(_unicode(full_text), add_special_tokens=False, return_offsets_mapping=True)

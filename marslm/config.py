@@ -26,8 +26,8 @@ MASKED_WEIGHTINGS = ("uniform", "inverse-t")
 
 @dataclass
 class MarsConfig:
-    stage: str = "ar"                 # "ar" (plain SFT) or "mars"
-    block_size: int = 4               # B the model was trained with (1 for AR SFT)
+    stage: str = "ar"  # "ar" (plain SFT) or "mars"
+    block_size: int = 4  # B the model was trained with (1 for AR SFT)
     mask_token: str = MASK_TOKEN
     mask_token_id: int | None = None
     ar_weight: float = 1.0
@@ -38,7 +38,7 @@ class MarsConfig:
         Path(directory, FILENAME).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
-    def load(cls, directory: str | Path) -> "MarsConfig | None":
+    def load(cls, directory: str | Path) -> MarsConfig | None:
         """The directory's ``marslm.json`` (None: there is none); refuses one that is not a valid record."""
         path = Path(directory, FILENAME)
         if not path.is_file():

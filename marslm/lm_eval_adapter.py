@@ -2,7 +2,10 @@
 
     python -m marslm.lm_eval_adapter --model marslm \\
         --model_args pretrained=runs/demo/mars,tau=0.95,block_size=4,cache=cursor \\
-        --tasks gsm8k --apply_chat_template --output_path results/
+        --tasks marslm_toy --apply_chat_template --output_path results/
+
+``marslm_toy`` (the embedded suite, ``marslm/lm_eval_tasks/``) is registered by the adapter itself;
+lm-eval's own tasks (gsm8k, ...) need their datasets from the hub.
 
 lm-eval (0.4.x) finds models by name in its own registry and offers no plugin entry point, so
 the registration below must run before lm-eval resolves ``--model``: ``python -m
@@ -47,11 +50,22 @@ DEFAULT_BATCH_SIZE = 16
 
 
 class MarsLM(TemplateLM):
-    def __init__(self, pretrained: str, tau: float = 0.95, metric: str = "prob", block_size: int | None = None,
-                 cache: str = "cursor", mode: str = "threshold", max_gen_toks: int = 256,
-                 max_length: int | None = None, dtype: str | None = None, device: str | None = None,
-                 batch_size: int | str | None = DEFAULT_BATCH_SIZE, stats_path: str | None = None,
-                 **unused) -> None:
+    def __init__(
+        self,
+        pretrained: str,
+        tau: float = 0.95,
+        metric: str = "prob",
+        block_size: int | None = None,
+        cache: str = "cursor",
+        mode: str = "threshold",
+        max_gen_toks: int = 256,
+        max_length: int | None = None,
+        dtype: str | None = None,
+        device: str | None = None,
+        batch_size: int | str | None = DEFAULT_BATCH_SIZE,
+        stats_path: str | None = None,
+        **unused,
+    ) -> None:
         super().__init__()
         from .decode import check_tau
         from .modeling import checkpoint_facts, load_model
@@ -61,10 +75,13 @@ class MarsLM(TemplateLM):
         check_tau(float(tau), metric)
         self.model, self.tokenizer, _ = load_model(str(pretrained), dtype=dtype, device=_usable_device(device))
         self._device = next(self.model.parameters()).device
-        self.decoding = {"tau": float(tau), "metric": metric,
-                         "block_size": int(block_size) if block_size else checkpoint_facts(self.model,
-                                                                                           self.tokenizer).block_size,
-                         "cache": cache, "mode": mode}
+        self.decoding = {
+            "tau": float(tau),
+            "metric": metric,
+            "block_size": int(block_size) if block_size else checkpoint_facts(self.model, self.tokenizer).block_size,
+            "cache": cache,
+            "mode": mode,
+        }
         self._max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length) if max_length else None
         # lm-eval passes "auto" or "auto:N" for automatic sizing; continuous refill makes that moot.
@@ -97,12 +114,16 @@ class MarsLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs
+    ) -> list[int]:
         # A chat-templated context already carries any BOS the template wants: add none twice.
         add = True if add_special_tokens is None else add_special_tokens
         bos = self.tokenizer.bos_token
@@ -123,9 +144,9 @@ class MarsLM(TemplateLM):
         batch_size = override_bs or self.batch_size
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for first in tqdm(range(0, len(order), batch_size), disable=disable_tqdm, desc="marslm loglikelihood"):
-            rows = order[first:first + batch_size]
+            rows = order[first : first + batch_size]
             # Feed context + continuation minus its last token, keeping at most max_length tokens.
-            inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1] for i in rows]
+            inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1) :][:-1] for i in rows]
             width = max(map(len, inputs))
             input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
             attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -137,7 +158,7 @@ class MarsLM(TemplateLM):
             for r, i in enumerate(rows):
                 continuation = requests[i][2]
                 end = len(inputs[r])
-                picked = logprobs[r, end - len(continuation): end]       # outputs that predict the continuation
+                picked = logprobs[r, end - len(continuation) : end]  # outputs that predict the continuation
                 target = torch.tensor(continuation, device=picked.device)
                 total = float(picked.gather(-1, target[:, None]).sum())
                 greedy = bool((picked.argmax(dim=-1) == target).all())
@@ -150,9 +171,15 @@ class MarsLM(TemplateLM):
         """Log-likelihood of whole documents, in disjoint windows of at most ``max_length`` tokens."""
         totals = []
         for (string,) in tqdm([req.args for req in requests], disable=disable_tqdm, desc="marslm rolling"):
-            windows = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length, context_len=1)]
+            windows = [
+                lm_utils.make_disjoint_window(w)
+                for w in lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
             scored = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True)
             totals.append(sum(logprob for logprob, _ in scored))
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), totals[-1])
@@ -176,9 +203,16 @@ class MarsLM(TemplateLM):
             self._warn_if_sampling(kwargs)
             contexts = [requests[i].args[0] for i in members]
             prompts = [self.tok_encode(c, left_truncate_len=max(1, self.max_length - max_new)) for c in contexts]
-            out = generate(self.model, self.tokenizer, prompts, max_new_tokens=max_new, batch_size=self.batch_size,
-                           on_finish=lambda _row: bar.update(1), **self.decoding)
-            for i, context, text, steps in zip(members, contexts, out.texts, out.accepted_per_step):
+            out = generate(
+                self.model,
+                self.tokenizer,
+                prompts,
+                max_new_tokens=max_new,
+                batch_size=self.batch_size,
+                on_finish=lambda _row: bar.update(1),
+                **self.decoding,
+            )
+            for i, context, text in zip(members, contexts, out.texts):
                 texts[i] = _cut_at_stop(text, until)
                 self.cache_hook.add_partial("generate_until", (context, requests[i].args[1]), texts[i])
             self.stats["answers"] += len(members)
@@ -187,7 +221,7 @@ class MarsLM(TemplateLM):
             self.stats["forwards"] += sum(out.forwards)
         bar.close()
         if self.stats_path:
-            from .evaluate import write_json_atomically
+            from .files import write_json_atomically
 
             write_json_atomically(self.stats_path, self.summary())
         return texts
@@ -201,14 +235,20 @@ class MarsLM(TemplateLM):
     # ------------------------------------------------------------------ what ends up in the results JSON
     def summary(self) -> dict:
         s = self.stats
-        return {**self.decoding, **s,
-                "tokens_per_forward": s["accepted_tokens"] / s["forwards"] if s["forwards"] else None,
-                "forwards_per_answer": s["forwards"] / s["answers"] if s["answers"] else None}
+        return {
+            **self.decoding,
+            **s,
+            "tokens_per_forward": s["accepted_tokens"] / s["forwards"] if s["forwards"] else None,
+            "forwards_per_answer": s["forwards"] / s["answers"] if s["answers"] else None,
+        }
 
     def get_model_info(self) -> dict:
         """lm-eval merges this into ``results["config"]`` after the run, so the stats are complete."""
-        return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
-                "model_dtype": str(self.model.dtype), "marslm": self.summary()}
+        return {
+            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "model_dtype": str(self.model.dtype),
+            "marslm": self.summary(),
+        }
 
 
 # Register once: `python -m marslm.lm_eval_adapter` runs this file as __main__, and anything that
@@ -240,11 +280,15 @@ def main(argv: list[str] | None = None) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     from .errors import UserError
+    from .lm_eval_tasks import TASKS_DIR
 
-    sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--include_path" not in args:  # marslm's own tasks (marslm_toy) are found without asking
+        args += ["--include_path", str(TASKS_DIR)]
+    sys.argv = ["lm-eval", *args]
     try:
         cli_evaluate()
-    except UserError as exc:   # a bad path or setting in --model_args: one line, as the marslm command
+    except UserError as exc:  # a bad path or setting in --model_args: one line, as the marslm command
         print(f"marslm lm-eval adapter: error: {exc}", file=sys.stderr)
         sys.exit(2)
 

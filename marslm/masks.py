@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
+from .modeling import attention_implementation, unwrap_model
 
 
 def two_stream_mask(seq_len: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -33,8 +34,9 @@ def two_stream_mask(seq_len: int, block_size: int, device: torch.device | str | 
     return packed_two_stream_mask(positions, torch.zeros_like(positions), noisy, block_size)[0, 0]
 
 
-def packed_two_stream_mask(position_ids: torch.Tensor, segment_ids: torch.Tensor, is_noisy: torch.Tensor,
-                           block_size: int) -> torch.Tensor:
+def packed_two_stream_mask(
+    position_ids: torch.Tensor, segment_ids: torch.Tensor, is_noisy: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """``[rows, 1, W, W]`` training mask for rows that hold several sequences' two streams.
 
     ``position_ids`` / ``segment_ids`` / ``is_noisy`` ``[rows, W]`` describe every column: its
@@ -66,8 +68,14 @@ def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
 
 
-def decode_step_mask(slot_valid: torch.Tensor, pending_valid: torch.Tensor, draft_valid: torch.Tensor,
-                     group_sees: torch.Tensor, group_valid: torch.Tensor, n_masks: int) -> torch.Tensor:
+def decode_step_mask(
+    slot_valid: torch.Tensor,
+    pending_valid: torch.Tensor,
+    draft_valid: torch.Tensor,
+    group_sees: torch.Tensor,
+    group_valid: torch.Tensor,
+    n_masks: int,
+) -> torch.Tensor:
     """Mask for one decoding forward over a (possibly empty) KV cache.
 
     A step feeds, per row, ``[pending | draft | group_0 | ... | group_{G-1}]``:
@@ -97,13 +105,24 @@ def decode_step_mask(slot_valid: torch.Tensor, pending_valid: torch.Tensor, draf
         return torch.full((width,), value, dtype=torch.long, device=dev)
 
     seg = torch.cat([segment(width_pending, 0), segment(draft_width, 1), segment(groups * n_masks, 2)])
-    idx = torch.cat([torch.arange(width_pending, device=dev), torch.arange(draft_width, device=dev),
-                     torch.arange(n_masks, device=dev).repeat(groups)])
-    grp = torch.cat([segment(width_pending + draft_width, -1),
-                     torch.arange(groups, device=dev).repeat_interleave(n_masks)])
+    idx = torch.cat(
+        [
+            torch.arange(width_pending, device=dev),
+            torch.arange(draft_width, device=dev),
+            torch.arange(n_masks, device=dev).repeat(groups),
+        ]
+    )
+    grp = torch.cat(
+        [segment(width_pending + draft_width, -1), torch.arange(groups, device=dev).repeat_interleave(n_masks)]
+    )
     fed_valid = torch.cat([pending_valid, draft_valid, group_valid.repeat_interleave(n_masks, dim=1)], dim=1)
-    sees = torch.cat([torch.zeros(batch, width_pending + draft_width, dtype=torch.long, device=dev),
-                      group_sees.repeat_interleave(n_masks, dim=1)], dim=1)
+    sees = torch.cat(
+        [
+            torch.zeros(batch, width_pending + draft_width, dtype=torch.long, device=dev),
+            group_sees.repeat_interleave(n_masks, dim=1),
+        ],
+        dim=1,
+    )
 
     q_seg, k_seg = seg[:, None], seg[None, :]
     causal_within = (idx[None, :] <= idx[:, None]) & (q_seg == k_seg)
@@ -126,17 +145,6 @@ def causal_step_mask(slot_valid: torch.Tensor, fed_valid: torch.Tensor) -> torch
     fed = torch.ones(width, width, dtype=torch.bool, device=fed_valid.device).tril() & fed_valid[:, None, :]
     fed |= torch.eye(width, dtype=torch.bool, device=fed_valid.device)
     return torch.cat([slot_valid[:, None, :].expand(batch, width, -1), fed], dim=-1)[:, None]
-
-
-def unwrap_model(model):
-    """The model inside a DDP/DeepSpeed-style wrapper (those expose it as ``.module``, not ``.config``)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def attention_implementation(model) -> str:
-    return getattr(unwrap_model(model).config, "_attn_implementation", None) or "eager"
 
 
 def for_attention(mask: torch.Tensor, model, dtype: torch.dtype | None = None) -> torch.Tensor:

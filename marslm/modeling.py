@@ -34,27 +34,39 @@ def check_model_source(name_or_path: str) -> None:
         raise UserError(f"model not found: {name_or_path}")
 
 
-def load_model(name_or_path: str, dtype: torch.dtype | str | None = None, attn_implementation: str = "sdpa",
-               device: str | torch.device | None = None):
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str = "sdpa",
+    device: str | torch.device | None = None,
+):
     """``(model, tokenizer, mars_config)``; ``mars_config`` is None for checkpoints marslm did not write
     (with a warning saying what decoding then assumes). Anything unloadable is a :class:`UserError`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_source(name_or_path)
-    mars_config = MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None   # before the slow part
+    mars_config = MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None  # before the slow part
     with loading_errors(name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation)
+            name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation
+        )
     check_tokenizer(tokenizer, name_or_path)
     if mars_config is None:
-        log.warning("%s has no %s (marslm train writes one): decoding assumes block size %d and the %s token",
-                    name_or_path, CONFIG_FILENAME, MarsConfig().block_size, MASK_TOKEN)
+        log.warning(
+            "%s has no %s (marslm train writes one): decoding assumes block size %d and the %s token",
+            name_or_path,
+            CONFIG_FILENAME,
+            MarsConfig().block_size,
+            MASK_TOKEN,
+        )
     elif mars_config.mask_token_id is not None:
         rows = model.get_input_embeddings().weight.shape[0]
         if mars_config.mask_token_id >= rows:
-            raise UserError(f"{name_or_path}: {CONFIG_FILENAME} names mask_token_id {mars_config.mask_token_id}, "
-                            f"outside the model's vocabulary (0..{rows - 1})")
+            raise UserError(
+                f"{name_or_path}: {CONFIG_FILENAME} names mask_token_id {mars_config.mask_token_id}, "
+                f"outside the model's vocabulary (0..{rows - 1})"
+            )
     if device is not None:
         model.to(device)
     model.eval()
@@ -79,8 +91,9 @@ def check_tokenizer(tokenizer, name_or_path: str) -> None:
     """A tokenizer that turns text into no tokens is missing its vocabulary (tokenizer.json), and
     would decode every answer to empty text."""
     if not tokenizer("Hello, world 123", add_special_tokens=False)["input_ids"]:
-        raise UserError(f"the tokenizer of {name_or_path} turns text into no tokens: its vocabulary is missing "
-                        "(no tokenizer.json?)")
+        raise UserError(
+            f"the tokenizer of {name_or_path} turns text into no tokens: its vocabulary is missing (no tokenizer.json?)"
+        )
 
 
 def resolve_device(device: str | None) -> str | None:
@@ -113,15 +126,15 @@ def ensure_mask_token(model, tokenizer, mask_token: str = MASK_TOKEN) -> int:
     It also stays sensible when training freezes the embeddings (``freeze_for_training``).
     """
     if mask_token not in tokenizer.get_vocab():
-        tokenizer.add_special_tokens({"extra_special_tokens": [mask_token]},
-                                     replace_extra_special_tokens=False)
+        tokenizer.add_special_tokens({"extra_special_tokens": [mask_token]}, replace_extra_special_tokens=False)
     mask_id = tokenizer.convert_tokens_to_ids(mask_token)
     rows = model.get_input_embeddings().weight.shape[0]
     if mask_id >= rows:
         model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
         with torch.no_grad():
-            for embedding in {id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings())
-                              if m is not None}.values():
+            for embedding in {
+                id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+            }.values():
                 embedding.weight[rows:] = embedding.weight[:rows].mean(dim=0)
     return mask_id
 
@@ -163,9 +176,10 @@ def _parameter_split(model) -> dict:
 @dataclass(frozen=True)
 class CheckpointFacts:
     """What decoding needs to know about a checkpoint, read once."""
-    stage: str | None             # "ar" | "mars" from marslm.json; None for checkpoints marslm did not write
-    block_size: int               # the B it was trained with (4 when it does not say)
-    mask_token_id: int | None     # None: the tokenizer has no mask token
+
+    stage: str | None  # "ar" | "mars" from marslm.json; None for checkpoints marslm did not write
+    block_size: int  # the B it was trained with (4 when it does not say)
+    mask_token_id: int | None  # None: the tokenizer has no mask token
     pad_id: int
 
 
@@ -184,11 +198,24 @@ def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> Chec
     return CheckpointFacts(config.stage if config else None, block_size, mask_token_id, pad_id)
 
 
+def unwrap_model(model):
+    """The model inside a DDP/DeepSpeed-style wrapper (those expose it as ``.module``, not ``.config``)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def attention_implementation(model) -> str:
+    return getattr(unwrap_model(model).config, "_attn_implementation", None) or "eager"
+
+
 def count_parameters(model) -> int:
-    """Unique parameters (tied embeddings counted once)."""
+    """Distinct parameter values: tied weights count once (by storage, since tying can share the
+    tensor without sharing the Parameter object)."""
     seen, total = set(), 0
     for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
+        key = (p.data_ptr(), p.numel())
+        if key not in seen:
+            seen.add(key)
             total += p.numel()
     return total

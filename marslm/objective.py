@@ -42,8 +42,7 @@ def pad_to_block(input_ids: list[int], labels: list[int], block_size: int, eos_i
     """
     missing = -len(input_ids) % block_size
     trained = bool(labels) and labels[-1] == eos_id
-    return (input_ids + [eos_id] * missing,
-            labels + [eos_id if trained else IGNORE] * missing)
+    return (input_ids + [eos_id] * missing, labels + [eos_id if trained else IGNORE] * missing)
 
 
 def _sequences(examples: list[dict], block_size: int, eos_id: int | None) -> list[tuple[list[int], list[int]]]:
@@ -69,13 +68,13 @@ def collate(examples: list[dict], pad_id: int, block_size: int = 1, eos_id: int 
     return {"input_ids": input_ids, "labels": labels}
 
 
-def collate_packed(examples: list[dict], pad_id: int, block_size: int = 1, eos_id: int | None = None,
-                   row_width: int | None = None) -> dict:
+def collate_packed(
+    examples: list[dict], pad_id: int, block_size: int = 1, eos_id: int | None = None, row_width: int | None = None
+) -> dict:
     """Pack ``{"input_ids", "labels"}`` examples into as few rows of ``row_width`` tokens as fit.
 
     The default width is 1.5x the longest sequence: wider rows pack tighter, but the cost of
-    masked attention grows with the square of the width (on 2 CPU cores the AR step is 18% faster
-    than padding at 1.5x, 8% at 2x).
+    masked attention grows with the square of the width.
 
     First-fit over the examples longest first. A row's sequences follow each other and its unused
     tail is padding (segment -1, no targets). Each sequence's first label is dropped: in a padded
@@ -113,16 +112,17 @@ def collate_packed(examples: list[dict], pad_id: int, block_size: int = 1, eos_i
 
 @dataclass
 class TwoStreamBatch:
-    input_ids: torch.Tensor       # [rows, T + N]: each row's clean tokens, then its noisy copies
-    position_ids: torch.Tensor    # [rows, T + N]
+    input_ids: torch.Tensor  # [rows, T + N]: each row's clean tokens, then its noisy copies
+    position_ids: torch.Tensor  # [rows, T + N]
     attention_mask: torch.Tensor  # [rows, 1, T + N, T + N] bool
-    labels: torch.Tensor          # [rows, T] clean-stream targets, IGNORE where no loss
-    noisy_labels: torch.Tensor    # [rows, N] noisy-stream targets (the same targets, in the noisy columns)
-    noisy_columns: torch.Tensor   # [rows, N] the clean column each noisy column copies; -1 for padding
+    labels: torch.Tensor  # [rows, T] clean-stream targets, IGNORE where no loss
+    noisy_labels: torch.Tensor  # [rows, N] noisy-stream targets (the same targets, in the noisy columns)
+    noisy_columns: torch.Tensor  # [rows, N] the clean column each noisy column copies; -1 for padding
 
 
-def needed_noisy_columns(labels: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor,
-                         block_size: int) -> torch.Tensor:
+def needed_noisy_columns(
+    labels: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """``[rows, T]`` bool: the columns whose noisy copy some loss term depends on.
 
     A sequence's noisy outputs are scored from the column before its first target through its last
@@ -136,20 +136,26 @@ def needed_noisy_columns(labels: torch.Tensor, position_ids: torch.Tensor, segme
     scored = torch.zeros_like(target)
     scored[:, :-1] = target[:, 1:] & (segment_ids[:, 1:] == segment_ids[:, :-1])
     blk = position_ids // block_size
-    seg = segment_ids.clamp(min=0)                  # padding (-1) has no targets; masked out below
+    seg = segment_ids.clamp(min=0)  # padding (-1) has no targets; masked out below
     n_seg = int(seg.max()) + 1
     none = torch.iinfo(torch.long).max
     first_blk = torch.full((len(seg), n_seg), none, dtype=torch.long, device=seg.device).scatter_reduce(
-        1, seg, torch.where(scored, blk, none), "amin")
+        1, seg, torch.where(scored, blk, none), "amin"
+    )
     last_target = torch.full((len(seg), n_seg), -1, dtype=torch.long, device=seg.device).scatter_reduce(
-        1, seg, torch.where(target, position_ids, -1), "amax")
-    return ((segment_ids >= 0) & (blk >= first_blk.gather(1, seg))
-            & (position_ids <= last_target.gather(1, seg)))
+        1, seg, torch.where(target, position_ids, -1), "amax"
+    )
+    return (segment_ids >= 0) & (blk >= first_blk.gather(1, seg)) & (position_ids <= last_target.gather(1, seg))
 
 
-def two_stream_batch(input_ids: torch.Tensor, labels: torch.Tensor, block_size: int, mask_token_id: int,
-                     position_ids: torch.Tensor | None = None,
-                     segment_ids: torch.Tensor | None = None) -> TwoStreamBatch:
+def two_stream_batch(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    position_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+) -> TwoStreamBatch:
     """``[x ; x~]`` per row, with x~ cut down to the columns the loss needs (needed_noisy_columns).
 
     A padded batch is the packed case with one sequence per row (its right padding is harmless:
@@ -175,8 +181,14 @@ def two_stream_batch(input_ids: torch.Tensor, labels: torch.Tensor, block_size: 
     z_segments = torch.cat([segment_ids, noisy_segments], dim=1)
     is_noisy = (torch.arange(z_positions.shape[1], device=input_ids.device) >= width)[None].expand(rows, -1)
     mask = packed_two_stream_mask(z_positions, z_segments, is_noisy, block_size)
-    return TwoStreamBatch(torch.cat([input_ids, noisy_ids], dim=1), z_positions, mask, labels, noisy_labels,
-                          torch.where(real, columns, -1))
+    return TwoStreamBatch(
+        torch.cat([input_ids, noisy_ids], dim=1),
+        z_positions,
+        mask,
+        labels,
+        noisy_labels,
+        torch.where(real, columns, -1),
+    )
 
 
 # t ~ U(T_MIN, 1) for the inverse-t weighting, as the reference's masked-diffusion trainer draws it
@@ -211,7 +223,7 @@ def _sequence_index(labels: torch.Tensor, segment_ids: torch.Tensor | None) -> t
     rows, width = labels.shape
     if segment_ids is None:
         return torch.arange(rows, device=labels.device)[:, None].expand(rows, width)
-    per_row = int(segment_ids.max()) + 2   # segments 0.. plus padding (-1)
+    per_row = int(segment_ids.max()) + 2  # segments 0.. plus padding (-1)
     return torch.arange(rows, device=labels.device)[:, None] * per_row + segment_ids + 1
 
 
@@ -226,14 +238,21 @@ def inverse_t_factors(labels: torch.Tensor, segment_ids: torch.Tensor | None) ->
 def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Sum over targets of weight x CE(output t-1, target t) (right-shifted, as in AR)."""
     shifted = logits[:, :-1].float()
-    ce = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE,
-                         reduction="none")
+    ce = F.cross_entropy(
+        shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="none"
+    )
     return (ce * weights[:, 1:].reshape(-1)).sum()
 
 
-def ar_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-            segment_ids: torch.Tensor | None = None, normalization: str = "sequence",
-            denominator: float | None = None) -> dict[str, torch.Tensor]:
+def ar_loss(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    normalization: str = "sequence",
+    denominator: float | None = None,
+) -> dict[str, torch.Tensor]:
     """Plain SFT (stage 1). Returned in the same shape as :func:`mars_loss` for the trainer.
 
     ``denominator``: what the summed losses are divided by; by default this batch's own
@@ -252,18 +271,30 @@ def ar_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: 
     return {"loss": loss, "clean_loss": loss.detach()}
 
 
-def mars_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, block_size: int,
-              mask_token_id: int, ar_weight: float = 1.0, position_ids: torch.Tensor | None = None,
-              segment_ids: torch.Tensor | None = None, normalization: str = "sequence",
-              masked_weighting: str = "uniform", denominator: float | None = None) -> dict[str, torch.Tensor]:
+def mars_loss(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    ar_weight: float = 1.0,
+    position_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    normalization: str = "sequence",
+    masked_weighting: str = "uniform",
+    denominator: float | None = None,
+) -> dict[str, torch.Tensor]:
     """``noisy + ar_weight * clean``, each normalised as :func:`target_weights` says.
 
     ``masked_weighting="inverse-t"`` multiplies each sequence's noisy-stream loss by 1/t, t drawn
     per sequence: the reference's "w/o SFT loss" ablation. ``denominator`` as in :func:`ar_loss`.
     """
     batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids)
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                   attention_mask=for_attention(batch.attention_mask, model)).logits
+    logits = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=for_attention(batch.attention_mask, model),
+    ).logits
     seq_len = input_ids.shape[1]
     clean_logits, noisy_logits = logits[:, :seq_len], logits[:, seq_len:]
 

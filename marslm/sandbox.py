@@ -50,8 +50,8 @@ from .errors import UserError
 log = logging.getLogger("marslm.sandbox")
 
 NOBODY = 65534
-WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))   # programs run at once by run_many_to_end
-HIDDEN_DIRS = ("/root", "/home")   # users' files: not even readable inside
+WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # programs run at once by run_many_to_end
+HIDDEN_DIRS = ("/root", "/home")  # users' files: not even readable inside
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ class Limits:
 
     cpu_seconds: int = 2
     memory_bytes: int = 512 * 2**20
-    file_bytes: int = 8 * 2**20       # any file it writes, and what it prints
+    file_bytes: int = 8 * 2**20  # any file it writes, and what it prints
     open_files: int = 64
     processes: int = 1
-    tmpfs_bytes: int = 32 * 2**20     # its writable /tmp
+    tmpfs_bytes: int = 32 * 2**20  # its writable /tmp
 
 
 DEFAULT_LIMITS = Limits()
@@ -72,11 +72,11 @@ DEFAULT_LIMITS = Limits()
 
 @dataclass(frozen=True)
 class RunResult:
-    returncode: int           # 0: it ended normally (bwrap reports a signal as 128 + its number)
+    returncode: int  # 0: it ended normally (bwrap reports a signal as 128 + its number)
     stdout: str
     stderr: str
     timed_out: bool
-    isolated: bool            # False only under --unsafe-exec without bubblewrap
+    isolated: bool  # False only under --unsafe-exec without bubblewrap
 
 
 class SandboxUnavailable(UserError):
@@ -86,7 +86,7 @@ class SandboxUnavailable(UserError):
 # ------------------------------------------------------------------------------- policy
 _unsafe_allowed = False
 _probe_lock = threading.Lock()
-_probe: list[str | None] = []      # [] not probed yet; [None] works; [reason] does not
+_probe: list[str | None] = []  # [] not probed yet; [None] works; [reason] does not
 
 
 def allow_unsafe_exec(allowed: bool = True) -> None:
@@ -122,7 +122,8 @@ def require_isolation() -> None:
     if problem is not None and not _unsafe_allowed:
         raise SandboxUnavailable(
             f"model-written code needs a sandbox, and {problem}. Install bubblewrap (Debian/Ubuntu: "
-            "apt-get install bubblewrap), or pass --unsafe-exec to run that code without isolation")
+            "apt-get install bubblewrap), or pass --unsafe-exec to run that code without isolation"
+        )
 
 
 # ----------------------------------------------------------------------------------- runs
@@ -145,11 +146,12 @@ def run_to_end(program: str, timeout: float = 5.0, *, limits: Limits = DEFAULT_L
     out, _, last = result.stdout.rstrip("\n").rpartition("\n")
     if result.timed_out or result.returncode != 0 or last != token:
         return None
-    return out[:-1] if out.endswith("\n") else out   # the newline the harness put before the token
+    return out[:-1] if out.endswith("\n") else out  # the newline the harness put before the token
 
 
-def run_many_to_end(programs: Sequence[str], timeout: float = 5.0, *,
-                    limits: Limits = DEFAULT_LIMITS) -> list[str | None]:
+def run_many_to_end(
+    programs: Sequence[str], timeout: float = 5.0, *, limits: Limits = DEFAULT_LIMITS
+) -> list[str | None]:
     """:func:`run_to_end` for each program, ``WORKERS`` at a time (each waits mostly on its child)."""
     if not programs:
         return []
@@ -161,7 +163,7 @@ def run_many_to_end(programs: Sequence[str], timeout: float = 5.0, *,
 # Reads the token before the program runs, so the program cannot read it from stdin; keeps the
 # functions it needs afterwards, so the program replacing them cannot fake the ending. The program
 # is not __main__ (as in HumanEval's own harness): its `if __name__ == "__main__":` demo code stays out.
-_HARNESS = r'''
+_HARNESS = r"""
 import os as _os, sys as _sys
 _token = _sys.stdin.readline().strip()
 _sys.stdin.close()
@@ -173,16 +175,16 @@ try:
 except BaseException:
     _exit(1)
 _exit(0)
-'''
+"""
 
 # Runs first in the child: limits, then (as root, inside bwrap) no more root, then the program.
-_BOOTSTRAP = r'''
+_BOOTSTRAP = rf"""
 import json, os, resource, sys
 limits, drop_root, path = json.loads(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
 if drop_root and os.getuid() == 0:
     os.setgroups([])
-    os.setgid({nobody})
-    os.setuid({nobody})
+    os.setgid({NOBODY})
+    os.setuid({NOBODY})
 for name, value in limits.items():
     hard = resource.getrlimit(getattr(resource, name))[1]
     value = value if hard == resource.RLIM_INFINITY else min(value, hard)
@@ -192,10 +194,16 @@ with open(path, encoding="utf-8") as f:
     code = compile(f.read(), path, "exec")
 del json, os, resource, f, limits, drop_root
 exec(code, {{"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}})
-'''.format(nobody=NOBODY)
+"""
 
-_RLIMITS = {"RLIMIT_CPU": "cpu_seconds", "RLIMIT_AS": "memory_bytes", "RLIMIT_FSIZE": "file_bytes",
-            "RLIMIT_NOFILE": "open_files", "RLIMIT_NPROC": "processes", "RLIMIT_CORE": None}
+_RLIMITS = {
+    "RLIMIT_CPU": "cpu_seconds",
+    "RLIMIT_AS": "memory_bytes",
+    "RLIMIT_FSIZE": "file_bytes",
+    "RLIMIT_NOFILE": "open_files",
+    "RLIMIT_NPROC": "processes",
+    "RLIMIT_CORE": None,
+}
 
 
 def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool) -> RunResult:
@@ -212,11 +220,21 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
             info_read, info_write = os.pipe()
             argv = _bwrap_argv(program, interpreter, limits, info_write) + argv
         try:
-            with open(Path(host, "stdin"), "rb") as f_in, open(Path(host, "stdout"), "wb") as f_out, \
-                    open(Path(host, "stderr"), "wb") as f_err:
-                process = subprocess.Popen(argv, stdin=f_in, stdout=f_out, stderr=f_err, env={},
-                                           cwd="/" if isolated else host, start_new_session=True,
-                                           pass_fds=(info_write,) if isolated else ())
+            with (
+                open(Path(host, "stdin"), "rb") as f_in,
+                open(Path(host, "stdout"), "wb") as f_out,
+                open(Path(host, "stderr"), "wb") as f_err,
+            ):
+                process = subprocess.Popen(
+                    argv,
+                    stdin=f_in,
+                    stdout=f_out,
+                    stderr=f_err,
+                    env={},
+                    cwd="/" if isolated else host,
+                    start_new_session=True,
+                    pass_fds=(info_write,) if isolated else (),
+                )
                 if info_write is not None:
                     os.close(info_write)
                     info_write = None
@@ -228,8 +246,9 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
             for fd in (info_read, info_write):
                 if fd is not None:
                     os.close(fd)
-        return RunResult(returncode, _read(Path(host, "stdout"), limits), _read(Path(host, "stderr"), limits),
-                         timed_out, isolated)
+        return RunResult(
+            returncode, _read(Path(host, "stdout"), limits), _read(Path(host, "stderr"), limits), timed_out, isolated
+        )
 
 
 def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -> list[str]:
@@ -242,11 +261,30 @@ def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -
             argv += ["--tmpfs", hidden]
             for path in sorted(p for p in needed if p.startswith(hidden + "/")):
                 argv += _reveal(path, hidden)
-    argv += ["--perms", "1777", "--size", str(limits.tmpfs_bytes), "--tmpfs", "/tmp",
-             "--ro-bind", str(program), "/tmp/main.py", "--chdir", "/tmp",
-             "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-             "--die-with-parent", "--new-session", "--clearenv", "--info-fd", str(info_fd)]
-    if os.geteuid() == 0:   # bwrap run by root keeps root's capabilities unless told otherwise
+    argv += [
+        "--perms",
+        "1777",
+        "--size",
+        str(limits.tmpfs_bytes),
+        "--tmpfs",
+        "/tmp",
+        "--ro-bind",
+        str(program),
+        "/tmp/main.py",
+        "--chdir",
+        "/tmp",
+        "--unshare-net",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--info-fd",
+        str(info_fd),
+    ]
+    if os.geteuid() == 0:  # bwrap run by root keeps root's capabilities unless told otherwise
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     return argv
 
@@ -275,7 +313,7 @@ def _kill(process: subprocess.Popen, info_fd: int | None) -> int:
         pass
     try:
         return process.wait(timeout=10)
-    except subprocess.TimeoutExpired:   # bwrap did not notice: kill it (--die-with-parent does the rest)
+    except subprocess.TimeoutExpired:  # bwrap did not notice: kill it (--die-with-parent does the rest)
         os.killpg(process.pid, signal.SIGKILL)
         return process.wait()
 

@@ -37,6 +37,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -48,42 +49,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import encode_prompt
 from .decode import TextStream
-from .engine import (Engine, EngineError, EngineStopped, Histogram, InvalidRequest, QueueFull, Result,
-                     SamplingParams)
+from .engine import Engine, EngineError, EngineStopped, Histogram, InvalidRequest, QueueFull, Result, SamplingParams
 from .errors import UserError
+from .serve_config import ServeConfig
 
 log = logging.getLogger("marslm.server")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-PARSE_WORKERS = 4   # threads that parse and tokenize requests
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one client may take of the server; :meth:`validate` is the one check of these settings."""
-
-    max_request_bytes: int = 2**20     # a larger body: 413, and the connection is closed unread
-    header_timeout: float = 10.0       # seconds for a request line and its headers to arrive
-    body_timeout: float = 30.0         # seconds for the whole body to arrive (then 408)
-    keep_alive_timeout: float = 5.0    # an idle keep-alive connection is closed after this
-    max_connections: int = 1024        # open connections; one more is answered 503 and closed
-
-    def validate(self) -> None:
-        for flag, value in (("--max-request-bytes", self.max_request_bytes),
-                            ("--max-connections", self.max_connections)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UserError(f"{flag} must be an integer >= 1, got {value}")
-        for flag, value in (("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout),
-                            ("--keep-alive-timeout", self.keep_alive_timeout)):
-            if not (math.isfinite(value) and value > 0):
-                raise UserError(f"{flag} must be a finite number of seconds > 0, got {value}")
+PARSE_WORKERS = 4  # threads that parse and tokenize requests
 
 
 class APIError(Exception):
     """Answered as an OpenAI error object; the server carries on."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -107,14 +94,21 @@ def _field(body: dict, name: str, kind: str, default=None, *, required: bool = F
     ok = {
         "int": isinstance(value, int) and not isinstance(value, bool),
         "number": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "str": isinstance(value, str), "bool": isinstance(value, bool),
-        "list": isinstance(value, list), "dict": isinstance(value, dict),
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+        "list": isinstance(value, list),
+        "dict": isinstance(value, dict),
     }[kind]
     if not ok:
-        kind_name = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a boolean",
-                     "list": "an array", "dict": "an object"}[kind]
-        raise APIError(400, f"'{name}' must be {kind_name}, got {_describe(value)}", param=name,
-                       code="invalid_type")
+        kind_name = {
+            "int": "an integer",
+            "number": "a number",
+            "str": "a string",
+            "bool": "a boolean",
+            "list": "an array",
+            "dict": "an object",
+        }[kind]
+        raise APIError(400, f"'{name}' must be {kind_name}, got {_describe(value)}", param=name, code="invalid_type")
     return float(value) if kind == "number" else value
 
 
@@ -145,13 +139,18 @@ def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise APIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
-    params = SamplingParams(max_tokens=max_tokens, tau=_field(body, "tau", "number"),
-                            metric=_field(body, "metric", "str", "prob"),
-                            block_size=_field(body, "block_size", "int"),
-                            mode=_field(body, "mode", "str", "threshold"),
-                            temperature=_field(body, "temperature", "number", 0.0),
-                            top_p=_field(body, "top_p", "number", 1.0), top_k=_field(body, "top_k", "int", 0),
-                            seed=_field(body, "seed", "int"), stop=tuple(s for s in stop if s))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        tau=_field(body, "tau", "number"),
+        metric=_field(body, "metric", "str", "prob"),
+        block_size=_field(body, "block_size", "int"),
+        mode=_field(body, "mode", "str", "threshold"),
+        temperature=_field(body, "temperature", "number", 0.0),
+        top_p=_field(body, "top_p", "number", 1.0),
+        top_k=_field(body, "top_k", "int", 0),
+        seed=_field(body, "seed", "int"),
+        stop=tuple(s for s in stop if s),
+    )
     return params, stream, include_usage
 
 
@@ -159,15 +158,18 @@ def _content_text(content, where: str) -> str:
     """A message's content: a string, or OpenAI's list of text parts."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise APIError(400, f"{where}.content must be a string or a list of text parts", param="messages",
-                   code="invalid_type")
+    raise APIError(
+        400, f"{where}.content must be a string or a list of text parts", param="messages", code="invalid_type"
+    )
 
 
 def parse_json(raw: bytes) -> dict:
     """The request body as a JSON object. NaN and Infinity are not JSON (Python accepts them)."""
+
     def refuse(constant):
         raise ValueError(f"{constant} is not valid JSON (numbers must be finite)")
 
@@ -185,8 +187,12 @@ def parse_json(raw: bytes) -> dict:
 def _check_length(chars: int, max_chars: int | None, context: int | None, param: str) -> None:
     """Refuse, before tokenizing, text that cannot fit the context (``max_chars``: see create_app)."""
     if max_chars is not None and chars > max_chars:
-        raise APIError(400, f"the prompt has {chars} characters, too many for the model's context of {context} "
-                       "tokens", param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {chars} characters, too many for the model's context of {context} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def chat_prompt_ids(tokenizer, body: dict, max_chars: int | None = None, context: int | None = None) -> list[int]:
@@ -200,18 +206,19 @@ def chat_prompt_ids(tokenizer, body: dict, max_chars: int | None = None, context
             raise APIError(400, f"{where} must be an object", param="messages", code="invalid_type")
         role = message.get("role")
         if role not in ROLES:
-            raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {_describe(role)}",
-                           param="messages")
+            raise APIError(
+                400, f"{where}.role must be one of {', '.join(ROLES)}, got {_describe(role)}", param="messages"
+            )
         clean.append({"role": role, "content": _content_text(message.get("content"), where)})
     if not any(m["content"] for m in clean):
-        raise APIError(400, "the prompt is empty: every message has empty content", param="messages",
-                       code="empty_prompt")
+        raise APIError(
+            400, "the prompt is empty: every message has empty content", param="messages", code="empty_prompt"
+        )
     _check_length(sum(len(m["content"]) for m in clean), max_chars, context, "messages")
     return _encode(tokenizer, clean, True, "messages")
 
 
-def completion_prompt_ids(tokenizer, body: dict, max_chars: int | None = None,
-                          context: int | None = None) -> list[int]:
+def completion_prompt_ids(tokenizer, body: dict, max_chars: int | None = None, context: int | None = None) -> list[int]:
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError(400, "missing required parameter 'prompt'", param="prompt", code="missing_required_parameter")
@@ -222,8 +229,9 @@ def completion_prompt_ids(tokenizer, body: dict, max_chars: int | None = None,
     if isinstance(prompt, list):
         vocab = len(tokenizer)
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            raise APIError(400, f"a token-id prompt must hold integers in 0..{vocab - 1}", param="prompt",
-                           code="invalid_type")
+            raise APIError(
+                400, f"a token-id prompt must hold integers in 0..{vocab - 1}", param="prompt", code="invalid_type"
+            )
     elif not isinstance(prompt, str):
         raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
     if not prompt:
@@ -239,21 +247,29 @@ def _encode(tokenizer, prompt, apply_chat_template: bool, param: str) -> list[in
         return encode_prompt(tokenizer, prompt, apply_chat_template)
     except UserError as exc:
         raise APIError(400, str(exc), param=param) from None
-    except Exception as exc:   # a chat template that rejects these messages (jinja raise_exception)
+    except Exception as exc:  # a chat template that rejects these messages (jinja raise_exception)
         raise APIError(400, f"cannot format the prompt: {exc}", param=param) from None
 
 
 # ---------------------------------------------------------------------------- response objects
 def _usage(result: Result) -> dict:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-            "forwards": result.forwards, "tokens_per_forward": round(result.tokens_per_forward, 4)}
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "forwards": result.forwards,
+        "tokens_per_forward": round(result.tokens_per_forward, 4),
+    }
 
 
 def _cut_off(result: Result) -> APIError:
     """A request the engine cancelled while a client still waits: the server is shutting down."""
-    return APIError(503, f"the server is shutting down; the answer was cut off after {result.completion_tokens} "
-                    "tokens", type="server_error", code="shutting_down")
+    return APIError(
+        503,
+        f"the server is shutting down; the answer was cut off after {result.completion_tokens} tokens",
+        type="server_error",
+        code="shutting_down",
+    )
 
 
 def max_token_chars(tokenizer) -> int:
@@ -274,36 +290,62 @@ def render_metrics(snap: dict, model_name: str) -> str:
             lines.append(f"marslm_{name}{label_text} {_num(value)}")
 
     tau = snap["tau"]
-    metric("requests_total", "counter", "Requests by outcome (rejected: queue full).",
-           [({"status": k}, v) for k, v in snap["requests"].items()])
+    metric(
+        "requests_total",
+        "counter",
+        "Requests by outcome (rejected: queue full).",
+        [({"status": k}, v) for k, v in snap["requests"].items()],
+    )
     metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [({}, snap["prompt_tokens"])])
-    metric("generation_tokens_total", "counter", "Tokens generated (stop tokens excluded).",
-           [({}, snap["generation_tokens"])])
-    metric("forwards_total", "counter", "Model forwards (one per engine step, for the whole batch).",
-           [({}, snap["forwards"])])
+    metric(
+        "generation_tokens_total",
+        "counter",
+        "Tokens generated (stop tokens excluded).",
+        [({}, snap["generation_tokens"])],
+    )
+    metric(
+        "forwards_total",
+        "counter",
+        "Model forwards (one per engine step, for the whole batch).",
+        [({}, snap["forwards"])],
+    )
     metric("row_forwards_total", "counter", "Forwards summed over finished requests.", [({}, snap["row_forwards"])])
-    metric("tokens_per_forward", "gauge", "Tokens accepted per forward, over finished requests.",
-           [({}, snap["tokens_per_forward"])])
+    metric(
+        "tokens_per_forward",
+        "gauge",
+        "Tokens accepted per forward, over finished requests.",
+        [({}, snap["tokens_per_forward"])],
+    )
     metric("queue_depth", "gauge", "Requests waiting for a batch row.", [({}, snap["queue_depth"])])
     metric("active_batch", "gauge", "Requests in the running batch.", [({}, snap["active_batch"])])
     metric("max_batch", "gauge", "Rows the batch may hold.", [({}, snap["max_batch"])])
     metric("default_tau", "gauge", "Default tau, for requests that name none.", [({}, tau["tau"])])
     metric("tau_ceiling", "gauge", "Default tau at low load (adaptive) or always (fixed).", [({}, tau["ceiling"])])
     metric("tau_floor", "gauge", "Lowest default tau the adaptive policy may set.", [({}, tau["floor"])])
-    metric("tau_policy", "gauge", "Active default-tau policy (1 = active).",
-           [({"policy": p}, int(p == tau["policy"])) for p in ("fixed", "adaptive")])
-    metric("tau_changes_total", "counter", "Changes of the default tau, by direction.",
-           [({"direction": d}, n) for d, n in tau["changes"].items()])
+    metric(
+        "tau_policy",
+        "gauge",
+        "Active default-tau policy (1 = active).",
+        [({"policy": p}, int(p == tau["policy"])) for p in ("fixed", "adaptive")],
+    )
+    metric(
+        "tau_changes_total",
+        "counter",
+        "Changes of the default tau, by direction.",
+        [({"direction": d}, n) for d, n in tau["changes"].items()],
+    )
     metric("model_info", "gauge", "The served model.", [({"model": model_name}, 1)])
     for name, hist in snap["histograms"].items():
         _histogram(lines, name, hist)
     return "\n".join(lines) + "\n"
 
 
-_HISTOGRAM_HELP = {"request_latency_seconds": "Arrival to last token, per finished request.",
-                   "time_to_first_token_seconds": "Arrival to first token, per finished request.",
-                   "queue_wait_seconds": "Arrival to admission into the batch.",
-                   "step_latency_seconds": "Wall time of one engine step (one forward)."}
+_HISTOGRAM_HELP = {
+    "request_latency_seconds": "Arrival to last token, per finished request.",
+    "time_to_first_token_seconds": "Arrival to first token, per finished request.",
+    "queue_wait_seconds": "Arrival to admission into the batch.",
+    "step_latency_seconds": "Wall time of one engine step (one forward).",
+}
 
 
 def _histogram(lines: list[str], name: str, hist: Histogram) -> None:
@@ -323,12 +365,49 @@ def _num(value) -> str:
 
 
 # ------------------------------------------------------------------------------------ the app
-def create_app(engine: Engine, *, api_key: str | None = None, served_model_name: str | None = None,
-               shutdown_timeout: float = 30.0, limits: ServerLimits = ServerLimits()):
+@dataclass(frozen=True)
+class _Endpoint:
+    """What differs between /v1/chat/completions and /v1/completions: names and the choice's shape."""
+
+    chat: bool
+    id_prefix: str
+    object: str
+    chunk_object: str
+    prompt_param: str
+    prompt_ids: Callable
+
+    def choice(self, text: str, finish_reason: str) -> dict:
+        if self.chat:
+            return {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk_choice(self, text: str | None, finish_reason: str | None, role: str | None = None) -> dict:
+        if self.chat:
+            delta = ({"role": role} if role else {}) | ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+
+# The parsers are looked up at call time, so that a wrapper installed on the module takes effect.
+CHAT = _Endpoint(
+    True, "chatcmpl-", "chat.completion", "chat.completion.chunk", "messages", lambda *args: chat_prompt_ids(*args)
+)
+COMPLETION = _Endpoint(
+    False, "cmpl-", "text_completion", "text_completion", "prompt", lambda *args: completion_prompt_ids(*args)
+)
+
+
+def create_app(engine: Engine, config: ServeConfig | None = None):
     """The ASGI app: FastAPI inside :class:`_Guard`. Its lifespan starts the engine (if not yet
     running) and stops it."""
-    limits.validate()
-    model_name = served_model_name or engine.model_name
+    config = limits = (config or engine.config).validate()
+    api_key = config.api_key
+    model_name = config.served_model_name or engine.model_name
     tokenizer = engine.tokenizer
     created = int(time.time())
     # Twice the most characters a token can cover (a normalizer may merge two characters into
@@ -348,32 +427,34 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
         yield
         # serve() drains the engine as shutdown begins; here only what is left (a plain uvicorn
         # run). Joining the engine thread blocks, so it runs off the loop.
-        await asyncio.to_thread(engine.stop, shutdown_timeout)
+        await asyncio.to_thread(engine.stop, config.shutdown_timeout)
         worker.shutdown(wait=False)
 
     app = FastAPI(title="marslm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
-        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
-                            headers=exc.headers)
+        return JSONResponse(
+            error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status, headers=exc.headers
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc):
         return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_request, exc):   # starlette re-raises it afterwards: _Guard logs it
+    async def _internal_error(_request, exc):  # starlette re-raises it afterwards: _Guard logs it
         return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
 
     @app.exception_handler(ClientGone)
-    async def _client_gone(request, exc):       # nobody reads this answer
+    async def _client_gone(request, exc):  # nobody reads this answer
         log.info("%s went away %s", _client(request), exc)
         return Response(status_code=499)
 
@@ -383,8 +464,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     auth = [Depends(authorize)]
 
@@ -403,8 +488,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
                 message = await asyncio.wait_for(request.receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 log.info("%s sent no complete body within %g s: 408", _client(request), limits.body_timeout)
-                raise APIError(408, f"the request body did not arrive within {limits.body_timeout:g} s",
-                               code="request_timeout", headers={"Connection": "close"}) from None
+                raise APIError(
+                    408,
+                    f"the request body did not arrive within {limits.body_timeout:g} s",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                ) from None
             if message["type"] == "http.disconnect":
                 raise ClientGone("while sending its request")
             chunk = message.get("body", b"")
@@ -421,8 +510,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
     def check_model(body: dict) -> None:
         name = _field(body, "model", "str")
         if name is not None and name not in (model_name, engine.model_name):
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def submit(prompt_ids: list[int], params: SamplingParams, prompt_param: str):
         try:
@@ -431,13 +524,15 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
             param = prompt_param if exc.param in ("prompt", "messages") else exc.param
             raise APIError(400, str(exc), param=param, code=exc.code) from None
         except QueueFull as exc:
-            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(exc.retry_after)}) from None
+            raise APIError(
+                429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(exc.retry_after)}
+            ) from None
         except EngineStopped as exc:
             raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
 
     async def collect(request: Request, stream) -> tuple[Result, str]:
         """Wait for the whole answer; a client that hangs up meanwhile cancels its request."""
+
         async def tokens():
             async for _ in stream:
                 pass
@@ -454,7 +549,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
             raise APIError(500, str(exc), type="server_error") from None
         finally:
             watch.cancel()
-            if not task.done():   # the client hung up, or shutdown cancelled us: free the row
+            if not task.done():  # the client hung up, or shutdown cancelled us: free the row
                 engine.cancel(stream.request_id)
                 task.cancel()
         if result.finish_reason == "cancelled":
@@ -474,7 +569,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
                 if delta:
                     yield _sse(make_chunk(delta, None))
             result = stream.result
-            if result.finish_reason == "cancelled":   # the stream's last event says why it ends early
+            if result.finish_reason == "cancelled":  # the stream's last event says why it ends early
                 error = _cut_off(result)
                 yield _sse(error_body(error.message, error.type, code=error.code))
             else:
@@ -498,68 +593,69 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(engine.snapshot(), model_name),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render_metrics(engine.snapshot(), model_name), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "marslm",
-            "max_model_len": engine.max_context, "block_size": engine.trained_block_size}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "marslm",
+                    "max_model_len": engine.max_context,
+                    "block_size": engine.trained_block_size,
+                }
+            ],
+        }
+
+    async def complete(request: Request, api: _Endpoint):
+        """Both completion endpoints: parse, submit, then stream chunks or answer once."""
+        body = await json_body(request)
+        check_model(body)
+        params, stream_mode, include_usage = parse_sampling(body, chat=api.chat)
+        prompt_ids = await off_loop(api.prompt_ids, tokenizer, body, max_chars, engine.max_context)
+        stream = submit(prompt_ids, params, api.prompt_param)
+        rid, now = api.id_prefix + secrets.token_hex(12), int(time.time())
+
+        def chunk(text, finish_reason, usage=None, role=None):
+            out = {
+                "id": rid,
+                "object": api.chunk_object,
+                "created": now,
+                "model": model_name,
+                "choices": [] if usage is not None else [api.chunk_choice(text, finish_reason, role)],
+            }
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if stream_mode:
+            opening = (
+                chunk("", None, role="assistant") if api.chat else None
+            )  # OpenAI's first chat chunk names the role
+            return StreamingResponse(
+                events(stream, chunk, include_usage, params.stop, opening), media_type="text/event-stream"
+            )
+        result, text = await collect(request, stream)
+        return {
+            "id": rid,
+            "object": api.object,
+            "created": now,
+            "model": model_name,
+            "choices": [api.choice(text, result.finish_reason)],
+            "usage": _usage(result),
+        }
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
-        body = await json_body(request)
-        check_model(body)
-        params, stream_mode, include_usage = parse_sampling(body, chat=True)
-        prompt_ids = await off_loop(chat_prompt_ids, tokenizer, body, max_chars, engine.max_context)
-        stream = submit(prompt_ids, params, "messages")
-        rid, now = "chatcmpl-" + secrets.token_hex(12), int(time.time())
-
-        def chunk(text, finish_reason, usage=None, role=None):
-            choices = [] if usage is not None else [{
-                "index": 0, "delta": ({"role": role} if role else {}) | ({"content": text} if text else {}),
-                "logprobs": None, "finish_reason": finish_reason}]
-            out = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                   "choices": choices}
-            if usage is not None:
-                out["usage"] = usage
-            return out
-
-        if stream_mode:
-            opening = chunk("", None, role="assistant")   # OpenAI's first chunk names the role
-            return StreamingResponse(events(stream, chunk, include_usage, params.stop, opening),
-                                     media_type="text/event-stream")
-        result, text = await collect(request, stream)
-        return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": result.finish_reason}],
-                "usage": _usage(result)}
+        return await complete(request, CHAT)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        body = await json_body(request)
-        check_model(body)
-        params, stream_mode, include_usage = parse_sampling(body, chat=False)
-        prompt_ids = await off_loop(completion_prompt_ids, tokenizer, body, max_chars, engine.max_context)
-        stream = submit(prompt_ids, params, "prompt")
-        rid, now = "cmpl-" + secrets.token_hex(12), int(time.time())
-
-        def chunk(text, finish_reason, usage=None):
-            choices = [] if usage is not None else [{"index": 0, "text": text or "", "logprobs": None,
-                                                     "finish_reason": finish_reason}]
-            out = {"id": rid, "object": "text_completion", "created": now, "model": model_name, "choices": choices}
-            if usage is not None:
-                out["usage"] = usage
-            return out
-
-        if stream_mode:
-            return StreamingResponse(events(stream, chunk, include_usage, params.stop),
-                                     media_type="text/event-stream")
-        result, text = await collect(request, stream)
-        return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}],
-                "usage": _usage(result)}
+        return await complete(request, COMPLETION)
 
     # --- admin: the default tau and its policy, live (from the next step on, no restart)
     @app.post("/admin/tau", dependencies=auth)
@@ -578,10 +674,14 @@ def create_app(engine: Engine, *, api_key: str | None = None, served_model_name:
     @app.post("/admin/policy", dependencies=auth)
     async def admin_policy(request: Request):
         body = await json_body(request)
-        slo = _field(body, "slo_ms", "number") if "slo_ms" in body else "keep"   # null switches the SLO off
+        slo = _field(body, "slo_ms", "number") if "slo_ms" in body else "keep"  # null switches the SLO off
         try:
-            return engine.set_policy(_field(body, "policy", "str"), tau=_field(body, "tau", "number"),
-                                     floor=_field(body, "tau_floor", "number"), slo_ms=slo)
+            return engine.set_policy(
+                _field(body, "policy", "str"),
+                tau=_field(body, "tau", "number"),
+                floor=_field(body, "tau_floor", "number"),
+                slo_ms=slo,
+            )
         except UserError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -594,8 +694,12 @@ class ClientGone(Exception):
 
 def _too_large(limit: int) -> APIError:
     # Connection: close: the rest of the body is never read, so the connection cannot carry on.
-    return APIError(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
-                    code="request_too_large", headers={"Connection": "close"})
+    return APIError(
+        413,
+        f"the request body is larger than {limit} bytes (--max-request-bytes)",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
 
 
 def _client(request) -> str:
@@ -626,9 +730,10 @@ class _Guard:
         except asyncio.CancelledError:
             log.warning("%s %s cancelled by the shutdown", scope.get("method"), scope.get("path"))
             if not started:
-                await _send_json(send, 503, error_body("the server is shutting down", "server_error",
-                                                       code="shutting_down"))
-        except Exception:   # noqa: BLE001 - a bug: log it with its traceback, keep serving
+                await _send_json(
+                    send, 503, error_body("the server is shutting down", "server_error", code="shutting_down")
+                )
+        except Exception:  # noqa: BLE001 - a bug: log it with its traceback, keep serving
             log.exception("error answering %s %s", scope.get("method"), scope.get("path"))
             if not started:
                 await _send_json(send, 500, error_body("internal server error", "server_error"))
@@ -636,8 +741,13 @@ class _Guard:
 
 async def _send_json(send, status: int, body: dict) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -655,10 +765,7 @@ async def _disconnected(request) -> None:
 
 
 # --------------------------------------------------------------------------------------- serve
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          dtype: str = "auto", device: str | None = "auto", served_model_name: str | None = None,
-          shutdown_timeout: float = 30.0, log_level: str = "info", limits: ServerLimits = ServerLimits(),
-          **engine_kwargs) -> None:
+def serve(model: str, config: ServeConfig | None = None) -> None:
     """Load ``model``, bind ``host:port`` (0: any free port) and serve until SIGINT/SIGTERM.
 
     SIGTERM: stop accepting connections, let in-flight requests finish for up to
@@ -667,20 +774,17 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     """
     import uvicorn
 
-    limits.validate()
-    logging.getLogger("marslm").setLevel(log_level.upper())   # disconnects and timeouts are info lines
-    if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
-        raise UserError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {shutdown_timeout}")
-    sock = _bind(host, port)   # before the slow model load: a taken port fails at once
+    config = (config or ServeConfig()).validate()
+    shutdown_timeout = config.shutdown_timeout
+    logging.getLogger("marslm").setLevel(config.log_level.upper())  # disconnects and timeouts are info lines
+    sock = _bind(config.host, config.port)  # before the slow model load: a taken port fails at once
     try:
-        engine = Engine.from_pretrained(model, dtype=dtype, device=device, model_name=served_model_name,
-                                        **engine_kwargs)
+        engine = Engine.from_pretrained(model, config)
     except BaseException:
         sock.close()
         raise
     sock.listen(2048)
-    app = create_app(engine, api_key=api_key, served_model_name=served_model_name,
-                     shutdown_timeout=shutdown_timeout, limits=limits)
+    app = create_app(engine, config)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
@@ -693,16 +797,25 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
                 await drain
 
     # uvicorn's own deadline (it then cancels handlers outright) is only a safety net behind the engine's.
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                            http=_protocol(limits), timeout_keep_alive=limits.keep_alive_timeout,
-                            timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 10)
-    server = Server(config)
+    server = Server(
+        uvicorn.Config(
+            app,
+            log_level=config.log_level,
+            access_log=False,
+            lifespan="on",
+            http=_protocol(config),
+            timeout_keep_alive=config.keep_alive_timeout,
+            timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 10,
+        )
+    )
     bound_host, bound_port = sock.getsockname()[:2]
-    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        log.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
-    print(f"marslm serve: {engine.model_name} listening on http://{_url_host(bound_host)}:{bound_port} "
-          f"(max batch {engine.max_batch}, tau {engine.controller.tau}, policy {engine.controller.policy})",
-          flush=True)
+    if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach it can use it", config.host)
+    print(
+        f"marslm serve: {engine.model_name} listening on http://{_url_host(bound_host)}:{bound_port} "
+        f"(max batch {engine.max_batch}, tau {engine.controller.tau}, policy {engine.controller.policy})",
+        flush=True,
+    )
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with the
     # default SIGTERM action that would kill the process (status -15) after a clean shutdown.
     previous = None
@@ -717,15 +830,16 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
             signal.signal(signal.SIGTERM, previous)
 
 
-def _protocol(limits: ServerLimits):
+def _protocol(limits: ServeConfig):
     """uvicorn's h11 protocol with two guards for slow or many clients: a deadline for every
     request's line and headers (uvicorn has none: a client sending half a request held its socket
     for good), and a cap on open connections."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    too_many = json.dumps(error_body("too many open connections; retry later", "server_error",
-                                     code="too_many_connections")).encode()
+    too_many = json.dumps(
+        error_body("too many open connections; retry later", "server_error", code="too_many_connections")
+    ).encode()
 
     class Protocol(H11Protocol):
         def connection_made(self, transport):
@@ -733,8 +847,10 @@ def _protocol(limits: ServerLimits):
             super().connection_made(transport)
             if len(self.connections) > limits.max_connections:
                 log.warning("refusing a connection: %d are open already (--max-connections)", limits.max_connections)
-                transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(too_many), too_many))
+                transport.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(too_many), too_many)
+                )
                 transport.close()
                 return
             self._await_head()
@@ -759,8 +875,9 @@ def _protocol(limits: ServerLimits):
             # response) began. A request being read or answered is the body deadline's business.
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 host, port = self.client or ("?", 0)
-                log.info("client %s:%s sent no complete request head within %g s: closing", host, port,
-                         limits.header_timeout)
+                log.info(
+                    "client %s:%s sent no complete request head within %g s: closing", host, port, limits.header_timeout
+                )
                 self.transport.close()
 
     return Protocol

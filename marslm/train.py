@@ -18,7 +18,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -28,85 +28,145 @@ from .chat import encode_conversation, end_of_turn_id, stop_token_ids
 from .config import LR_SCHEDULES, MASK_TOKEN, MASKED_WEIGHTINGS, NORMALIZATIONS, STAGES, MarsConfig
 from .data import check_mix, load_conversations
 from .errors import UserError
-from .modeling import (check_model_source, check_tokenizer, count_parameters, ensure_mask_token,
-                       freeze_for_training, loading_errors)
+from .modeling import (
+    check_model_source,
+    check_tokenizer,
+    count_parameters,
+    ensure_mask_token,
+    freeze_for_training,
+    loading_errors,
+)
 from .objective import ar_loss, collate, collate_packed, mars_loss, normalizer
+from .settings import flag_of, setting
 
 log = logging.getLogger("marslm.train")
 
 
+def _family_weights(text: str) -> dict[str, float]:
+    """``"format=2,lists=3"`` -> ``{"format": 2.0, "lists": 3.0}``; the family names are checked later."""
+    weights = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        try:
+            weights[name.strip()] = float(value)
+        except ValueError:  # also a part with no '=': float("") fails
+            raise UserError(f"--data-mix: expected FAMILY=WEIGHT pairs such as lists=2, got {part!r}") from None
+    return weights
+
+
 @dataclass
 class TrainConfig:
-    stage: str
-    model: str
-    data: str
-    output: str
-    block_size: int = 4
-    ar_weight: float = 1.0
-    epochs: float = 3.0
-    max_steps: int = -1
-    learning_rate: float = 2e-5
-    lr_schedule: str = "cosine"
-    warmup_ratio: float = 0.03
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0          # gradient clipping; 0 turns it off
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_length: int = 1024
-    seed: int = 0
-    bf16: bool = False
-    overwrite: bool = False
-    resume: bool = True
-    save_steps: int = 500
-    logging_steps: int = 10
-    data_n: int | None = None          # examples to draw from a generated source such as 'toy'
-    data_seed: int = 0
-    packing: bool = False              # several sequences per row: same loss, no padding FLOPs
-    data_mix: dict | None = None       # toy family weights, e.g. {"lists": 2}; None = balanced
-    loss_normalization: str = "sequence"   # "sequence" (the reference's) or "token"
-    masked_weighting: str = "uniform"      # "inverse-t": the reference's w/o-SFT weighting of the masked stream
-    train_layers: int | None = None    # train only the top N decoder layers (embeddings frozen too)
-    freeze_embeddings: bool = False    # keep the embedding matrix (and a tied lm_head) fixed
-    progress: bool = True
-    extra: dict = field(default_factory=dict)
+    """One training stage; the ``marslm train`` options are these fields (settings.py)."""
+
+    stage: str = setting(help="ar: next-token SFT; mars: the MARS objective", choices=STAGES)
+    model: str = setting(help="hub id or local HF model directory to start from")
+    data: str = setting(help="chat JSONL ({\"messages\": [...]} per line; loss on assistant turns) or 'toy'")
+    output: str = setting(help="directory for the finished checkpoint", aliases=("-o",))
+    block_size: int = setting(4, "MARS block size B")
+    ar_weight: float = setting(1.0, "weight of the clean-stream (SFT) loss; 0 is the paper's ablation")
+    epochs: float = setting(3.0, "training epochs")
+    max_steps: int = setting(-1, "stop after this many optimizer steps (-1: run the epochs)")
+    learning_rate: float = setting(2e-5, "peak learning rate", aliases=("--lr",))
+    lr_schedule: str = setting("cosine", "learning-rate schedule after the warmup", choices=LR_SCHEDULES)
+    warmup_ratio: float = setting(0.03, "warmup share of the steps")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    max_grad_norm: float = setting(1.0, "gradient clipping norm; 0 turns clipping off")
+    batch_size: int = setting(8, "per-device batch size")
+    grad_accum: int = setting(1, "gradient accumulation steps")
+    max_length: int = setting(1024, "truncate longer sequences (with a warning)")
+    seed: int = setting(0, "training seed")
+    bf16: bool = setting(
+        False, "bf16 mixed precision (GPU; on a CPU, autocast: fast where the CPU has AMX or AVX-512 BF16)"
+    )
+    overwrite: bool = setting(False, "replace an output directory that holds something")
+    resume: bool = setting(True, "ignore checkpoints left by an interrupted run (default: resume from them)")
+    save_steps: int = setting(500, "checkpoint every N steps (for resuming)")
+    logging_steps: int = setting(10, "log the losses every N steps")
+    data_n: int | None = setting(None, "examples to draw from a generated source (toy)")
+    data_seed: int = setting(0, "seed of a generated source's examples")
+    packing: bool = setting(
+        False,
+        "pack several sequences into each row (position ids restart, attention stays "
+        "inside each one): the same loss as padded batches without computing the padding",
+    )
+    data_mix: dict | None = setting(
+        None,
+        "toy only: relative share of task families in the training mixture, 1 "
+        "unless given (e.g. lists=2 draws twice as many list items as each other "
+        "family)",
+        metavar="FAMILY=W[,FAMILY=W]",
+        parse=_family_weights,
+    )
+    loss_normalization: str = setting(
+        "sequence",
+        "sequence (the reference's): average each sequence's token "
+        "losses, then the sequences; token: average over every target "
+        "token of the batch",
+        choices=NORMALIZATIONS,
+    )
+    masked_weighting: str = setting(
+        "uniform",
+        "uniform, or inverse-t: weight each sequence's masked-stream loss "
+        "by 1/t, t ~ U(0.001, 1), as the reference does for its 'w/o SFT "
+        "loss' ablation (--ar-weight 0)",
+        choices=MASKED_WEIGHTINGS,
+    )
+    train_layers: int | None = setting(
+        None,
+        "train only the top N decoder layers and the final norm; the "
+        "embeddings and every lower layer stay fixed, so the backward pass "
+        "stops at the lowest trained layer",
+        metavar="N",
+    )
+    freeze_embeddings: bool = setting(
+        False, "keep the embedding matrix fixed (with tied embeddings, the output projection too)"
+    )
+    progress: bool = setting(True, "no progress bar", negative="--quiet")
+    extra: dict = setting({}, cli=False)
 
     def validate(self) -> None:
         """Every setting checked before anything is loaded or written (the CLI relies on it)."""
+
+        def flag(name):
+            return flag_of(TrainConfig, name)
+
         if self.stage not in STAGES:
             raise UserError(f"stage must be one of {STAGES}, got {self.stage!r}")
-        _check_range("--lr", self.learning_rate, low=0, low_open=True)
-        _check_range("--ar-weight", self.ar_weight, low=0)
-        _check_range("--warmup-ratio", self.warmup_ratio, low=0, high=1, high_open=True)
-        _check_range("--weight-decay", self.weight_decay, low=0)
-        _check_range("--epochs", self.epochs)
-        _check_range("--max-grad-norm", self.max_grad_norm, low=0)
-        for flag, value in (("--block-size", self.block_size), ("--batch-size", self.batch_size),
-                            ("--grad-accum", self.grad_accum), ("--save-steps", self.save_steps),
-                            ("--logging-steps", self.logging_steps), ("--data-n", self.data_n)):
+        _check_range(flag("learning_rate"), self.learning_rate, low=0, low_open=True)
+        _check_range(flag("ar_weight"), self.ar_weight, low=0)
+        _check_range(flag("warmup_ratio"), self.warmup_ratio, low=0, high=1, high_open=True)
+        _check_range(flag("weight_decay"), self.weight_decay, low=0)
+        _check_range(flag("epochs"), self.epochs)
+        _check_range(flag("max_grad_norm"), self.max_grad_norm, low=0)
+        for name in ("block_size", "batch_size", "grad_accum", "save_steps", "logging_steps", "data_n", "train_layers"):
+            value = getattr(self, name)
             if value is not None and value < 1:
-                raise UserError(f"{flag} must be >= 1, got {value}")
-        if self.loss_normalization not in NORMALIZATIONS:
-            raise UserError(f"--loss-normalization must be one of {', '.join(NORMALIZATIONS)}, "
-                            f"got {self.loss_normalization!r}")
-        if self.masked_weighting not in MASKED_WEIGHTINGS:
-            raise UserError(f"--masked-weighting must be one of {', '.join(MASKED_WEIGHTINGS)}, "
-                            f"got {self.masked_weighting!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise UserError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+                raise UserError(f"{flag(name)} must be >= 1, got {value}")
+        for name, allowed in (
+            ("loss_normalization", NORMALIZATIONS),
+            ("masked_weighting", MASKED_WEIGHTINGS),
+            ("lr_schedule", LR_SCHEDULES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.max_length < 2:
-            raise UserError(f"--max-length must be >= 2, got {self.max_length}")
+            raise UserError(f"{flag('max_length')} must be >= 2, got {self.max_length}")
         check_mix(self.data, self.data_mix)
-        if self.train_layers is not None and self.train_layers < 1:
-            raise UserError(f"--train-layers must be >= 1, got {self.train_layers}")
         if self.epochs <= 0 and self.max_steps <= 0:
-            raise UserError("give a positive --epochs or --max-steps")
+            raise UserError(f"give a positive {flag('epochs')} or {flag('max_steps')}")
         out = Path(self.output)
         if out.exists() and (not out.is_dir() or any(out.iterdir())) and not self.overwrite:
             raise UserError(f"output directory {out} already holds something; pass --overwrite to replace it")
 
 
-def _check_range(flag: str, value: float, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, high_open: bool = False) -> None:
+def _check_range(
+    flag: str,
+    value: float,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
     """A finite number within [low, high] (an open end excludes the bound)."""
     if not math.isfinite(value):
         raise UserError(f"{flag} must be a finite number, got {value}")
@@ -154,7 +214,7 @@ class CrashSafeCheckpoints:
     def _save_checkpoint(self, model, trial):
         require_finite_parameters(self.model, self.state.global_step)
         super()._save_checkpoint(model, trial)
-        self.accelerator.wait_for_everyone()       # every rank's shards are written
+        self.accelerator.wait_for_everyone()  # every rank's shards are written
         if self.args.should_save:
             mark_checkpoint_complete(Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}")
 
@@ -170,8 +230,11 @@ def require_finite_parameters(model, step: int) -> None:
 
 
 def mark_checkpoint_complete(directory: Path) -> None:
-    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
-             if p.is_file() and p.name != CHECKPOINT_MARKER}
+    files = {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != CHECKPOINT_MARKER
+    }
     tmp = directory / (CHECKPOINT_MARKER + ".tmp")
     tmp.write_text(json.dumps({"files": files}, indent=1))
     os.replace(tmp, directory / CHECKPOINT_MARKER)
@@ -233,7 +296,7 @@ class MarsTrainer:
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 self._sums: dict[str, float] = {}
-                self._window_start = 0   # the global step the per-term sums started at
+                self._window_start = 0  # the global step the per-term sums started at
 
             def get_batch_samples(self, epoch_iterator, num_batches, device):
                 batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -247,8 +310,13 @@ class MarsTrainer:
                 if not self._sums:
                     self._window_start = self.state.global_step
                 packing = {k: inputs[k] for k in ("position_ids", "segment_ids") if k in inputs}
-                terms = loss_fn(model, inputs["input_ids"], inputs["labels"], **packing,
-                                denominator=None if num_items_in_batch is None else float(num_items_in_batch))
+                terms = loss_fn(
+                    model,
+                    inputs["input_ids"],
+                    inputs["labels"],
+                    **packing,
+                    denominator=None if num_items_in_batch is None else float(num_items_in_batch),
+                )
                 for key, value in terms.items():
                     if key != "loss":
                         self._sums[key] = self._sums.get(key, 0.0) + float(value)
@@ -268,8 +336,14 @@ class MarsTrainer:
                     self._sums = {}
                 super().log(logs, *a, **kw)
 
-        return _Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                        processing_class=tokenizer, callbacks=list(callbacks))
+        return _Trainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            data_collator=collator,
+            processing_class=tokenizer,
+            callbacks=list(callbacks),
+        )
 
 
 def encode_dataset(tokenizer, conversations, max_length: int, stop_ids):
@@ -279,7 +353,7 @@ def encode_dataset(tokenizer, conversations, max_length: int, stop_ids):
         enc = encode_conversation(tokenizer, messages, max_length=max_length, stop_ids=stop_ids)
         truncated += enc.truncated
         if all(label < 0 for label in enc.labels[1:]):
-            dropped += 1          # truncation left no target to learn
+            dropped += 1  # truncation left no target to learn
             continue
         examples.append({"input_ids": enc.input_ids, "labels": enc.labels})
     if not examples:
@@ -302,24 +376,33 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     if model is None:
         with loading_errors(cfg.model):
             tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32,
-                                                         attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="sdpa")
         check_tokenizer(tokenizer, cfg.model)
     parameters_before = count_parameters(model)
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
-    eos_id = end_of_turn_id(tokenizer, stop_ids)   # what block padding repeats (objective.pad_to_block)
+    eos_id = end_of_turn_id(tokenizer, stop_ids)  # what block padding repeats (objective.pad_to_block)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
 
     examples, truncated, dropped = encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids)
     if truncated:
-        log.warning("%d of %d conversations were longer than --max-length %d and were truncated",
-                    truncated, len(conversations), cfg.max_length)
+        log.warning(
+            "%d of %d conversations were longer than --max-length %d and were truncated",
+            truncated,
+            len(conversations),
+            cfg.max_length,
+        )
 
     collate_fn = collate_packed if cfg.packing else collate
     if cfg.stage == "mars":
         mask_id = ensure_mask_token(model, tokenizer)
-        loss_fn = partial(mars_loss, block_size=cfg.block_size, mask_token_id=mask_id, ar_weight=cfg.ar_weight,
-                          normalization=cfg.loss_normalization, masked_weighting=cfg.masked_weighting)
+        loss_fn = partial(
+            mars_loss,
+            block_size=cfg.block_size,
+            mask_token_id=mask_id,
+            ar_weight=cfg.ar_weight,
+            normalization=cfg.loss_normalization,
+            masked_weighting=cfg.masked_weighting,
+        )
         collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
         block_size = cfg.block_size
     else:
@@ -329,8 +412,12 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         block_size = 1
     split = freeze_for_training(model, cfg.train_layers, cfg.freeze_embeddings)
     if split["frozen"]:
-        log.warning("training %s of %s parameters (%s)", f"{split['trainable']:,}", f"{count_parameters(model):,}",
-                    f"top {cfg.train_layers} layers" if cfg.train_layers else "embeddings frozen")
+        log.warning(
+            "training %s of %s parameters (%s)",
+            f"{split['trainable']:,}",
+            f"{count_parameters(model):,}",
+            f"top {cfg.train_layers} layers" if cfg.train_layers else "embeddings frozen",
+        )
 
     partial_dir = Path(str(Path(cfg.output)) + ".partial")
     args = TrainingArguments(
@@ -359,26 +446,40 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
-    trainer = MarsTrainer.build(model, tokenizer, examples, args, loss_fn, collator, cfg.loss_normalization,
-                                callbacks)
+    trainer = MarsTrainer.build(model, tokenizer, examples, args, loss_fn, collator, cfg.loss_normalization, callbacks)
     resume_from = resume_point(partial_dir, cfg.resume) if trainer.is_world_process_zero() else None
-    trainer.accelerator.wait_for_everyone()   # rank 0 has cleaned up before any rank looks
+    trainer.accelerator.wait_for_everyone()  # rank 0 has cleaned up before any rank looks
     if not trainer.is_world_process_zero():
-        resume_from = resume_point(partial_dir, True)   # read-only now: nothing incomplete is left
+        resume_from = resume_point(partial_dir, True)  # read-only now: nothing incomplete is left
     if resume_from is not None:
         log.warning("resuming from %s", resume_from)
     steps = _train_from(trainer, resume_from)
 
-    summary = TrainSummary(stage=cfg.stage, output=cfg.output, examples=len(examples), truncated=truncated,
-                           dropped=dropped, steps=steps, final_loss=_last_loss(trainer),
-                           seconds=round(time.time() - started, 1), parameters=count_parameters(model),
-                           loss_normalization=cfg.loss_normalization, masked_weighting=cfg.masked_weighting)
+    summary = TrainSummary(
+        stage=cfg.stage,
+        output=cfg.output,
+        examples=len(examples),
+        truncated=truncated,
+        dropped=dropped,
+        steps=steps,
+        final_loss=_last_loss(trainer),
+        seconds=round(time.time() - started, 1),
+        parameters=count_parameters(model),
+        loss_normalization=cfg.loss_normalization,
+        masked_weighting=cfg.masked_weighting,
+    )
     if cfg.stage == "mars" and summary.parameters != parameters_before:
-        log.warning("the mask token needed a new embedding row: %d -> %d parameters",
-                    parameters_before, summary.parameters)
-    mars_config = MarsConfig(stage=cfg.stage, block_size=block_size, mask_token_id=mask_id,
-                             ar_weight=cfg.ar_weight if cfg.stage == "mars" else 1.0,
-                             base_model=cfg.model, extra={"train": asdict(summary), **cfg.extra})
+        log.warning(
+            "the mask token needed a new embedding row: %d -> %d parameters", parameters_before, summary.parameters
+        )
+    mars_config = MarsConfig(
+        stage=cfg.stage,
+        block_size=block_size,
+        mask_token_id=mask_id,
+        ar_weight=cfg.ar_weight if cfg.stage == "mars" else 1.0,
+        base_model=cfg.model,
+        extra={"train": asdict(summary), **cfg.extra},
+    )
     _save_atomically(trainer, mars_config, Path(cfg.output), partial_dir, overwrite=cfg.overwrite)
     return summary
 
@@ -411,7 +512,7 @@ def _save_atomically(trainer, mars_config: MarsConfig, output: Path, partial_dir
     """Write the final model next to ``output`` and rename it into place (process 0 only)."""
     staging = partial_dir / "final"
     require_finite_parameters(trainer.model, trainer.state.global_step)
-    trainer.save_model(str(staging))          # gathers sharded (FSDP/DeepSpeed) weights
+    trainer.save_model(str(staging))  # gathers sharded (FSDP/DeepSpeed) weights
     if not trainer.is_world_process_zero():
         return
     trainer.model.generation_config.save_pretrained(str(staging))

@@ -45,8 +45,14 @@ def test_distill_writes_greedy_answers_and_resumes(trained_dirs, tmp_path):
 
     # each answer is the model's greedy answer (the oracle: marslm.generate at tau 1 on its own)
     records = read_answers(out)
-    greedy = marslm.generate(model, tokenizer, [p.messages for p in prompts], tau=1.0, max_new_tokens=24,
-                             mask_token_id=tokenizer.eos_token_id)
+    greedy = marslm.generate(
+        model,
+        tokenizer,
+        [p.messages for p in prompts],
+        tau=1.0,
+        max_new_tokens=24,
+        mask_token_id=tokenizer.eos_token_id,
+    )
     for prompt, ids in zip(prompts, greedy.token_ids):
         record = records[prompt.id]
         assert record["answer_ids"] == ids
@@ -63,12 +69,28 @@ def test_distill_writes_greedy_answers_and_resumes(trained_dirs, tmp_path):
 
 def test_distill_cli_and_bad_prompt_specs(trained_dirs, tmp_path, capsys):
     out = tmp_path / "d.jsonl"
-    assert main(["distill", "--model", str(trained_dirs["dir"] / "ar"), "--output", str(out), "--prompts", "toy:2",
-                 "--max-new-tokens", "8", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                "--model",
+                str(trained_dirs["dir"] / "ar"),
+                "--output",
+                str(out),
+                "--prompts",
+                "toy:2",
+                "--max-new-tokens",
+                "8",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert "2 of 2 prompts answered" in capsys.readouterr().out
     for spec in ("toy:x", "toy:0", "nonsense", ","):
-        assert main(["distill", "--model", str(trained_dirs["dir"] / "ar"), "--output", str(out),
-                     "--prompts", spec]) == 2
+        assert (
+            main(["distill", "--model", str(trained_dirs["dir"] / "ar"), "--output", str(out), "--prompts", spec]) == 2
+        )
         err = capsys.readouterr().err
         assert err.startswith("marslm distill: error: --prompts") and err.count("\n") == 1
 

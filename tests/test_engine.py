@@ -13,7 +13,10 @@ from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
 from marslm.engine import Engine, InvalidRequest, QueueFull, SamplingParams, TauController
+from marslm.errors import UserError
+from marslm.serve_config import ServeConfig
 from tests.trained import TRAIN_N, find_long_prompt
+
 
 @pytest.fixture(scope="module")
 def mars64(trained_checkpoints):
@@ -27,7 +30,7 @@ def long_prompt(mars64):
 
 def make_engine(mars64, **kwargs) -> Engine:
     model, tokenizer = mars64
-    engine = Engine(model, tokenizer, **kwargs)
+    engine = Engine(model, tokenizer, ServeConfig(**kwargs))
     engine.start()
     return engine
 
@@ -40,29 +43,43 @@ async def _drain(stream):
 def test_engine_equals_generate_with_staggered_arrivals(mars64):
     model, tokenizer = mars64
     examples = toy.make_split("train", TRAIN_N, seed=0)[:12]
-    settings = [dict(tau=[1.0, 0.9, 0.7][i % 3], max_tokens=[16, 40][i % 2],
-                     block_size=[None, 2, 3, 4][i % 4], mode="lossless" if i % 5 == 4 else "threshold")
-                for i in range(len(examples))]
-    engine = make_engine(mars64, max_batch=3)   # 12 requests through 3 rows: joins and leaves mid-run
+    settings = [
+        dict(
+            tau=[1.0, 0.9, 0.7][i % 3],
+            max_tokens=[16, 40][i % 2],
+            block_size=[None, 2, 3, 4][i % 4],
+            mode="lossless" if i % 5 == 4 else "threshold",
+        )
+        for i in range(len(examples))
+    ]
+    engine = make_engine(mars64, max_batch=3)  # 12 requests through 3 rows: joins and leaves mid-run
     try:
+
         async def main():
             tasks = []
             for ex, s in zip(examples, settings):
                 stream = engine.submit(encode_prompt(tokenizer, ex.messages), SamplingParams(**s))
                 tasks.append(asyncio.ensure_future(_drain(stream)))
-                await asyncio.sleep(0.003)   # arrivals spread over the run
+                await asyncio.sleep(0.003)  # arrivals spread over the run
             return await asyncio.gather(*tasks)
 
         outcomes = asyncio.run(main())
     finally:
         engine.stop()
     for ex, s, (chunks, result) in zip(examples, settings, outcomes):
-        ref = generate(model, tokenizer, [ex.messages], tau=s["tau"], max_new_tokens=s["max_tokens"],
-                       block_size=s["block_size"], mode=s["mode"])
+        ref = generate(
+            model,
+            tokenizer,
+            [ex.messages],
+            tau=s["tau"],
+            max_new_tokens=s["max_tokens"],
+            block_size=s["block_size"],
+            mode=s["mode"],
+        )
         assert result.token_ids == ref.token_ids[0], s
         assert result.forwards == ref.forwards[0], s
         assert abs(result.tokens_per_forward - ref.tokens_per_forward) < 1e-9
-        assert [t for c in chunks for t in c] == result.token_ids   # streamed pieces add up
+        assert [t for c in chunks for t in c] == result.token_ids  # streamed pieces add up
         assert result.finish_reason in ("stop", "length")
     snap = engine.snapshot()
     assert snap["requests"]["finished"] == len(examples) and snap["active_batch"] == 0
@@ -73,20 +90,21 @@ def test_default_tau_changes_live_only_for_rows_that_follow_it(mars64, long_prom
     prompt = encode_prompt(tokenizer, long_prompt, apply_chat_template=False)
     engine = make_engine(mars64, max_batch=4, tau=0.95)
     try:
+
         async def main():
             follows = engine.submit(prompt, SamplingParams(max_tokens=300))
             own = engine.submit(prompt, SamplingParams(max_tokens=300, tau=0.9))
             it_follows, it_own = follows.__aiter__(), own.__aiter__()
-            await it_follows.__anext__()   # both rows are running now
+            await it_follows.__anext__()  # both rows are running now
             await it_own.__anext__()
-            engine.set_default_tau(0.85)   # takes effect at the next step, no restart
+            engine.set_default_tau(0.85)  # takes effect at the next step, no restart
             later = engine.submit(prompt, SamplingParams(max_tokens=4))
             return [await _drain(s) for s in (follows, own, later)]
 
         (_, follows), (_, own), (_, later) = asyncio.run(main())
     finally:
         engine.stop()
-    assert follows.tau == 0.85   # it was running when the default changed, and followed it
+    assert follows.tau == 0.85  # it was running when the default changed, and followed it
     assert own.tau == 0.9
     assert later.tau == 0.85
     assert engine.snapshot()["tau"]["changes"]["down"] == 1
@@ -97,6 +115,7 @@ def test_cancel_frees_the_row_before_the_next_step(mars64, long_prompt):
     prompt = encode_prompt(tokenizer, long_prompt, apply_chat_template=False)
     engine = make_engine(mars64, max_batch=2)
     try:
+
         async def main():
             stream = engine.submit(prompt, SamplingParams(max_tokens=300, tau=1.0))
             first = await stream.__aiter__().__anext__()
@@ -120,12 +139,12 @@ def test_full_queue_refuses_and_stop_cancels_what_is_left(mars64, long_prompt):
 
     async def main():
         running = engine.submit(prompt, SamplingParams(max_tokens=300, tau=1.0))
-        await running.__aiter__().__anext__()   # it holds the one row now
-        streams = [running, engine.submit(prompt, SamplingParams(max_tokens=300, tau=1.0))]   # queued
+        await running.__aiter__().__anext__()  # it holds the one row now
+        streams = [running, engine.submit(prompt, SamplingParams(max_tokens=300, tau=1.0))]  # queued
         with pytest.raises(QueueFull) as refused:
             engine.submit(prompt, SamplingParams(max_tokens=300, tau=1.0))
         assert refused.value.retry_after >= 1
-        await asyncio.to_thread(engine.stop, 0.05)   # shutdown: no patience, cancel the rest
+        await asyncio.to_thread(engine.stop, 0.05)  # shutdown: no patience, cancel the rest
         return [await _drain(s) for s in streams]
 
     outcomes = asyncio.run(main())
@@ -136,14 +155,22 @@ def test_full_queue_refuses_and_stop_cancels_what_is_left(mars64, long_prompt):
 
 def test_validation(mars64):
     model, tokenizer = mars64
-    engine = Engine(model, tokenizer, default_max_tokens=256, max_tokens_limit=512)   # not started
+    engine = Engine(model, tokenizer, ServeConfig(max_tokens=256, max_tokens_limit=512))  # not started
     ids = [5] * 10
-    bad = [(SamplingParams(tau=1.5), "tau"), (SamplingParams(tau=0.0), "tau"),
-           (SamplingParams(tau=-1.0, metric="entropy"), "tau"), (SamplingParams(metric="entropy"), "tau"),
-           (SamplingParams(metric="nope"), "metric"), (SamplingParams(block_size=5), "block_size"),
-           (SamplingParams(block_size=0), "block_size"), (SamplingParams(mode="fast"), "mode"),
-           (SamplingParams(mode="lossless", block_size=1), "block_size"), (SamplingParams(max_tokens=0), "max_tokens"),
-           (SamplingParams(max_tokens=513), "max_tokens"), (SamplingParams(temperature=-1.0), "temperature")]
+    bad = [
+        (SamplingParams(tau=1.5), "tau"),
+        (SamplingParams(tau=0.0), "tau"),
+        (SamplingParams(tau=-1.0, metric="entropy"), "tau"),
+        (SamplingParams(metric="entropy"), "tau"),
+        (SamplingParams(metric="nope"), "metric"),
+        (SamplingParams(block_size=5), "block_size"),
+        (SamplingParams(block_size=0), "block_size"),
+        (SamplingParams(mode="fast"), "mode"),
+        (SamplingParams(mode="lossless", block_size=1), "block_size"),
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(max_tokens=513), "max_tokens"),
+        (SamplingParams(temperature=-1.0), "temperature"),
+    ]
     for params, field in bad:
         with pytest.raises(InvalidRequest) as err:
             engine.validate(ids, params)
@@ -160,43 +187,43 @@ def test_validation(mars64):
 
 
 def test_tau_controller_fixed_and_adaptive():
-    fixed = TauController(tau=0.95, policy="fixed", floor=0.8, max_batch=8)
-    assert fixed.observe(0.0, 100, 5.0) == 0.95   # fixed ignores load
+    fixed = TauController(tau=0.95, policy="fixed", floor=0.8, slo_ms=None, max_batch=8)
+    assert fixed.observe(0.0, 100, 5.0) == 0.95  # fixed ignores load
 
-    c = TauController(tau=0.95, policy="adaptive", floor=0.8, max_batch=8, recover_per_s=0.1)
+    c = TauController(tau=0.95, policy="adaptive", floor=0.8, slo_ms=None, max_batch=8, recover_per_s=0.1)
     assert c.observe(0.0, 0, 5.0) == 0.95
-    assert c.observe(0.1, 2, 5.0) == 0.91                   # a quarter batch waiting: a quarter down
-    assert c.observe(0.2, 40, 5.0) == 0.8                   # saturated: the floor, at once
-    assert c.observe(0.3, 0, None) == 0.81                  # load gone: climbs back slowly ...
-    for t in range(31, 81):                                 # ... in many short turns ...
+    assert c.observe(0.1, 2, 5.0) == 0.91  # a quarter batch waiting: a quarter down
+    assert c.observe(0.2, 40, 5.0) == 0.8  # saturated: the floor, at once
+    assert c.observe(0.3, 0, None) == 0.81  # load gone: climbs back slowly ...
+    for t in range(31, 81):  # ... in many short turns ...
         c.observe(t / 100, 0, 2.0)
-    assert c.tau == 0.86                                    # ... 0.1 per second
-    assert c.observe(5.0, 0, None) == 0.95                  # ... up to the ceiling, not beyond
+    assert c.tau == 0.86  # ... 0.1 per second
+    assert c.observe(5.0, 0, None) == 0.95  # ... up to the ceiling, not beyond
     changes = c.state()["changes"]
     assert changes["down"] == 2 and changes["up"] >= 3
 
     slo = TauController(tau=0.95, policy="adaptive", floor=0.8, slo_ms=100, max_batch=8)
-    assert slo.observe(0.0, 0, 90.0) == 0.95                # under the SLO: no pressure
-    assert slo.observe(0.1, 0, 400.0) < 0.95                # steps over the SLO: tau falls
+    assert slo.observe(0.0, 0, 90.0) == 0.95  # under the SLO: no pressure
+    assert slo.observe(0.1, 0, 400.0) < 0.95  # steps over the SLO: tau falls
 
-    c.configure(tau=0.9)                                    # admin: a new default is the ceiling
+    c.configure(tau=0.9)  # admin: a new default is the ceiling
     assert c.state()["tau"] == 0.9 and c.ceiling == 0.9
     for bad in [dict(policy="sometimes"), dict(tau=1.5), dict(floor=0.99), dict(slo_ms=-5)]:
-        with pytest.raises(Exception):
+        with pytest.raises(UserError):
             c.configure(**bad)
-    assert c.state()["tau"] == 0.9   # a refused change leaves the state alone
+    assert c.state()["tau"] == 0.9  # a refused change leaves the state alone
 
 
 def test_tau_controller_honours_exact_bounds_and_refuses_non_finite():
     from marslm.errors import UserError
 
-    controller = TauController(tau=0.004, floor=0.004)
-    assert controller.tau == 0.004                          # not rounded to 0.0
+    controller = TauController(tau=0.004, policy="fixed", floor=0.004, slo_ms=None, max_batch=8)
+    assert controller.tau == 0.004  # not rounded to 0.0
     controller.configure(policy="adaptive", tau=0.123456, floor=0.1)
-    assert controller.observe(0.0, 0, None) == 0.123456      # no load: exactly the ceiling
-    assert controller.observe(1.0, 100, None) == 0.1        # full pressure: exactly the floor
+    assert controller.observe(0.0, 0, None) == 0.123456  # no load: exactly the ceiling
+    assert controller.observe(1.0, 100, None) == 0.1  # full pressure: exactly the floor
     before = controller.state()
     for bad in (float("inf"), float("nan"), -1.0):
         with pytest.raises(UserError):
             controller.configure(slo_ms=bad)
-    assert controller.state() == before                     # nothing applied
+    assert controller.state() == before  # nothing applied

@@ -46,7 +46,11 @@ def test_plan_cells():
     assert [(c["tau"], c["block_size"]) for c in ar] == [(1.0, 1)]
     mars = plan_cells("mars", 4, block_sizes=None, mode="threshold", **common)
     assert [(c["block_size"], c["metric"], c["tau"]) for c in mars] == [
-        (4, "prob", 1.0), (4, "prob", 0.9), (4, "entropy", 0.0), (4, "entropy", 0.5)]
+        (4, "prob", 1.0),
+        (4, "prob", 0.9),
+        (4, "entropy", 0.0),
+        (4, "entropy", 0.5),
+    ]
     assert [is_one_token(c) for c in mars] == [True, False, True, False]
     lossless = plan_cells("mars", 4, block_sizes=[2, 4], mode="lossless", **common)
     assert [(c["block_size"], c["mode"]) for c in lossless] == [(2, "lossless"), (4, "lossless")]
@@ -63,14 +67,26 @@ def test_sweep_grid_resume_and_shape(trained_dirs, tmp_path, decode_calls):
     assert ar_report["stage"] == "ar" and [c["tau"] for c in ar_report["results"]] == [1.0]
     assert mars_report["stage"] == "mars" and len(mars_report["results"]) == 8
     for cell in ar_report["results"] + mars_report["results"]:
-        assert {"accuracy", "n", "tokens_per_forward", "forwards_per_answer", "tokens_per_second", "seconds",
-                "families", "tau", "metric", "block_size", "cache", "mode"} <= set(cell)
+        assert {
+            "accuracy",
+            "n",
+            "tokens_per_forward",
+            "forwards_per_answer",
+            "tokens_per_second",
+            "seconds",
+            "families",
+            "tau",
+            "metric",
+            "block_size",
+            "cache",
+            "mode",
+        } <= set(cell)
         assert cell["n"] == 6 and "failed" not in cell
     # One-token cells (prob tau=1, entropy tau=0) are decoded once per model and shared.
     one_token = [c for c in mars_report["results"] if is_one_token(c)]
     assert len(one_token) == 4 and sum("shared_with" in c for c in one_token) == 3
     assert len({json.dumps(c["families"], sort_keys=True) for c in one_token}) == 1
-    assert len(decode_calls) == 1 + 1 + 4                  # AR, MARS one-token, MARS 4 others
+    assert len(decode_calls) == 1 + 1 + 4  # AR, MARS one-token, MARS 4 others
 
     # The same sweep again decodes nothing.
     decode_calls.clear()
@@ -80,8 +96,11 @@ def test_sweep_grid_resume_and_shape(trained_dirs, tmp_path, decode_calls):
 
     # A lost cell is the only one redone; a new tau adds one cell per metric using it.
     saved = json.loads(path.read_text())
-    saved["models"][1]["results"] = [c for c in saved["models"][1]["results"]
-                                     if not (c["block_size"] == 4 and c["metric"] == "prob" and c["tau"] == 0.9)]
+    saved["models"][1]["results"] = [
+        c
+        for c in saved["models"][1]["results"]
+        if not (c["block_size"] == 4 and c["metric"] == "prob" and c["tau"] == 0.9)
+    ]
     path.write_text(json.dumps(saved))
     sweep([ar, mars], "toy", json_path=path, **grid, **SMALL)
     assert decode_calls == [{"tau": 0.9, "metric": "prob", "block_size": 4}]
@@ -96,7 +115,7 @@ def test_sweep_grid_resume_and_shape(trained_dirs, tmp_path, decode_calls):
 def test_failed_cell_is_recorded_and_retried(trained_dirs, tmp_path, monkeypatch, decode_calls):
     mars = str(trained_dirs["dir"] / "mars")
     path = tmp_path / "sweep.json"
-    real = generation.generate                              # the counting decoder of `decode_calls`
+    real = generation.generate  # the counting decoder of `decode_calls`
 
     def out_of_memory_at_low_tau(*args, **kwargs):
         if kwargs["tau"] == 0.5:
@@ -106,10 +125,10 @@ def test_failed_cell_is_recorded_and_retried(trained_dirs, tmp_path, monkeypatch
     monkeypatch.setattr(generation, "generate", out_of_memory_at_low_tau)
     grid = dict(taus=[1.0, 0.5, 0.9], metrics=["prob"], block_sizes=[4])
     payload = sweep([mars], "toy", json_path=path, **grid, **SMALL)
-    cells = payload["results"]                              # one model: the plain eval-report shape
+    cells = payload["results"]  # one model: the plain eval-report shape
     assert payload["model"] == mars and [c["tau"] for c in cells] == [1.0, 0.5, 0.9]
     assert cells[1]["failed"] == "RuntimeError: CUDA out of memory. Tried to allocate 20.00 GiB"
-    assert "accuracy" not in cells[1] and "accuracy" in cells[2]     # the sweep went on
+    assert "accuracy" not in cells[1] and "accuracy" in cells[2]  # the sweep went on
     assert "failed: RuntimeError" in format_table({"mars": payload})
 
     monkeypatch.setattr(generation, "generate", real)  # the memory is back: a rerun retries the cell
@@ -121,37 +140,77 @@ def test_failed_cell_is_recorded_and_retried(trained_dirs, tmp_path, monkeypatch
 
 def test_eval_cli_single_model_shape_and_markdown(trained_dirs, tmp_path):
     mars = trained_dirs["dir"] / "mars"
-    rc, out, _ = run_cli("eval", "--model", mars, "--n", 4, "--tau", "1,0.9", "--max-new-tokens", 16,
-                         "--json", tmp_path / "r.json", "--markdown", tmp_path / "r.md", "--quiet")
+    rc, out, _ = run_cli(
+        "eval",
+        "--model",
+        mars,
+        "--n",
+        4,
+        "--tau",
+        "1,0.9",
+        "--max-new-tokens",
+        16,
+        "--json",
+        tmp_path / "r.json",
+        "--markdown",
+        tmp_path / "r.md",
+        "--quiet",
+    )
     assert rc == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["model"] == str(mars) and report["data"] == "toy" and len(report["results"]) == 2
     assert "| model | tau | accuracy |" in out
     markdown = (tmp_path / "r.md").read_text()
     assert markdown.startswith("# marslm evaluation") and "| model | tau | accuracy |" in markdown
-    assert not list(tmp_path.glob(".*.tmp"))                      # atomic writes leave no temp files
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temp files
 
 
 def test_eval_cli_several_models_and_metrics(trained_dirs, tmp_path):
     root = trained_dirs["dir"]
-    rc, out, _ = run_cli("eval", "--model", f"{root / 'ar'},{root / 'mars'}", "--n", 3, "--tau", "1,0.9",
-                         "--metric", "prob,margin,entropy", "--entropy-tau", "0,0.5", "--block-size", "3",
-                         "--max-new-tokens", 12, "--json", tmp_path / "r.json", "--quiet")
+    rc, out, _ = run_cli(
+        "eval",
+        "--model",
+        f"{root / 'ar'},{root / 'mars'}",
+        "--n",
+        3,
+        "--tau",
+        "1,0.9",
+        "--metric",
+        "prob,margin,entropy",
+        "--entropy-tau",
+        "0,0.5",
+        "--block-size",
+        "3",
+        "--max-new-tokens",
+        12,
+        "--json",
+        tmp_path / "r.json",
+        "--quiet",
+    )
     assert rc == 0
     reports = model_reports(json.loads((tmp_path / "r.json").read_text()))
     assert [len(r["results"]) for r in reports] == [1, 6]
     assert {(c["metric"], c["tau"]) for c in reports[1]["results"]} == {
-        ("prob", 1.0), ("prob", 0.9), ("margin", 1.0), ("margin", 0.9), ("entropy", 0.0), ("entropy", 0.5)}
+        ("prob", 1.0),
+        ("prob", 0.9),
+        ("margin", 1.0),
+        ("margin", 0.9),
+        ("entropy", 0.0),
+        ("entropy", 0.5),
+    }
     assert "| model | B | metric | tau |" in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "/no/such/model"], "model not found: /no/such/model"),
-    (["--metric", "prob,vibes"], "unknown metric 'vibes'"),
-    (["--tau", "1.5"], "tau for the prob metric must be in (0, 1]"),
-    (["--entropy-tau", "-1", "--metric", "entropy"], "must be >= 0"),
-    (["--data", "gsm8k:/no/such.jsonl"], "data file not found"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model"], "model not found: /no/such/model"),
+        (["--metric", "prob,vibes"], "unknown metric 'vibes'"),
+        (["--tau", "1.5"], "tau for the prob metric must be in (0, 1]"),
+        (["--entropy-tau", "-1", "--metric", "entropy"], "must be >= 0"),
+        (["--data", "gsm8k:/no/such.jsonl"], "data file not found"),
+    ],
+)
 def test_eval_cli_bad_input(trained_dirs, args, message):
     if "--model" not in args:
         args = ["--model", trained_dirs["dir"] / "mars", *args]
@@ -183,7 +242,7 @@ def test_paired_bootstrap_interval():
     low, high = paired_bootstrap(a, b, seed=1)
     diff = 100 * (sum(a) - sum(b)) / 500
     assert low < diff < high
-    assert 7.0 < high - low < 13.0   # 1.96 x 2 x sqrt((.16 + .17) / 500) = 10 points
-    assert paired_bootstrap(a, b, seed=1) == (low, high)   # seeded
+    assert 7.0 < high - low < 13.0  # 1.96 x 2 x sqrt((.16 + .17) / 500) = 10 points
+    assert paired_bootstrap(a, b, seed=1) == (low, high)  # seeded
     with pytest.raises(ValueError):
         paired_bootstrap([1], [1, 0])

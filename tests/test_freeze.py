@@ -11,12 +11,11 @@ import copy
 import pytest
 import torch
 
-from conftest import chat_conversations
-
 from marslm.chat import encode_conversation, stop_token_ids
 from marslm.errors import UserError
 from marslm.modeling import count_parameters, ensure_mask_token, freeze_for_training
 from marslm.objective import collate, mars_loss
+from tests.helpers import chat_conversations
 
 
 def _mars_batch(model, tokenizer):
@@ -36,15 +35,20 @@ def test_train_layers_stops_the_backward_at_the_lowest_trained_layer(make_tiny_m
     layers = model.get_decoder().layers
     split = freeze_for_training(model, train_layers=1)
     assert split["trainable"] + split["frozen"] == count_parameters(model)
-    assert split["trainable"] == sum(p.numel() for p in layers[-1].parameters()) + \
-        sum(p.numel() for p in model.get_decoder().norm.parameters())
+    assert split["trainable"] == sum(p.numel() for p in layers[-1].parameters()) + sum(
+        p.numel() for p in model.get_decoder().norm.parameters()
+    )
 
     seen = {}
-    layers[-1].register_forward_pre_hook(lambda module, args, kwargs: seen.update(
-        needs_grad=(args[0] if args else kwargs["hidden_states"]).requires_grad), with_kwargs=True)
+    layers[-1].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.update(
+            needs_grad=(args[0] if args else kwargs["hidden_states"]).requires_grad
+        ),
+        with_kwargs=True,
+    )
     batch = _mars_batch(model, tiny_tokenizer)
     mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=mask_id)["loss"].backward()
-    assert seen["needs_grad"] is False          # nothing below the top layer is in the graph
+    assert seen["needs_grad"] is False  # nothing below the top layer is in the graph
     assert all(p.grad is not None for p in layers[-1].parameters())
     assert all(p.grad is None for layer in layers[:-1] for p in layer.parameters())
     assert model.get_input_embeddings().weight.grad is None
@@ -54,7 +58,7 @@ def test_freeze_embeddings_keeps_every_layer_trainable(make_tiny_model):
     model = make_tiny_model()
     split = freeze_for_training(model, freeze_embeddings=True)
     assert not model.get_input_embeddings().weight.requires_grad
-    assert not model.get_output_embeddings().weight.requires_grad     # tied: the same matrix
+    assert not model.get_output_embeddings().weight.requires_grad  # tied: the same matrix
     assert all(p.requires_grad for layer in model.get_decoder().layers for p in layer.parameters())
     assert split["frozen"] == model.get_input_embeddings().weight.numel()
 
@@ -67,7 +71,7 @@ def test_train_layers_out_of_range_is_a_user_error(make_tiny_model):
 
 def test_a_grown_mask_row_is_the_mean_embedding_and_never_the_greedy_choice(make_tiny_model, tiny_tokenizer):
     tokenizer = copy.deepcopy(tiny_tokenizer)
-    model = make_tiny_model(vocab_size=len(tokenizer))          # no spare row
+    model = make_tiny_model(vocab_size=len(tokenizer))  # no spare row
     mask_id = ensure_mask_token(model, tokenizer, mask_token="<|other_mask|>")
     weight = model.get_input_embeddings().weight
     assert mask_id == weight.shape[0] - 1 == len(tiny_tokenizer)

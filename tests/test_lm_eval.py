@@ -1,6 +1,7 @@
 """The lm-evaluation-harness adapter: in-process checks of each request type, and one end-to-end
-``python -m marslm.lm_eval_adapter`` run (a subprocess, offline) on the committed toy-suite task,
-whose accuracy and tokens/forward must equal ``evaluate()`` on the same items.
+``python -m marslm.lm_eval_adapter`` run (a subprocess, offline) on the packaged toy-suite task,
+exactly as the README writes it (no data file, no --include_path), whose accuracy and
+tokens/forward must equal ``evaluate()`` on the same items.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from marslm.chat import encode_prompt  # noqa: E402
 from marslm.data import toy  # noqa: E402
 from marslm.evaluate import EvalSet, evaluate  # noqa: E402
 from marslm.lm_eval_adapter import MarsLM  # noqa: E402
-from marslm.lm_eval_tasks import TASKS_DIR  # noqa: E402
-from marslm.lm_eval_tasks.toy_suite import write_data  # noqa: E402
 from tests.trained import TRAIN_N  # noqa: E402
 
 N_ITEMS = 16
@@ -36,8 +35,9 @@ def request(kind: str, args: tuple, idx: int = 0) -> Instance:
 
 @pytest.fixture(scope="module")
 def lm(trained_dirs) -> MarsLM:
-    return get_model("marslm")(pretrained=str(trained_dirs["dir"] / "mars"), tau=0.9, block_size=4,
-                               batch_size=4, device="cpu")
+    return get_model("marslm")(
+        pretrained=str(trained_dirs["dir"] / "mars"), tau=0.9, block_size=4, batch_size=4, device="cpu"
+    )
 
 
 def test_registered_and_chat_template(lm):
@@ -68,10 +68,12 @@ def test_loglikelihood_is_the_plain_ar_forward(lm):
 def test_generate_until_cuts_at_stop_strings(lm):
     prompt = toy.make_split("train", TRAIN_N, seed=0)[0].messages
     context = lm.apply_chat_template(prompt)
-    free, cut = lm.generate_until([
-        request("generate_until", (context, {"until": ["<|im_end|>"], "max_gen_toks": 64}), 0),
-        request("generate_until", (context, {"until": ["\n"], "max_gen_toks": 64}), 1),
-    ])
+    free, cut = lm.generate_until(
+        [
+            request("generate_until", (context, {"until": ["<|im_end|>"], "max_gen_toks": 64}), 0),
+            request("generate_until", (context, {"until": ["\n"], "max_gen_toks": 64}), 1),
+        ]
+    )
     assert "\n" in free and cut == free.split("\n")[0]
     info = lm.get_model_info()["marslm"]
     assert info["answers"] == 2 and info["tokens_per_forward"] >= 1 and info["tau"] == 0.9
@@ -79,17 +81,45 @@ def test_generate_until_cuts_at_stop_strings(lm):
 
 def test_lm_eval_cli_matches_evaluate(trained_dirs, tmp_path):
     mars = trained_dirs["dir"] / "mars"
-    examples = toy.make_split("train", TRAIN_N, seed=0)[:N_ITEMS]      # memorised: accuracy well above 0
-    write_data(tmp_path, examples=examples)
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               HF_DATASETS_CACHE=str(tmp_path / "hf-datasets"), TOKENIZERS_PARALLELISM="false")
+    examples = toy.make_split("train", N_ITEMS, seed=0)  # memorised: accuracy well above 0
+    env = dict(
+        os.environ,
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        HF_DATASETS_CACHE=str(tmp_path / "hf-datasets"),
+        TOKENIZERS_PARALLELISM="false",
+    )
     model_args = f"pretrained={mars},tau={SETTINGS['tau']},block_size={SETTINGS['block_size']},cache=cursor"
     run = subprocess.run(
-        [sys.executable, "-m", "marslm.lm_eval_adapter", "--model", "marslm", "--model_args", model_args,
-         "--tasks", "marslm_toy", "--include_path", str(TASKS_DIR), "--apply_chat_template",
-         "--gen_kwargs", f"max_gen_toks={SETTINGS['max_new_tokens']}", "--batch_size", str(N_ITEMS),
-         "--device", "cpu", "--output_path", str(tmp_path / "out")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "marslm.lm_eval_adapter",
+            "--model",
+            "marslm",
+            "--model_args",
+            model_args,
+            "--tasks",
+            "marslm_toy",
+            "--metadata",
+            json.dumps({"split": "train", "n": N_ITEMS, "seed": 0}),
+            "--apply_chat_template",
+            "--gen_kwargs",
+            f"max_gen_toks={SETTINGS['max_new_tokens']}",
+            "--batch_size",
+            str(N_ITEMS),
+            "--device",
+            "cpu",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     [results_file] = (tmp_path / "out").rglob("results_*.json")
     results = json.loads(results_file.read_text())
@@ -99,9 +129,16 @@ def test_lm_eval_cli_matches_evaluate(trained_dirs, tmp_path):
     from marslm.modeling import load_model
 
     model, tokenizer, _ = load_model(str(mars))
-    reference = evaluate(model, tokenizer, EvalSet("toy-train", examples, toy.score_many), taus=(SETTINGS["tau"],),
-                         block_size=SETTINGS["block_size"], max_new_tokens=SETTINGS["max_new_tokens"],
-                         batch_size=N_ITEMS, progress=False)["results"][0]
+    reference = evaluate(
+        model,
+        tokenizer,
+        EvalSet("toy-train", examples, toy.score_many),
+        taus=(SETTINGS["tau"],),
+        block_size=SETTINGS["block_size"],
+        max_new_tokens=SETTINGS["max_new_tokens"],
+        batch_size=N_ITEMS,
+        progress=False,
+    )["results"][0]
     assert accuracy == pytest.approx(reference["accuracy"]) and reference["accuracy"] > 0.25
     assert stats["tokens_per_forward"] == pytest.approx(reference["tokens_per_forward"])
     assert stats["answers"] == N_ITEMS and stats["block_size"] == SETTINGS["block_size"]

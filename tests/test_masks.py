@@ -10,8 +10,7 @@ import torch
 
 from marslm.chat import IGNORE
 from marslm.errors import UserError
-from marslm.masks import (decode_step_mask, for_attention, packed_causal_mask, packed_two_stream_mask,
-                          two_stream_mask)
+from marslm.masks import decode_step_mask, for_attention, packed_causal_mask, packed_two_stream_mask, two_stream_mask
 from marslm.objective import two_stream_batch
 
 MASK_ID = 3
@@ -26,13 +25,13 @@ def brute_force_mask(L: int, B: int) -> torch.Tensor:
             pi, pj = i % L, j % L
             bi, bj = pi // B, pj // B
             if not i_noisy and not j_noisy:
-                ok = pj <= pi                       # clean -> clean: causal
+                ok = pj <= pi  # clean -> clean: causal
             elif i_noisy and j_noisy:
-                ok = bj == bi and pj <= pi          # noisy -> noisy: causal inside the block
+                ok = bj == bi and pj <= pi  # noisy -> noisy: causal inside the block
             elif i_noisy and not j_noisy:
-                ok = bj < bi                        # noisy -> clean: every earlier block
+                ok = bj < bi  # noisy -> clean: every earlier block
             else:
-                ok = False                          # clean -> noisy: never
+                ok = False  # clean -> noisy: never
             allowed[i][j] = ok
     return torch.tensor(allowed, dtype=torch.bool)
 
@@ -63,7 +62,7 @@ def test_two_stream_mask_spot_checks():
 
 @pytest.mark.parametrize("B", [1, 2, 4])
 def test_packed_two_stream_mask_is_each_sequence_s_own_mask(B):
-    lengths = (8, 4, 3)                                   # two sequences and a padding tail (segment -1)
+    lengths = (8, 4, 3)  # two sequences and a padding tail (segment -1)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
     segment_ids = torch.tensor([0] * 8 + [1] * 4 + [-1] * 3)[None]
     T = sum(lengths)
@@ -73,18 +72,20 @@ def test_packed_two_stream_mask_is_each_sequence_s_own_mask(B):
     starts = (0, 8, 12)
     expected = torch.zeros(2 * T, 2 * T, dtype=torch.bool)
     for start, n in zip(starts, lengths):
-        own = two_stream_mask(n, B)                        # [clean ; noisy] of this sequence alone
+        own = two_stream_mask(n, B)  # [clean ; noisy] of this sequence alone
         rows_cols = torch.cat([torch.arange(start, start + n), T + torch.arange(start, start + n)])
         expected[rows_cols[:, None], rows_cols[None, :]] = own
     assert torch.equal(mask[0, 0], expected)
-    assert mask[0, 0].any(dim=-1).all()                    # no query row is left with nothing to attend
+    assert mask[0, 0].any(dim=-1).all()  # no query row is left with nothing to attend
 
 
 def test_packed_causal_mask_keeps_sequences_apart():
     segment_ids = torch.tensor([[0, 0, 1, 1, 1, -1]])
     mask = packed_causal_mask(segment_ids)[0, 0]
     clean_only = torch.zeros_like(segment_ids, dtype=torch.bool)
-    assert torch.equal(mask, packed_two_stream_mask(torch.tensor([[0, 1, 0, 1, 2, 0]]), segment_ids, clean_only, 1)[0, 0])
+    assert torch.equal(
+        mask, packed_two_stream_mask(torch.tensor([[0, 1, 0, 1, 2, 0]]), segment_ids, clean_only, 1)[0, 0]
+    )
     assert mask.tolist()[3] == [False, False, True, True, False, False]
 
 
@@ -100,7 +101,7 @@ def test_two_stream_batch_with_arbitrary_boundaries(B):
     input_ids = torch.randint(4, 200, (batch, L))
     labels = torch.full((batch, L), IGNORE)
     boundaries = [1, 2, rng.randint(3, L - 2), L - 1, L - 3]
-    ends = [L, L, L, L, L - 1]                         # the last row is right-padded
+    ends = [L, L, L, L, L - 1]  # the last row is right-padded
     for row, (start, end) in enumerate(zip(boundaries, ends)):
         labels[row, start:end] = input_ids[row, start:end]
 
@@ -114,18 +115,18 @@ def test_two_stream_batch_with_arbitrary_boundaries(B):
         first = (start - 1) // B * B
         columns = tsb.noisy_columns[row][tsb.noisy_columns[row] >= 0]
         assert columns.tolist() == list(range(first, end))
-        noisy = tsb.input_ids[row, L:L + len(columns)]
-        assert torch.equal(noisy[:start - first], input_ids[row, first:start])      # prompt stays
-        assert (noisy[start - first:] == MASK_ID).all()                             # response masked
-        assert torch.equal(tsb.noisy_labels[row, :len(columns)], labels[row, columns])
-        assert (tsb.noisy_labels[row, len(columns):] == IGNORE).all()
+        noisy = tsb.input_ids[row, L : L + len(columns)]
+        assert torch.equal(noisy[: start - first], input_ids[row, first:start])  # prompt stays
+        assert (noisy[start - first :] == MASK_ID).all()  # response masked
+        assert torch.equal(tsb.noisy_labels[row, : len(columns)], labels[row, columns])
+        assert (tsb.noisy_labels[row, len(columns) :] == IGNORE).all()
         assert torch.equal(tsb.position_ids[row, :L], torch.arange(L))
-        assert torch.equal(tsb.position_ids[row, L:L + len(columns)], columns)
+        assert torch.equal(tsb.position_ids[row, L : L + len(columns)], columns)
         # over the columns it keeps, the mask is the spec's two-stream mask
         kept = torch.cat([torch.arange(L), L + columns])
         z = torch.cat([torch.arange(L), L + torch.arange(len(columns))])
         assert torch.equal(tsb.attention_mask[row, 0][z[:, None], z[None, :]], reference[kept[:, None], kept[None, :]])
-        assert tsb.attention_mask[row, 0].any(dim=-1).all()                         # no query without a key
+        assert tsb.attention_mask[row, 0].any(dim=-1).all()  # no query without a key
 
 
 # ------------------------------------------------------------------ decode_step_mask
@@ -140,11 +141,14 @@ def bools(rows):
 
 def threshold_step_mask(slot_valid, pending_valid, n_masks, group_valid=None):
     batch = pending_valid.shape[0]
-    return decode_step_mask(slot_valid, pending_valid,
-                            draft_valid=torch.zeros(batch, 0, dtype=torch.bool),
-                            group_sees=torch.zeros(batch, 1, dtype=torch.long),
-                            group_valid=torch.ones(batch, 1, dtype=torch.bool) if group_valid is None else group_valid,
-                            n_masks=n_masks)
+    return decode_step_mask(
+        slot_valid,
+        pending_valid,
+        draft_valid=torch.zeros(batch, 0, dtype=torch.bool),
+        group_sees=torch.zeros(batch, 1, dtype=torch.long),
+        group_valid=torch.ones(batch, 1, dtype=torch.bool) if group_valid is None else group_valid,
+        n_masks=n_masks,
+    )
 
 
 def test_decode_step_mask_empty_cache_is_causal():
@@ -155,21 +159,27 @@ def test_decode_step_mask_empty_cache_is_causal():
 
 
 def test_decode_step_mask_holes_and_padding():
-    slot_valid = bools([[1, 0, 1, 1],      # a hole at cached slot 1 (ragged acceptance)
-                    [0, 0, 1, 0]])
-    pending_valid = bools([[1, 1],
-                       [1, 0]])        # row 1 has one pending token and a padding column
+    slot_valid = bools(
+        [
+            [1, 0, 1, 1],  # a hole at cached slot 1 (ragged acceptance)
+            [0, 0, 1, 0],
+        ]
+    )
+    pending_valid = bools([[1, 1], [1, 0]])  # row 1 has one pending token and a padding column
     mask = threshold_step_mask(slot_valid, pending_valid, n_masks=2)
     assert mask.shape == (2, 1, 4, 4 + 4)
     #                 cached      pending  masks
-    row0 = bools([[1, 0, 1, 1,   1, 0,   0, 0],
-              [1, 0, 1, 1,   1, 1,   0, 0],
-              [1, 0, 1, 1,   1, 1,   1, 0],
-              [1, 0, 1, 1,   1, 1,   1, 1]])
-    row1 = bools([[0, 0, 1, 0,   1, 0,   0, 0],
-              [0, 0, 1, 0,   1, 1,   0, 0],    # the padding query sees itself only extra (no NaN)
-              [0, 0, 1, 0,   1, 0,   1, 0],    # masks skip the padding column
-              [0, 0, 1, 0,   1, 0,   1, 1]])
+    row0 = bools(
+        [[1, 0, 1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 1, 1, 1, 0], [1, 0, 1, 1, 1, 1, 1, 1]]
+    )
+    row1 = bools(
+        [
+            [0, 0, 1, 0, 1, 0, 0, 0],
+            [0, 0, 1, 0, 1, 1, 0, 0],  # the padding query sees itself only extra (no NaN)
+            [0, 0, 1, 0, 1, 0, 1, 0],  # masks skip the padding column
+            [0, 0, 1, 0, 1, 0, 1, 1],
+        ]
+    )
     assert torch.equal(mask[0, 0], row0)
     assert torch.equal(mask[1, 0], row1)
 
@@ -189,19 +199,29 @@ def test_decode_step_mask_every_query_sees_itself():
 def test_decode_step_mask_draft_groups():
     # one pending token, K=2 drafts, K+1=3 groups of 2 masks; group g sees the first g drafts
     slot_valid = bools([[1, 1]])
-    mask = decode_step_mask(slot_valid, bools([[1]]), draft_valid=bools([[1, 1]]),
-                            group_sees=torch.tensor([[0, 1, 2]]), group_valid=bools([[1, 1, 1]]), n_masks=2)
+    mask = decode_step_mask(
+        slot_valid,
+        bools([[1]]),
+        draft_valid=bools([[1, 1]]),
+        group_sees=torch.tensor([[0, 1, 2]]),
+        group_valid=bools([[1, 1, 1]]),
+        n_masks=2,
+    )
     assert mask.shape == (1, 1, 9, 2 + 9)
     #               cache  p  d0 d1  g0    g1    g2
-    want = bools([[1, 1,  1, 0, 0,  0, 0, 0, 0, 0, 0],   # pending
-              [1, 1,  1, 1, 0,  0, 0, 0, 0, 0, 0],   # draft 0
-              [1, 1,  1, 1, 1,  0, 0, 0, 0, 0, 0],   # draft 1
-              [1, 1,  1, 0, 0,  1, 0, 0, 0, 0, 0],   # group 0, mask 0
-              [1, 1,  1, 0, 0,  1, 1, 0, 0, 0, 0],   # group 0, mask 1
-              [1, 1,  1, 1, 0,  0, 0, 1, 0, 0, 0],   # group 1 sees draft 0
-              [1, 1,  1, 1, 0,  0, 0, 1, 1, 0, 0],
-              [1, 1,  1, 1, 1,  0, 0, 0, 0, 1, 0],   # group 2 sees both drafts
-              [1, 1,  1, 1, 1,  0, 0, 0, 0, 1, 1]])
+    want = bools(
+        [
+            [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],  # pending
+            [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0],  # draft 0
+            [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0],  # draft 1
+            [1, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0],  # group 0, mask 0
+            [1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0],  # group 0, mask 1
+            [1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0],  # group 1 sees draft 0
+            [1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 0],  # group 2 sees both drafts
+            [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
+        ]
+    )
     assert torch.equal(mask[0, 0], want)
 
 

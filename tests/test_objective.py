@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import chat_conversations
 from marslm.chat import IGNORE, encode_conversation
 from marslm.masks import for_attention, two_stream_mask
 from marslm.objective import ar_loss, collate, collate_packed, mars_loss, pad_to_block, two_stream_batch
+from tests.helpers import chat_conversations
 
 MASK_ID = 3
 EOS_ID = 2
@@ -32,12 +32,19 @@ def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0, normalizat
     captured = {}
 
     def hook(module, args, kwargs, output):
-        captured["logits"] = output.logits          # returns None: the output is left as is
+        captured["logits"] = output.logits  # returns None: the output is left as is
 
     handle = model.register_forward_hook(hook, with_kwargs=True)
     try:
-        terms = mars_loss(model, input_ids, labels, block_size=block_size, mask_token_id=MASK_ID,
-                          ar_weight=ar_weight, normalization=normalization)
+        terms = mars_loss(
+            model,
+            input_ids,
+            labels,
+            block_size=block_size,
+            mask_token_id=MASK_ID,
+            ar_weight=ar_weight,
+            normalization=normalization,
+        )
     finally:
         handle.remove()
     L = input_ids.shape[1]
@@ -59,8 +66,11 @@ def manual_ce(logits, labels, normalization="token", row_weights=None):
     """
     rows = []
     for row in range(labels.shape[0]):
-        losses = [F.cross_entropy(logits[row, t - 1].float()[None], labels[row, t][None])
-                  for t in range(1, labels.shape[1]) if labels[row, t] != IGNORE]
+        losses = [
+            F.cross_entropy(logits[row, t - 1].float()[None], labels[row, t][None])
+            for t in range(1, labels.shape[1])
+            if labels[row, t] != IGNORE
+        ]
         weight = 1.0 if row_weights is None else row_weights[row]
         rows.append([weight * loss for loss in losses])
     if normalization == "token":
@@ -73,8 +83,7 @@ def manual_ce(logits, labels, normalization="token", row_weights=None):
 
 @pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen2", "eager"), ("llama", "sdpa")])
 @pytest.mark.parametrize("block_size", [3, 4])
-def test_no_leakage_from_clean_block_to_its_own_noisy_outputs(tiny_tokenizer, make_tiny_model, arch, attn,
-                                                               block_size):
+def test_no_leakage_from_clean_block_to_its_own_noisy_outputs(tiny_tokenizer, make_tiny_model, arch, attn, block_size):
     model = make_tiny_model(arch, attn)
     batch = batch_of(tiny_tokenizer, n=1, block_size=block_size)
     ids, labels = batch["input_ids"], batch["labels"]
@@ -96,11 +105,13 @@ def test_no_leakage_from_clean_block_to_its_own_noisy_outputs(tiny_tokenizer, ma
         assert not torch.equal(changed, ids)
         _, _, noisy = mars_forward(model, changed, labels, block_size)
         upto = (k + 1) * block_size
-        assert torch.allclose(noisy[:, :upto], noisy_ref[:, :upto], atol=1e-6, rtol=0), \
+        assert torch.allclose(noisy[:, :upto], noisy_ref[:, :upto], atol=1e-6, rtol=0), (
             f"clean block {k} leaked into noisy blocks <= {k}"
+        )
         nxt = slice(upto, upto + block_size)
-        assert not torch.allclose(noisy[:, nxt], noisy_ref[:, nxt], atol=1e-4, rtol=0), \
+        assert not torch.allclose(noisy[:, nxt], noisy_ref[:, nxt], atol=1e-4, rtol=0), (
             f"noisy block {k + 1} does not see clean block {k}"
+        )
         checked += 1
     assert checked >= 3
 
@@ -113,7 +124,7 @@ def test_noisy_response_tokens_do_not_matter(tiny_tokenizer, make_tiny_model):
     # changing the LAST block's clean response tokens can change nothing in the noisy stream
     L = ids.shape[1]
     last = torch.zeros_like(ids, dtype=torch.bool)
-    last[:, L - 4:] = True
+    last[:, L - 4 :] = True
     changed = torch.where(last & (labels != IGNORE), torch.full_like(ids, 7), ids)
     assert not torch.equal(changed, ids)
     _, _, noisy_ref = mars_forward(model, ids, labels, 4)
@@ -155,8 +166,9 @@ def test_eager_with_a_boolean_mask_would_be_wrong(tiny_tokenizer, make_tiny_mode
     tsb = two_stream_batch(batch["input_ids"], batch["labels"], 4, MASK_ID)
     _, _, noisy_ok = mars_forward(eager, batch["input_ids"], batch["labels"], 4)
     with torch.no_grad():
-        wrong = eager(input_ids=tsb.input_ids, position_ids=tsb.position_ids,
-                      attention_mask=tsb.attention_mask.float()).logits
+        wrong = eager(
+            input_ids=tsb.input_ids, position_ids=tsb.position_ids, attention_mask=tsb.attention_mask.float()
+        ).logits
     L = batch["input_ids"].shape[1]
     kept = tsb.noisy_columns[0]
     assert not torch.allclose(wrong[0, L:], noisy_ok[0, kept], atol=1e-3)
@@ -170,7 +182,7 @@ def test_loss_terms(tiny_tokenizer, make_tiny_model, normalization):
     model = make_tiny_model()
     batch = batch_of(tiny_tokenizer, n=3, seed=2)
     ids, labels = batch["input_ids"], batch["labels"]
-    assert len(set((labels != IGNORE).sum(dim=1).tolist())) > 1   # the two normalisations differ here
+    assert len(set((labels != IGNORE).sum(dim=1).tolist())) > 1  # the two normalisations differ here
     with torch.no_grad():
         t0, clean, noisy = mars_forward(model, ids, labels, 4, ar_weight=0.0, normalization=normalization)
         t_half, _, _ = mars_forward(model, ids, labels, 4, ar_weight=0.5, normalization=normalization)
@@ -204,8 +216,9 @@ def test_inverse_t_weighting_of_the_masked_stream(tiny_tokenizer, make_tiny_mode
     t = T_MIN + (1 - T_MIN) * torch.rand(3)
     torch.manual_seed(11)
     with torch.no_grad():
-        terms = mars_loss(model, ids, labels, block_size=4, mask_token_id=MASK_ID, ar_weight=0.0,
-                          masked_weighting="inverse-t")
+        terms = mars_loss(
+            model, ids, labels, block_size=4, mask_token_id=MASK_ID, ar_weight=0.0, masked_weighting="inverse-t"
+        )
         _, clean, noisy = mars_forward(model, ids, labels, 4, normalization="sequence")
     expected = manual_ce(noisy, labels, "sequence", row_weights=(1 / t).tolist())
     assert torch.isclose(terms["loss"], expected, rtol=1e-5)
@@ -217,28 +230,30 @@ def literal_mars_loss(model, input_ids, labels, block_size, ar_weight=1.0, norma
     L = input_ids.shape[1]
     noisy_ids = torch.where(labels != IGNORE, MASK_ID, input_ids)
     mask = for_attention(two_stream_mask(L, block_size)[None, None], model)
-    logits = model(input_ids=torch.cat([input_ids, noisy_ids], dim=1),
-                   position_ids=torch.arange(L).repeat(2)[None].expand(len(input_ids), -1),
-                   attention_mask=mask).logits
-    return (manual_ce(logits[:, L:], labels, normalization)
-            + ar_weight * manual_ce(logits[:, :L], labels, normalization))
+    logits = model(
+        input_ids=torch.cat([input_ids, noisy_ids], dim=1),
+        position_ids=torch.arange(L).repeat(2)[None].expand(len(input_ids), -1),
+        attention_mask=mask,
+    ).logits
+    return manual_ce(logits[:, L:], labels, normalization) + ar_weight * manual_ce(logits[:, :L], labels, normalization)
 
 
 @pytest.mark.parametrize("normalization", ["token", "sequence"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("block_size", [1, 3, 4])
-def test_batch_without_unneeded_noisy_copies_gives_the_literal_loss_and_gradients(tiny_tokenizer, make_tiny_model,
-                                                                                   attn, block_size, normalization):
+def test_batch_without_unneeded_noisy_copies_gives_the_literal_loss_and_gradients(
+    tiny_tokenizer, make_tiny_model, attn, block_size, normalization
+):
     from marslm.data import toy
 
     examples = []
-    for example in toy.make_split("train", 6):    # prompts of different lengths
+    for example in toy.make_split("train", 6):  # prompts of different lengths
         enc = encode_conversation(tiny_tokenizer, toy.to_chat_record(example)["messages"])
         examples.append({"input_ids": enc.input_ids, "labels": enc.labels})
     batch = collate(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
     ids, labels = batch["input_ids"], batch["labels"]
     tsb = two_stream_batch(ids, labels, block_size, MASK_ID)
-    assert tsb.input_ids.shape[1] < 1.8 * ids.shape[1]        # it did leave columns out
+    assert tsb.input_ids.shape[1] < 1.8 * ids.shape[1]  # it did leave columns out
 
     def loss_and_grads(loss_fn):
         model = make_tiny_model("qwen2", attn, seed=6)
@@ -246,10 +261,12 @@ def test_batch_without_unneeded_noisy_copies_gives_the_literal_loss_and_gradient
         loss.backward()
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
-    ours, our_grads = loss_and_grads(lambda m: mars_loss(m, ids, labels, block_size, MASK_ID, ar_weight=0.5,
-                                                         normalization=normalization)["loss"])
-    literal, literal_grads = loss_and_grads(lambda m: literal_mars_loss(m, ids, labels, block_size, ar_weight=0.5,
-                                                                        normalization=normalization))
+    ours, our_grads = loss_and_grads(
+        lambda m: mars_loss(m, ids, labels, block_size, MASK_ID, ar_weight=0.5, normalization=normalization)["loss"]
+    )
+    literal, literal_grads = loss_and_grads(
+        lambda m: literal_mars_loss(m, ids, labels, block_size, ar_weight=0.5, normalization=normalization)
+    )
     torch.testing.assert_close(ours, literal, rtol=1e-5, atol=1e-5)
     for name in literal_grads:
         torch.testing.assert_close(our_grads[name], literal_grads[name], rtol=1e-4, atol=1e-6)
@@ -264,7 +281,7 @@ def test_loss_only_on_response_targets(tiny_tokenizer, make_tiny_model):
         ref = mars_loss(model, ids, labels, block_size=4, mask_token_id=MASK_ID)
         fewer = labels.clone()
         first = (labels[0] != IGNORE).nonzero()[0, 0]
-        fewer[0, first] = IGNORE          # one target less: the loss must change
+        fewer[0, first] = IGNORE  # one target less: the loss must change
         other = mars_loss(model, ids, fewer, block_size=4, mask_token_id=MASK_ID)
     assert not torch.isclose(ref["loss"], other["loss"], atol=1e-6)
 
@@ -278,9 +295,9 @@ def expected_labels(tokenizer, ids):
             t += 1
             continue
         header_end = t + 1
-        while not tokenizer.decode(ids[t + 1: header_end + 1]).endswith("\n"):
+        while not tokenizer.decode(ids[t + 1 : header_end + 1]).endswith("\n"):
             header_end += 1
-        role = tokenizer.decode(ids[t + 1: header_end + 1]).strip()
+        role = tokenizer.decode(ids[t + 1 : header_end + 1]).strip()
         t = header_end + 1
         while t < len(ids) and ids[t] != im_end:
             if role == "assistant":
@@ -293,11 +310,13 @@ def expected_labels(tokenizer, ids):
 
 
 def test_encode_conversation_labels(tiny_tokenizer):
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is 3 plus 4?"},
-                {"role": "assistant", "content": "3 plus 4 is 7. The answer is 7."},
-                {"role": "user", "content": "What is 9 minus 2?"},
-                {"role": "assistant", "content": "9 minus 2 is 7. The answer is 7."}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 3 plus 4?"},
+        {"role": "assistant", "content": "3 plus 4 is 7. The answer is 7."},
+        {"role": "user", "content": "What is 9 minus 2?"},
+        {"role": "assistant", "content": "9 minus 2 is 7. The answer is 7."},
+    ]
     enc = encode_conversation(tiny_tokenizer, messages)
     ids, labels = enc.input_ids, enc.labels
     assert len(ids) == len(labels) and not enc.truncated
@@ -305,7 +324,8 @@ def test_encode_conversation_labels(tiny_tokenizer):
     # both answers are targets, verbatim, each with its EOS
     targets = [t for t in labels if t != IGNORE]
     assert tiny_tokenizer.decode(targets) == (
-        "3 plus 4 is 7. The answer is 7.<|im_end|>9 minus 2 is 7. The answer is 7.<|im_end|>")
+        "3 plus 4 is 7. The answer is 7.<|im_end|>9 minus 2 is 7. The answer is 7.<|im_end|>"
+    )
     assert labels.count(EOS_ID) == 2
     # the sequence ends with the EOS; the template's trailing newline is not part of it
     assert ids[-1] == EOS_ID and labels[-1] == EOS_ID
@@ -346,16 +366,16 @@ def test_pad_to_block_trains_the_padding_eos():
 
 
 def test_pad_to_block_truncated_sequence_is_not_trained():
-    ids, labels = [1, 5, 6, 7, 8], [IGNORE, IGNORE, 6, 7, 8]     # cut mid-answer: no final EOS
+    ids, labels = [1, 5, 6, 7, 8], [IGNORE, IGNORE, 6, 7, 8]  # cut mid-answer: no final EOS
     padded_ids, padded_labels = pad_to_block(ids, labels, 4, EOS_ID)
     assert padded_ids == ids + [EOS_ID] * 3
     assert padded_labels == labels + [IGNORE] * 3
 
 
 def test_collate_pads_each_sequence_to_a_block_multiple():
-    a = {"input_ids": [1, 5, 6, EOS_ID], "labels": [IGNORE, IGNORE, 6, EOS_ID]}                  # 4
-    b = {"input_ids": [1, 5, 6, 7, 8, 9, EOS_ID], "labels": [IGNORE, 5, 6, 7, 8, 9, EOS_ID]}      # 7
-    c = {"input_ids": [1, 5, 6, 7, 8], "labels": [IGNORE, IGNORE, 6, 7, 8]}                        # 5, truncated
+    a = {"input_ids": [1, 5, 6, EOS_ID], "labels": [IGNORE, IGNORE, 6, EOS_ID]}  # 4
+    b = {"input_ids": [1, 5, 6, 7, 8, 9, EOS_ID], "labels": [IGNORE, 5, 6, 7, 8, 9, EOS_ID]}  # 7
+    c = {"input_ids": [1, 5, 6, 7, 8], "labels": [IGNORE, IGNORE, 6, 7, 8]}  # 5, truncated
     out = collate([a, b, c], pad_id=PAD_ID, block_size=4, eos_id=EOS_ID)
     assert out["input_ids"].shape == out["labels"].shape == (3, 8)
     assert out["input_ids"].dtype == out["labels"].dtype == torch.long
@@ -372,24 +392,26 @@ def test_collate_pads_each_sequence_to_a_block_multiple():
 
 
 def test_collate_packed_fills_rows_first_fit_longest_first():
-    a = {"input_ids": [1, 5, 6, EOS_ID], "labels": [IGNORE, IGNORE, 6, EOS_ID]}                  # 4
-    b = {"input_ids": [1, 5, 6, 7, 8, 9, EOS_ID], "labels": [IGNORE, 5, 6, 7, 8, 9, EOS_ID]}      # 7
-    c = {"input_ids": [1, 7, EOS_ID], "labels": [9, IGNORE, EOS_ID]}                               # 3
+    a = {"input_ids": [1, 5, 6, EOS_ID], "labels": [IGNORE, IGNORE, 6, EOS_ID]}  # 4
+    b = {"input_ids": [1, 5, 6, 7, 8, 9, EOS_ID], "labels": [IGNORE, 5, 6, 7, 8, 9, EOS_ID]}  # 7
+    c = {"input_ids": [1, 7, EOS_ID], "labels": [9, IGNORE, EOS_ID]}  # 3
     out = collate_packed([a, b, c], pad_id=PAD_ID, row_width=7)
     # rows of 7: b alone, then a + c
     assert out["input_ids"].tolist() == [[1, 5, 6, 7, 8, 9, EOS_ID], [1, 5, 6, EOS_ID, 1, 7, EOS_ID]]
     assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 0, 1, 2]]
     assert out["segment_ids"].tolist() == [[0] * 7, [0, 0, 0, 0, 1, 1, 1]]
     # a sequence's first label is never a target: the previous sequence's last token would predict it
-    assert out["labels"].tolist() == [[IGNORE, 5, 6, 7, 8, 9, EOS_ID], [IGNORE, IGNORE, 6, EOS_ID, IGNORE, IGNORE,
-                                                                        EOS_ID]]
-    blocks = collate_packed([a, c], pad_id=PAD_ID, block_size=4, eos_id=EOS_ID, row_width=4)   # c EOS-padded to 4
+    assert out["labels"].tolist() == [
+        [IGNORE, 5, 6, 7, 8, 9, EOS_ID],
+        [IGNORE, IGNORE, 6, EOS_ID, IGNORE, IGNORE, EOS_ID],
+    ]
+    blocks = collate_packed([a, c], pad_id=PAD_ID, block_size=4, eos_id=EOS_ID, row_width=4)  # c EOS-padded to 4
     assert blocks["input_ids"].tolist() == [[1, 5, 6, EOS_ID], [1, 7, EOS_ID, EOS_ID]]
     assert blocks["segment_ids"].tolist() == [[0] * 4, [0] * 4]
     padded_row = collate_packed([b, a], pad_id=PAD_ID, row_width=7)
     assert padded_row["segment_ids"][1].tolist() == [0, 0, 0, 0, -1, -1, -1]
     assert padded_row["labels"][1, 4:].tolist() == [IGNORE] * 3
-    default = collate_packed([a, b, c], pad_id=PAD_ID)     # rows 1.5x the longest (7 -> 11): b + a, then c
+    default = collate_packed([a, b, c], pad_id=PAD_ID)  # rows 1.5x the longest (7 -> 11): b + a, then c
     assert default["input_ids"].shape == (2, 11)
     assert default["segment_ids"][0].tolist() == [0] * 7 + [1] * 4
 
@@ -400,20 +422,27 @@ def test_packed_batches_give_the_padded_loss_and_gradients(tiny_tokenizer, make_
     from marslm.data import toy
 
     examples = []
-    for example in toy.make_split("train", 8):   # lengths differ by family: lists are short
+    for example in toy.make_split("train", 8):  # lengths differ by family: lists are short
         enc = encode_conversation(tiny_tokenizer, toy.to_chat_record(example)["messages"])
         examples.append({"input_ids": enc.input_ids, "labels": enc.labels})
     block_size = 4 if stage == "mars" else 1
     padded = collate(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
     packed = collate_packed(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
-    assert packed["input_ids"].numel() < padded["input_ids"].numel()   # it did pack something
+    assert packed["input_ids"].numel() < padded["input_ids"].numel()  # it did pack something
 
     def loss_and_grads(batch):
         model = make_tiny_model(seed=4)
         extra = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
         if stage == "mars":
-            terms = mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=MASK_ID,
-                              normalization=normalization, **extra)
+            terms = mars_loss(
+                model,
+                batch["input_ids"],
+                batch["labels"],
+                block_size=4,
+                mask_token_id=MASK_ID,
+                normalization=normalization,
+                **extra,
+            )
         else:
             terms = ar_loss(model, batch["input_ids"], batch["labels"], normalization=normalization, **extra)
         terms["loss"].backward()
@@ -468,5 +497,5 @@ def test_mars_loss_backprops(tiny_tokenizer, make_tiny_model, arch, attn):
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     embed = model.get_input_embeddings().weight.grad
-    assert embed[MASK_ID].abs().sum() > 0          # the mask token's embedding is trained
+    assert embed[MASK_ID].abs().sum() > 0  # the mask token's embedding is trained
     assert sum(float(g.abs().sum()) for g in grads) > 0

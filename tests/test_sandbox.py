@@ -14,7 +14,7 @@ import pytest
 from marslm import cli, sandbox
 from marslm.data import humaneval, toy
 
-MANY_PROCESSES = sandbox.Limits(processes=10**5)   # forks allowed: only the sandbox contains them
+MANY_PROCESSES = sandbox.Limits(processes=10**5)  # forks allowed: only the sandbox contains them
 
 
 def test_this_machine_has_isolation():
@@ -26,7 +26,7 @@ def test_this_machine_has_isolation():
 def precious(outside_dir) -> Path:
     path = outside_dir / "precious.txt"
     path.write_text("precious")
-    path.chmod(0o666)      # only the read-only mount stands between the program and the file
+    path.chmod(0o666)  # only the read-only mount stands between the program and the file
     return path
 
 
@@ -41,7 +41,7 @@ for mode in ("w", "a", "r+"):
         print(mode, exc.errno)
 """
     result = sandbox.run_python(program)
-    assert result.returncode == 0 and result.stdout.startswith("precious\n")   # it could see the file
+    assert result.returncode == 0 and result.stdout.startswith("precious\n")  # it could see the file
     assert precious.read_text() == "precious"
     assert result.isolated
 
@@ -122,26 +122,29 @@ except OSError as exc:
 
 
 def test_limits_and_timeout():
-    assert sandbox.run_python("x = bytearray(2 * 10**9)").returncode != 0            # address space
-    assert sandbox.run_python("open('big', 'wb').write(b'x' * (9 * 2**20))").returncode != 0   # file size
-    spin = sandbox.run_python("while True: pass", timeout=30)                             # CPU seconds
+    assert sandbox.run_python("x = bytearray(2 * 10**9)").returncode != 0  # address space
+    assert sandbox.run_python("open('big', 'wb').write(b'x' * (9 * 2**20))").returncode != 0  # file size
+    spin = sandbox.run_python("while True: pass", timeout=30)  # CPU seconds
     assert spin.returncode != 0 and not spin.timed_out
-    sleeper = sandbox.run_python("import time; time.sleep(30)", timeout=1)               # wall clock
+    sleeper = sandbox.run_python("import time; time.sleep(30)", timeout=1)  # wall clock
     assert sleeper.timed_out
     work = sandbox.run_python("import os\nopen('note', 'w').write('hi')\nprint(sorted(os.listdir('.')), os.getcwd())")
-    assert work.stdout.strip() == "['main.py', 'note'] /tmp"                             # a private work dir
+    assert work.stdout.strip() == "['main.py', 'note'] /tmp"  # a private work dir
     hidden = sandbox.run_python("import os\nprint(os.listdir('/tmp'))")
-    assert hidden.stdout.strip() == "['main.py']"                                        # not the machine's /tmp
+    assert hidden.stdout.strip() == "['main.py']"  # not the machine's /tmp
 
 
-@pytest.mark.parametrize("forgery", [
-    "import os\nos._exit(0)",
-    "import sys\nsys.modules['__main__']._exit(0)",
-    "import posix\nposix._exit(0)",
-    "raise SystemExit(0)",
-    "import os\nos._exit = lambda code: None\nraise ValueError",
-    "import sys\nsys.stdin.read()\nprint('token?')\nimport os\nos._exit(0)",
-])
+@pytest.mark.parametrize(
+    "forgery",
+    [
+        "import os\nos._exit(0)",
+        "import sys\nsys.modules['__main__']._exit(0)",
+        "import posix\nposix._exit(0)",
+        "raise SystemExit(0)",
+        "import os\nos._exit = lambda code: None\nraise ValueError",
+        "import sys\nsys.stdin.read()\nprint('token?')\nimport os\nos._exit(0)",
+    ],
+)
 def test_an_early_exit_is_not_a_pass(forgery):
     assert sandbox.run_to_end("print('fine')") == "fine"
     assert sandbox.run_to_end(forgery) is None
@@ -149,10 +152,17 @@ def test_an_early_exit_is_not_a_pass(forgery):
 
 
 def test_scorers_use_the_harness_verdict():
-    add = {"task_id": "T/0", "entry_point": "add", "prompt": "def add(a, b):\n",
-           "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}
-    forged = ["    import os\n    os._exit(0)\n", "    return 0\nimport os\nos._exit(0)\n",
-              "    return 0\nimport sys\nsys.modules['__main__']._exit(0)\n"]
+    add = {
+        "task_id": "T/0",
+        "entry_point": "add",
+        "prompt": "def add(a, b):\n",
+        "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
+    }
+    forged = [
+        "    import os\n    os._exit(0)\n",
+        "    return 0\nimport os\nos._exit(0)\n",
+        "    return 0\nimport sys\nsys.modules['__main__']._exit(0)\n",
+    ]
     assert humaneval.run_checks([add] * 4, ["    return a + b\n", *forged]) == [True, False, False, False]
     example = next(ex for ex in toy.make_split("test", 40, families=["code"]))
     assert toy.score(example, example.answer)
@@ -174,7 +184,7 @@ def test_without_isolation_code_is_refused_unless_unsafe_exec(monkeypatch, capsy
     sandbox.allow_unsafe_exec()
     result = sandbox.run_python("print(1)")
     assert result.stdout == "1\n" and not result.isolated
-    assert sandbox.run_to_end("import os\nos._exit(0)") is None   # the verdict still holds
+    assert sandbox.run_to_end("import os\nos._exit(0)") is None  # the verdict still holds
 
 
 def test_unsafe_exec_still_has_the_timeout(monkeypatch):

@@ -39,14 +39,29 @@ class ServerProcess:
     """``python -m marslm.cli serve --port 0 ...``; the port is read from its first log line.
     ``launcher`` replaces ``python -m marslm.cli`` (a script that patches the server first)."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *args: str, launcher: list[str] | None = None,
-                 log_level: str = "warning"):
+    def __init__(
+        self, model_dir: Path, log_path: Path, *args: str, launcher: list[str] | None = None, log_level: str = "warning"
+    ):
         self.log_path = log_path
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [*(launcher or [sys.executable, "-m", "marslm.cli"]), "serve", "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", "0", "--log-level", log_level, *args],
-            stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+            [
+                *(launcher or [sys.executable, "-m", "marslm.cli"]),
+                "serve",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--log-level",
+                log_level,
+                *args,
+            ],
+            stdout=log_path.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         self.url = None
 
     def log(self) -> str:
@@ -84,8 +99,20 @@ def servers(trained_dirs, tmp_path_factory):
     model_dir = trained_dirs["dir"] / "mars"
     logs = tmp_path_factory.mktemp("server_logs")
     started = {
-        "main": ServerProcess(model_dir, logs / "main.log", "--dtype", "float64", "--max-batch", "8",
-                              "--api-key", KEY, "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--tau", "0.95"),
+        "main": ServerProcess(
+            model_dir,
+            logs / "main.log",
+            "--dtype",
+            "float64",
+            "--max-batch",
+            "8",
+            "--api-key",
+            KEY,
+            "--max-tokens-limit",
+            str(MAX_TOKENS_LIMIT),
+            "--tau",
+            "0.95",
+        ),
         "small": ServerProcess(model_dir, logs / "small.log", "--max-batch", "1", "--max-queue", "1"),
     }
     try:
@@ -126,8 +153,11 @@ def client(url: str, **kwargs):
 def metrics(url: str) -> dict:
     """Un-labelled and labelled samples of /metrics as {name or name{labels}: value}."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def assert_healthy(url: str) -> None:
@@ -138,8 +168,9 @@ def assert_healthy(url: str) -> None:
 def test_openai_client_chat_and_completions(main_url, messages):
     c = client(main_url)
     model = c.models.list().data[0].id
-    chat = c.chat.completions.create(model=model, messages=messages[0], max_tokens=48,
-                                     extra_body={"tau": 0.9, "block_size": 4, "mode": "threshold"})
+    chat = c.chat.completions.create(
+        model=model, messages=messages[0], max_tokens=48, extra_body={"tau": 0.9, "block_size": 4, "mode": "threshold"}
+    )
     text = chat.choices[0].message.content
     assert text and chat.choices[0].finish_reason in ("stop", "length")
     usage = chat.usage
@@ -148,50 +179,82 @@ def test_openai_client_chat_and_completions(main_url, messages):
     assert usage.forwards <= usage.completion_tokens + 1
 
     pieces, final_usage, finish = [], None, None
-    for chunk in c.chat.completions.create(model=model, messages=messages[0], max_tokens=48, stream=True,
-                                           stream_options={"include_usage": True}, extra_body={"tau": 0.9}):
+    for chunk in c.chat.completions.create(
+        model=model,
+        messages=messages[0],
+        max_tokens=48,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"tau": 0.9},
+    ):
         if chunk.usage is not None:
             final_usage = chunk.usage
         for choice in chunk.choices:
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
-    assert "".join(pieces) == text                     # greedy: streaming changes nothing
+    assert "".join(pieces) == text  # greedy: streaming changes nothing
     assert finish == chat.choices[0].finish_reason
     assert final_usage.forwards == usage.forwards and final_usage.completion_tokens == usage.completion_tokens
 
-    comp = c.completions.create(model=model, prompt="Sort the list [3, 1, 2].", max_tokens=16,
-                                extra_body={"tau": 0.8, "metric": "margin"})
+    comp = c.completions.create(
+        model=model, prompt="Sort the list [3, 1, 2].", max_tokens=16, extra_body={"tau": 0.8, "metric": "margin"}
+    )
     assert comp.choices[0].finish_reason in ("stop", "length")
     assert comp.usage.forwards >= 1 and comp.usage.tokens_per_forward >= 1.0
-    streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
-        model=model, prompt="Sort the list [3, 1, 2].", max_tokens=16, stream=True,
-        extra_body={"tau": 0.8, "metric": "margin"}) if chunk.choices)
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in c.completions.create(
+            model=model,
+            prompt="Sort the list [3, 1, 2].",
+            max_tokens=16,
+            stream=True,
+            extra_body={"tau": 0.8, "metric": "margin"},
+        )
+        if chunk.choices
+    )
     assert streamed == comp.choices[0].text
 
     # temperature samples the first token of each step (the masks keep the tau rule)
     sampled = c.chat.completions.create(model=model, messages=messages[0], max_tokens=16, temperature=1.5)
     assert sampled.usage.forwards >= 1 and sampled.choices[0].finish_reason in ("stop", "length")
     # lossless sampling with a seed: the same seed gives the same answer
-    seeded = [c.chat.completions.create(model=model, messages=messages[0], max_tokens=24, temperature=1.0,
-                                        top_p=0.9, seed=5, extra_body={"mode": "lossless"}).choices[0].message.content
-              for _ in range(2)]
+    seeded = [
+        c.chat.completions.create(
+            model=model,
+            messages=messages[0],
+            max_tokens=24,
+            temperature=1.0,
+            top_p=0.9,
+            seed=5,
+            extra_body={"mode": "lossless"},
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
 
     # stop strings: the answer ends right before the first one, streamed or not
     stop = [text[3:6], "\n"]
-    stopped = c.chat.completions.create(model=model, messages=messages[0], max_tokens=48, stop=stop,
-                                        extra_body={"tau": 0.9})
+    stopped = c.chat.completions.create(
+        model=model, messages=messages[0], max_tokens=48, stop=stop, extra_body={"tau": 0.9}
+    )
     ends = [i for i in (text.find(s) for s in stop) if i >= 0]
     assert stopped.choices[0].message.content == text[: min(ends)]
     assert stopped.choices[0].finish_reason == "stop"
-    streamed_stop = "".join(chunk.choices[0].delta.content or "" for chunk in c.chat.completions.create(
-        model=model, messages=messages[0], max_tokens=48, stop=stop, stream=True, extra_body={"tau": 0.9})
-        if chunk.choices)
+    streamed_stop = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in c.chat.completions.create(
+            model=model, messages=messages[0], max_tokens=48, stop=stop, stream=True, extra_body={"tau": 0.9}
+        )
+        if chunk.choices
+    )
     assert streamed_stop == text[: min(ends)]
 
     # the chat template is applied to completions only when asked
-    templated = c.completions.create(model=model, prompt=messages[0][-1]["content"], max_tokens=48,
-                                     extra_body={"tau": 0.9, "chat_template": True})
+    templated = c.completions.create(
+        model=model, prompt=messages[0][-1]["content"], max_tokens=48, extra_body={"tau": 0.9, "chat_template": True}
+    )
     assert templated.choices[0].text == text
 
 
@@ -205,9 +268,20 @@ def test_models_health_metrics_and_auth(main_url):
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["type"] == "authentication_error"
     text = httpx.get(main_url + "/metrics", timeout=10).text
-    for name in ["requests_total", "generation_tokens_total", "forwards_total", "tokens_per_forward", "queue_depth",
-                 "active_batch", "default_tau", "tau_policy", "tau_changes_total",
-                 "request_latency_seconds_bucket", "time_to_first_token_seconds_count", "step_latency_seconds_sum"]:
+    for name in [
+        "requests_total",
+        "generation_tokens_total",
+        "forwards_total",
+        "tokens_per_forward",
+        "queue_depth",
+        "active_batch",
+        "default_tau",
+        "tau_policy",
+        "tau_changes_total",
+        "request_latency_seconds_bucket",
+        "time_to_first_token_seconds_count",
+        "step_latency_seconds_sum",
+    ]:
         assert f"marslm_{name}" in text, name
 
 
@@ -223,15 +297,18 @@ def test_64_concurrent_requests_equal_offline_generate(main_url, messages, mars6
         if i % 16 == 5:
             extra = {"mode": "lossless"}
         if i % 16 == 9:
-            extra = {}                                  # follows the server's default tau (0.95, fixed)
+            extra = {}  # follows the server's default tau (0.95, fixed)
         cases.append((msgs, [8, 24, 48, 64][i % 4], extra))
 
     async def run_all():
         c = openai.AsyncOpenAI(base_url=main_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         try:
-            return await asyncio.gather(*(
-                c.chat.completions.create(model=model_name, messages=msgs, max_tokens=n, extra_body=extra)
-                for msgs, n, extra in cases))
+            return await asyncio.gather(
+                *(
+                    c.chat.completions.create(model=model_name, messages=msgs, max_tokens=n, extra_body=extra)
+                    for msgs, n, extra in cases
+                )
+            )
         finally:
             await c.close()
 
@@ -240,8 +317,15 @@ def test_64_concurrent_requests_equal_offline_generate(main_url, messages, mars6
     responses = asyncio.run(run_all())
     assert time.monotonic() - started < 60
     for (msgs, n, extra), response in zip(cases, responses):
-        ref = generate(model, tokenizer, [msgs], tau=extra.get("tau", 0.95), max_new_tokens=n,
-                       block_size=extra.get("block_size"), mode=extra.get("mode", "threshold"))
+        ref = generate(
+            model,
+            tokenizer,
+            [msgs],
+            tau=extra.get("tau", 0.95),
+            max_new_tokens=n,
+            block_size=extra.get("block_size"),
+            mode=extra.get("mode", "threshold"),
+        )
         assert response.choices[0].message.content == ref.texts[0], (n, extra)
         assert response.usage.completion_tokens == len(ref.token_ids[0])
         assert response.usage.forwards == ref.forwards[0], (n, extra)
@@ -286,14 +370,15 @@ def test_bad_input_gets_openai_errors_and_the_server_stays_up(main_url, messages
         (chat, {"messages": user, "seed": -1}, 400, "seed"),
         (chat, {"messages": user, "temperature": 3}, 400, "temperature"),
         (comp, {"prompt": "word " * 1100, "max_tokens": 8}, 400, "prompt"),
-        (comp, {"prompt": "word " * 150, "max_tokens": 800}, 400, "max_tokens"),   # ~450 + 800 > 1024
+        (comp, {"prompt": "word " * 150, "max_tokens": 800}, 400, "max_tokens"),  # ~450 + 800 > 1024
         (chat, {"model": "gpt-4", "messages": user}, 404, "model"),
         ("/v1/nothing", {}, 404, None),
     ]
     for path, body, status, param in cases:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        r = httpx.post(main_url + path, content=content, headers={**AUTH, "Content-Type": "application/json"},
-                       timeout=10)
+        r = httpx.post(
+            main_url + path, content=content, headers={**AUTH, "Content-Type": "application/json"}, timeout=10
+        )
         assert r.status_code == status, (path, body, r.text)
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], error
@@ -320,7 +405,7 @@ def test_client_disconnect_frees_its_batch_slot(main_url, long_prompt):
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                break                               # one piece of text, then hang up
+                break  # one piece of text, then hang up
     cancelled = wait_until_freed(cancelled)
 
     # without streaming: the client gives up waiting for the whole answer
@@ -340,16 +425,17 @@ def test_adaptive_tau_falls_under_a_burst_and_recovers(main_url, messages):
     down_before = m['marslm_tau_changes_total{direction="down"}']
     up_before = m['marslm_tau_changes_total{direction="up"}']
 
-    async def burst():   # 40 requests on 8 rows: a queue of up to 32
+    async def burst():  # 40 requests on 8 rows: a queue of up to 32
         async with httpx.AsyncClient(base_url=main_url, headers=AUTH, timeout=60) as c:
-            return await asyncio.gather(*(c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 64})
-                                          for msgs in messages[:40]))
+            return await asyncio.gather(
+                *(c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 64}) for msgs in messages[:40])
+            )
 
     assert all(r.status_code == 200 for r in asyncio.run(burst()))
     m = metrics(main_url)
-    assert m['marslm_tau_changes_total{direction="down"}'] > down_before    # it fell under the burst
+    assert m['marslm_tau_changes_total{direction="down"}'] > down_before  # it fell under the burst
     deadline = time.monotonic() + 15
-    while metrics(main_url)["marslm_default_tau"] != 0.95:                   # ... and comes back
+    while metrics(main_url)["marslm_default_tau"] != 0.95:  # ... and comes back
         assert time.monotonic() < deadline, "default tau did not recover"
         time.sleep(0.2)
     assert metrics(main_url)['marslm_tau_changes_total{direction="up"}'] > up_before
@@ -369,9 +455,33 @@ def test_loadtest_cli_reports_every_policy(main_url, tmp_path):
     out = tmp_path / "load.json"
     before = httpx.get(main_url + "/admin/policy", headers=AUTH, timeout=10).json()
     run = subprocess.run(
-        [sys.executable, "-m", "marslm.cli", "loadtest", "--url", main_url, "--concurrency", "1,4", "--requests", "4",
-         "--max-tokens", "32", "--api-key", KEY, "--json", str(out), "--deadline", "60", "--timeout", "30"],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        [
+            sys.executable,
+            "-m",
+            "marslm.cli",
+            "loadtest",
+            "--url",
+            main_url,
+            "--concurrency",
+            "1,4",
+            "--requests",
+            "4",
+            "--max-tokens",
+            "32",
+            "--api-key",
+            KEY,
+            "--json",
+            str(out),
+            "--deadline",
+            "60",
+            "--timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| policy | concurrency |" in run.stdout
     report = json.loads(out.read_text())
@@ -387,7 +497,7 @@ def test_loadtest_cli_reports_every_policy(main_url, tmp_path):
 
 # ------------------------------------------------------------------------------ 429 and shutdown
 def test_full_queue_answers_429_with_retry_after(servers, long_prompt):
-    url = servers["small"].url      # 1 row, a queue of 1
+    url = servers["small"].url  # 1 row, a queue of 1
 
     async def burst():
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
@@ -413,8 +523,13 @@ def test_full_queue_answers_429_with_retry_after(servers, long_prompt):
 
 def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(servers, long_prompt):
     server = servers["small"]
-    body = {"prompt": long_prompt, "max_tokens": 300, "tau": 1.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": long_prompt,
+        "max_tokens": 300,
+        "tau": 1.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks, done = [], False
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
@@ -423,10 +538,10 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(servers, long_pro
             elif line.startswith("data: "):
                 chunks.append(json.loads(line[6:]))
                 if len(chunks) == 2:
-                    server.proc.send_signal(signal.SIGTERM)   # mid-stream
+                    server.proc.send_signal(signal.SIGTERM)  # mid-stream
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
     usage = chunks[-1]["usage"]
-    assert done and (finish == "stop" or usage["completion_tokens"] == 300)   # it ran to its end
+    assert done and (finish == "stop" or usage["completion_tokens"] == 300)  # it ran to its end
     assert server.terminate(timeout=30) == 0
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=2)

@@ -28,7 +28,7 @@ pytest.importorskip("uvicorn")
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS = 1, 2, 12
 MIB = 2**20
 
-LAUNCHER = r'''
+LAUNCHER = r"""
 import sys, time
 from pathlib import Path
 import marslm.server as server
@@ -50,7 +50,7 @@ def completion_prompt_ids(tokenizer, body, *args):
 server.parse_sampling, server.completion_prompt_ids = parse_sampling, completion_prompt_ids
 from marslm.cli import main
 sys.exit(main(sys.argv[2:]))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -59,21 +59,33 @@ def guarded(trained_dirs, tmp_path_factory):
     launcher = root / "launcher.py"
     launcher.write_text(LAUNCHER)
     release = root / "release"
-    server = ServerProcess(trained_dirs["dir"] / "mars", root / "server.log", "--max-batch", "2",
-                           "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
-                           "--max-connections", str(MAX_CONNECTIONS),
-                           launcher=[sys.executable, str(launcher), str(release)], log_level="info")
+    server = ServerProcess(
+        trained_dirs["dir"] / "mars",
+        root / "server.log",
+        "--max-batch",
+        "2",
+        "--header-timeout",
+        str(HEADER_TIMEOUT_S),
+        "--body-timeout",
+        str(BODY_TIMEOUT_S),
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+        launcher=[sys.executable, str(launcher), str(release)],
+        log_level="info",
+    )
     try:
         server.wait_ready(time.monotonic() + 60)
         server.release = release
-        server.bugs = 0            # deliberate 500s: each logs one traceback
+        server.bugs = 0  # deliberate 500s: each logs one traceback
         yield server
     finally:
         code = server.terminate()
     log = server.log_path.read_text()
     assert code == 0, log[-3000:]
     # the deliberate bugs are the only tracebacks; no disconnect or cancellation ever printed one
-    assert log.count("Traceback") == server.bugs and "ClientDisconnect" not in log and "CancelledError" not in log, log[-5000:]
+    assert log.count("Traceback") == server.bugs and "ClientDisconnect" not in log and "CancelledError" not in log, log[
+        -5000:
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +105,13 @@ def exchange(url: str, data: bytes, wait: float = 30.0) -> bytes:
         sock.settimeout(wait)
         try:
             sock.sendall(data)
-        except OSError:          # the server may close before taking it all: that is the point
+        except OSError:  # the server may close before taking it all: that is the point
             pass
         received = b""
         try:
             while chunk := sock.recv(65536):
                 received += chunk
-        except socket.timeout:
+        except TimeoutError:
             received += b"<still open>"
         except OSError:
             pass
@@ -125,20 +137,22 @@ def test_oversized_bodies_are_refused_as_they_arrive(guarded):
     assert status == 413 and error["error"]["code"] == "request_too_large"
     # chunked, no length: refused once the running total passes the limit, not at the end
     chunk = b"%x\r\n%s\r\n" % (64 * 1024, b"x" * 64 * 1024)
-    raw = exchange(guarded.url, head("/v1/completions", chunked=True) + chunk * 20)   # 1.25 MiB, no final chunk
+    raw = exchange(guarded.url, head("/v1/completions", chunked=True) + chunk * 20)  # 1.25 MiB, no final chunk
     status, error = response_json(raw)
     assert status == 413 and error["error"]["type"] == "invalid_request_error"
     assert_healthy(guarded.url)
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(guarded):
-    big = "apple banana 12, " * 50_000                                         # 850 kB, under the limit
-    for path, body in [("/v1/completions", {"prompt": big}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]})]:
+    big = "apple banana 12, " * 50_000  # 850 kB, under the limit
+    for path, body in [
+        ("/v1/completions", {"prompt": big}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}),
+    ]:
         r = httpx.post(guarded.url + path, json=body, timeout=30)
         error = r.json()["error"]
         assert r.status_code == 400 and error["code"] == "context_length_exceeded"
-        assert "characters" in error["message"]     # the bound on characters, not a token count
+        assert "characters" in error["message"]  # the bound on characters, not a token count
     # a token-id prompt is counted as it is
     r = httpx.post(guarded.url + "/v1/completions", json={"prompt": [5] * 100_000}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -153,12 +167,14 @@ def rss_mb(pid: int) -> float:
 
 def test_memory_returns_to_its_baseline_after_large_requests(guarded):
     client = httpx.Client(base_url=guarded.url, timeout=60)
-    filler = "apple banana cherry 12 34, " * 40_000                                 # about 1 MB of text
-    bodies = [{"messages": [{"role": "user", "content": filler[:MIB - 200]}]},
-              {"prompt": list(range(300)) * 600},                                  # 180k token ids
-              {"prompt": filler[:20_000], "max_tokens": 4},                        # tokenized, then refused
-              {"prompt": "x" * (MIB + 10)}]                                        # 413
-    for body in bodies:                                                            # warm up every path
+    filler = "apple banana cherry 12 34, " * 40_000  # about 1 MB of text
+    bodies = [
+        {"messages": [{"role": "user", "content": filler[: MIB - 200]}]},
+        {"prompt": list(range(300)) * 600},  # 180k token ids
+        {"prompt": filler[:20_000], "max_tokens": 4},  # tokenized, then refused
+        {"prompt": "x" * (MIB + 10)},
+    ]  # 413
+    for body in bodies:  # warm up every path
         client.post("/v1/completions" if "prompt" in body else "/v1/chat/completions", json=body)
     baseline = rss_mb(guarded.proc.pid)
     for _ in range(8):
@@ -174,8 +190,11 @@ def test_parsing_and_tokenizing_do_not_hold_up_the_event_loop(guarded):
     result = {}
 
     def slow_request():
-        result["response"] = httpx.post(guarded.url + "/v1/completions", timeout=120,
-                                        json={"prompt": "Ana has", "max_tokens": 4, "user": "slow-parse"})
+        result["response"] = httpx.post(
+            guarded.url + "/v1/completions",
+            timeout=120,
+            json={"prompt": "Ana has", "max_tokens": 4, "user": "slow-parse"},
+        )
 
     thread = threading.Thread(target=slow_request)
     thread.start()
@@ -184,7 +203,7 @@ def test_parsing_and_tokenizing_do_not_hold_up_the_event_loop(guarded):
         assert_healthy(guarded.url)
         other = httpx.post(guarded.url + "/v1/completions", json={"prompt": "Ana has", "max_tokens": 4}, timeout=60)
         assert other.status_code == 200
-        assert thread.is_alive() and "response" not in result   # the held request is still held
+        assert thread.is_alive() and "response" not in result  # the held request is still held
     finally:
         guarded.release.touch()
         thread.join(60)
@@ -215,7 +234,7 @@ def test_errors_answer_json_and_keep_the_connection(guarded):
         guarded.bugs += 1
         status, body = ask(head("/v1/completions", len(bug)) + bug)
         assert status == 500 and body["error"]["type"] == "server_error"
-        status, body = ask(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")      # same connection, still open
+        status, body = ask(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")  # same connection, still open
         assert (status, body) == (200, {"status": "ok"})
 
 
@@ -223,18 +242,31 @@ def test_errors_answer_json_and_keep_the_connection(guarded):
 def test_admin_values_are_checked_before_they_apply(guarded):
     admin = httpx.Client(base_url=guarded.url, timeout=10, headers={"Content-Type": "application/json"})
     before = admin.get("/admin/policy").json()
-    for raw in (b'{"slo_ms": Infinity}', b'{"slo_ms": 1e999}', b'{"slo_ms": NaN}', b'{"slo_ms": -5}',
-                b'{"tau": Infinity}', b'{"tau_floor": NaN}'):
+    for raw in (
+        b'{"slo_ms": Infinity}',
+        b'{"slo_ms": 1e999}',
+        b'{"slo_ms": NaN}',
+        b'{"slo_ms": -5}',
+        b'{"tau": Infinity}',
+        b'{"tau_floor": NaN}',
+    ):
         r = admin.post("/admin/policy", content=raw)
         assert r.status_code == 400 and r.json()["error"]["message"], raw
-        assert admin.get("/admin/policy").json() == before                       # nothing applied
+        assert admin.get("/admin/policy").json() == before  # nothing applied
     assert admin.post("/admin/tau", content=b'{"tau": Infinity}').status_code == 400
     # what is accepted is applied exactly: no rounding to 0.01
     assert admin.post("/admin/tau", json={"tau": 0.004}).json()["tau"] == 0.004
     state = admin.post("/admin/policy", json={"policy": "adaptive", "tau": 0.123456, "tau_floor": 0.1}).json()
     assert (state["tau"], state["ceiling"], state["floor"]) == (0.123456, 0.123456, 0.1)
-    admin.post("/admin/policy", json={"policy": before["policy"], "tau": before["ceiling"],
-                                      "tau_floor": before["floor"], "slo_ms": before["slo_ms"]})
+    admin.post(
+        "/admin/policy",
+        json={
+            "policy": before["policy"],
+            "tau": before["ceiling"],
+            "tau_floor": before["floor"],
+            "slo_ms": before["slo_ms"],
+        },
+    )
     assert admin.get("/admin/policy").json()["tau"] == before["tau"]
 
 
@@ -251,7 +283,7 @@ def test_slow_and_many_clients_are_cut_off(guarded):
         refused = 0
         for sock in sockets:
             sock.settimeout(30)
-            reply = sock.recv(4096)      # the extra ones get a 503; the others are closed by the header deadline
+            reply = sock.recv(4096)  # the extra ones get a 503; the others are closed by the header deadline
             refused += reply.startswith(b"HTTP/1.1 503")
         assert refused >= 3
     finally:
@@ -267,8 +299,9 @@ def test_client_disconnects_are_one_log_line(guarded, long_prompt):
         time.sleep(0.3)
     # hang up while waiting for a whole (non-streamed) answer
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(guarded.url + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 600, "tau": 1.0},
-                   timeout=0.5)
+        httpx.post(
+            guarded.url + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 600, "tau": 1.0}, timeout=0.5
+        )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         log = guarded.log_path.read_text()
@@ -290,15 +323,23 @@ def test_metrics_name_the_served_model_not_its_path(guarded, trained_dirs):
 
 # ------------------------------------------------------------------------------ shutdown
 def test_requests_cut_off_by_shutdown_get_503(trained_dirs, tmp_path, long_prompt):
-    server = ServerProcess(trained_dirs["dir"] / "mars", tmp_path / "server.log", "--max-batch", "1",
-                           "--shutdown-timeout", "0", log_level="info")
+    server = ServerProcess(
+        trained_dirs["dir"] / "mars",
+        tmp_path / "server.log",
+        "--max-batch",
+        "1",
+        "--shutdown-timeout",
+        "0",
+        log_level="info",
+    )
     try:
         server.wait_ready(time.monotonic() + 60)
         waiting = {}
 
-        def queued_request():      # waits for the one batch row, behind the stream
-            waiting["response"] = httpx.post(server.url + "/v1/completions", timeout=60,
-                                             json={"prompt": long_prompt, "max_tokens": 600, "tau": 1.0})
+        def queued_request():  # waits for the one batch row, behind the stream
+            waiting["response"] = httpx.post(
+                server.url + "/v1/completions", timeout=60, json={"prompt": long_prompt, "max_tokens": 600, "tau": 1.0}
+            )
 
         events, done = [], False
         body = {"prompt": long_prompt, "max_tokens": 600, "tau": 1.0, "stream": True}
@@ -321,7 +362,7 @@ def test_requests_cut_off_by_shutdown_get_503(trained_dirs, tmp_path, long_promp
                 elif line.startswith("data: "):
                     events.append(json.loads(line[6:]))
         thread.join(60)
-        assert done and events[-1]["error"]["code"] == "shutting_down"            # the stream says why it ended
+        assert done and events[-1]["error"]["code"] == "shutting_down"  # the stream says why it ended
         response = waiting["response"]
         assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
         assert server.terminate(timeout=30) == 0

@@ -23,7 +23,7 @@ from marslm.train import CHECKPOINT_MARKER, NonFiniteTraining, TrainConfig, chec
 
 # Patches Trainer (or marslm) so that the process SIGKILLs itself at POINT when the global step is
 # STEP, then runs `marslm ARGS...`. argv: POINT STEP ARGS...
-KILL_HOOK = r'''
+KILL_HOOK = r"""
 import os, signal, sys
 point, step = sys.argv[1], int(sys.argv[2])
 
@@ -65,7 +65,7 @@ hooks = {
 hooks[point]()
 from marslm.cli import main
 sys.exit(main(sys.argv[3:]))
-'''
+"""
 
 
 def run_cli(*args) -> tuple[int, str, str]:
@@ -91,16 +91,38 @@ def base_model(tmp_path_factory, tiny_tokenizer, make_tiny_model):
 
 @pytest.mark.slow
 def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_weights(base_model, write_chat_jsonl, tmp_path):
-    data = write_chat_jsonl(tmp_path / "data.jsonl", 32)   # 8 steps an epoch: step 6 ends none
+    data = write_chat_jsonl(tmp_path / "data.jsonl", 32)  # 8 steps an epoch: step 6 ends none
     hook = tmp_path / "hook.py"
     hook.write_text(KILL_HOOK)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    common = ["train", "mars", "--model", base_model, "--data", data, "--max-steps", 6, "--save-steps", 2,
-              "--batch-size", 4, "--lr", 1e-3, "--logging-steps", 1, "--quiet"]
+    common = [
+        "train",
+        "mars",
+        "--model",
+        base_model,
+        "--data",
+        data,
+        "--max-steps",
+        6,
+        "--save-steps",
+        2,
+        "--batch-size",
+        4,
+        "--lr",
+        1e-3,
+        "--logging-steps",
+        1,
+        "--quiet",
+    ]
 
     def run(point: str, step: int, out: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(hook), point, str(step), *map(str, common), "-o", str(out)],
-                              capture_output=True, text=True, env=env, timeout=300)
+        return subprocess.run(
+            [sys.executable, str(hook), point, str(step), *map(str, common), "-o", str(out)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
 
     reference = run("none", 0, tmp_path / "reference")
     assert reference.returncode == 0, reference.stderr[-2000:]
@@ -108,8 +130,8 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_weights(base_model, 
     out, partial = tmp_path / "out", tmp_path / "out.partial"
     # (kill point, step, what the checkpoint directory holds afterwards)
     kills = [
-        ("empty-dir", 2, {"checkpoint-2": "incomplete"}),                 # the probe's "Can't find a valid checkpoint"
-        ("weights-without-state", 2, {"checkpoint-2": "incomplete"}),     # the probe's FileNotFoundError
+        ("empty-dir", 2, {"checkpoint-2": "incomplete"}),  # the probe's "Can't find a valid checkpoint"
+        ("weights-without-state", 2, {"checkpoint-2": "incomplete"}),  # the probe's FileNotFoundError
         ("before-save", 4, {"checkpoint-2": "complete"}),
         ("after-save", 4, {"checkpoint-2": "complete", "checkpoint-4": "complete"}),
         ("state-without-marker", 6, {"checkpoint-4": "complete", "checkpoint-6": "incomplete"}),
@@ -125,7 +147,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_weights(base_model, 
     finished = run("none", 0, out)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert "Traceback" not in finished.stderr
-    assert ", 6 steps," in finished.stdout                   # not 7: the last checkpoint was not trained on
+    assert ", 6 steps," in finished.stdout  # not 7: the last checkpoint was not trained on
     assert not partial.exists()
     got, want = weights(out), weights(tmp_path / "reference")
     assert got.keys() == want.keys()
@@ -142,7 +164,7 @@ def test_completeness_is_the_marker_and_the_sizes(tmp_path):
         (partial / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     mark_checkpoint_complete(partial / "checkpoint-2")
     mark_checkpoint_complete(partial / "checkpoint-4")
-    (partial / "checkpoint-4" / "model.safetensors").write_bytes(b"x" * 50)     # truncated after the fact
+    (partial / "checkpoint-4" / "model.safetensors").write_bytes(b"x" * 50)  # truncated after the fact
     (partial / "final").mkdir()
     assert resume_point(partial, resume=True) == partial / "checkpoint-2"
     assert sorted(p.name for p in partial.iterdir()) == ["checkpoint-2"]
@@ -150,28 +172,43 @@ def test_completeness_is_the_marker_and_the_sizes(tmp_path):
     assert resume_point(partial, resume=False) is None and not partial.exists()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--lr", "nan"], "--lr must be a finite number"),
-    (["--lr", "-1"], "--lr must be > 0"),
-    (["--lr", "inf"], "--lr must be a finite number"),
-    (["--ar-weight", "nan"], "--ar-weight must be a finite number"),
-    (["--ar-weight", "-1"], "--ar-weight must be >= 0"),
-    (["--warmup-ratio", "5"], "--warmup-ratio must be < 1"),
-    (["--warmup-ratio", "-0.1"], "--warmup-ratio must be >= 0"),
-    (["--save-steps", "0"], "--save-steps must be >= 1"),
-    (["--save-steps", "-5"], "--save-steps must be >= 1"),
-    (["--data-n", "0"], "--data-n must be >= 1"),
-    (["--data-n", "-3"], "--data-n must be >= 1"),
-    (["--epochs", "nan"], "--epochs must be a finite number"),
-    (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lr", "nan"], "--learning-rate must be a finite number"),
+        (["--lr", "-1"], "--learning-rate must be > 0"),
+        (["--lr", "inf"], "--learning-rate must be a finite number"),
+        (["--ar-weight", "nan"], "--ar-weight must be a finite number"),
+        (["--ar-weight", "-1"], "--ar-weight must be >= 0"),
+        (["--warmup-ratio", "5"], "--warmup-ratio must be < 1"),
+        (["--warmup-ratio", "-0.1"], "--warmup-ratio must be >= 0"),
+        (["--save-steps", "0"], "--save-steps must be >= 1"),
+        (["--save-steps", "-5"], "--save-steps must be >= 1"),
+        (["--data-n", "0"], "--data-n must be >= 1"),
+        (["--data-n", "-3"], "--data-n must be >= 1"),
+        (["--epochs", "nan"], "--epochs must be a finite number"),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+    ],
+)
 def test_bad_hyperparameters_are_refused_before_training(tmp_path, flags, message):
     out = tmp_path / "out"
-    rc, stdout, stderr = run_cli("train", "mars", "--model", tmp_path / "no-model-needed", "--data", "toy",
-                                 "-o", out, "--max-steps", 2, "--quiet", *flags)
+    rc, stdout, stderr = run_cli(
+        "train",
+        "mars",
+        "--model",
+        tmp_path / "no-model-needed",
+        "--data",
+        "toy",
+        "-o",
+        out,
+        "--max-steps",
+        2,
+        "--quiet",
+        *flags,
+    )
     assert rc == 2 and message in stderr, stderr
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
-    assert list(tmp_path.iterdir()) == []                    # no out/, no out.partial/
+    assert list(tmp_path.iterdir()) == []  # no out/, no out.partial/
 
 
 def poison_at(step: int, when: str = "step_end"):
@@ -187,14 +224,23 @@ def poison_at(step: int, when: str = "step_end"):
     return _Poison()
 
 
-@pytest.mark.parametrize("poisoned_step, reason", [(3, "the loss became nan at step 4"),
-                                                     (4, "is not finite after step 4")])
-def test_a_non_finite_run_stops_without_saving_garbage(base_model, write_chat_jsonl, tmp_path, poisoned_step,
-                                                       reason):
+@pytest.mark.parametrize(
+    "poisoned_step, reason", [(3, "the loss became nan at step 4"), (4, "is not finite after step 4")]
+)
+def test_a_non_finite_run_stops_without_saving_garbage(base_model, write_chat_jsonl, tmp_path, poisoned_step, reason):
     """Poisoned after step 3: step 4's loss is NaN. Poisoned at step 4: the checkpoint due then is refused."""
     data = write_chat_jsonl(tmp_path / "data.jsonl", 16)
-    cfg = TrainConfig(stage="ar", model=str(base_model), data=str(data), output=str(tmp_path / "out"),
-                      max_steps=8, save_steps=2, batch_size=2, learning_rate=1e-3, progress=False)
+    cfg = TrainConfig(
+        stage="ar",
+        model=str(base_model),
+        data=str(data),
+        output=str(tmp_path / "out"),
+        max_steps=8,
+        save_steps=2,
+        batch_size=2,
+        learning_rate=1e-3,
+        progress=False,
+    )
     with pytest.raises(NonFiniteTraining, match=reason):
         train(cfg, callbacks=[poison_at(poisoned_step)])
     partial = tmp_path / "out.partial"

@@ -12,10 +12,9 @@ import pytest
 
 from marslm.data import toy
 from marslm.data.tokenizer import train_chat_tokenizer
+from marslm.experiments.toy_model import make_tiny_qwen2
 from marslm.modeling import load_model
-from marslm.toy_model import make_tiny_qwen2
 from marslm.train import TrainConfig, train
-
 
 TRAIN_N = 64
 # Raw-text prompts some of which the tiny model continues for hundreds of tokens without EOS.
@@ -41,12 +40,25 @@ def build_trained_checkpoints(root: Path) -> dict:
     model = make_tiny_qwen2(tokenizer, "test", seed=0)
     model.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
-    common = dict(data="toy", data_n=TRAIN_N, batch_size=16, max_length=160, progress=False, save_steps=10**9,
-                  logging_steps=50)
-    train(TrainConfig(stage="ar", model=str(root / "base"), output=str(root / "ar"), max_steps=200,
-                      learning_rate=3e-3, **common))
-    train(TrainConfig(stage="mars", model=str(root / "ar"), output=str(root / "mars"), max_steps=200,
-                      learning_rate=3e-3, block_size=4, **common))
+    common = dict(
+        data="toy", data_n=TRAIN_N, batch_size=16, max_length=160, progress=False, save_steps=10**9, logging_steps=50
+    )
+    train(
+        TrainConfig(
+            stage="ar", model=str(root / "base"), output=str(root / "ar"), max_steps=200, learning_rate=3e-3, **common
+        )
+    )
+    train(
+        TrainConfig(
+            stage="mars",
+            model=str(root / "ar"),
+            output=str(root / "mars"),
+            max_steps=200,
+            learning_rate=3e-3,
+            block_size=4,
+            **common,
+        )
+    )
     return {"dir": root}
 
 

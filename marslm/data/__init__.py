@@ -24,8 +24,9 @@ def check_mix(source: str, mix: dict[str, float] | None) -> None:
         raise UserError(f"--data-mix: {exc}") from None
 
 
-def load_conversations(source: str, split: str = "train", n: int | None = None, seed: int = 0,
-                       mix: dict[str, float] | None = None) -> list[list[dict]]:
+def load_conversations(
+    source: str, split: str = "train", n: int | None = None, seed: int = 0, mix: dict[str, float] | None = None
+) -> list[list[dict]]:
     """Chat conversations (message lists, assistant turns included) from a named source.
 
     ``mix`` weights the toy suite's families (e.g. ``{"lists": 2}``); files are taken as they are.

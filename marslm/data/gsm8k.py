@@ -31,9 +31,9 @@ _ANY_NUMBER = re.compile(_NUMBER)
 class GSM8KExample:
     id: str
     family: str
-    messages: list[dict]      # the question as one user message
-    answer: str               # the reference solution, "#### N" line included
-    target: str               # N, as written in the reference
+    messages: list[dict]  # the question as one user message
+    answer: str  # the reference solution, "#### N" line included
+    target: str  # N, as written in the reference
 
 
 def parse_number(text: str) -> Decimal | None:
@@ -70,9 +70,15 @@ def load_gsm8k(path: str | Path, n: int | None = None) -> list[GSM8KExample]:
         found = _AFTER_HASHES.findall(record["answer"])
         if not found or parse_number(found[-1]) is None:
             raise UserError(f"{where}: the GSM8K 'answer' has no final '#### <number>' line")
-        examples.append(GSM8KExample(id=f"{FAMILY}-{len(examples)}", family=FAMILY,
-                                     messages=[{"role": "user", "content": record["question"]}],
-                                     answer=record["answer"], target=found[-1]))
+        examples.append(
+            GSM8KExample(
+                id=f"{FAMILY}-{len(examples)}",
+                family=FAMILY,
+                messages=[{"role": "user", "content": record["question"]}],
+                answer=record["answer"],
+                target=found[-1],
+            )
+        )
         if n is not None and len(examples) >= n:
             break
     return examples

@@ -28,16 +28,18 @@ from .toy import extract_code
 FAMILY = "humaneval"
 KEYS = ("task_id", "prompt", "test", "entry_point")
 CHECK_TIMEOUT_S = 5.0
-INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a ```python "
-               "code block.\n\n```python\n{prompt}```")
+INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in a ```python "
+    "code block.\n\n```python\n{prompt}```"
+)
 
 
 @dataclass(frozen=True)
 class HumanEvalExample:
-    id: str                  # the task_id
+    id: str  # the task_id
     family: str
-    messages: list[dict]     # the instruction and the function stub, as one user message
-    problem: dict            # task_id, prompt, test, entry_point: what the harness runs
+    messages: list[dict]  # the instruction and the function stub, as one user message
+    problem: dict  # task_id, prompt, test, entry_point: what the harness runs
 
 
 def load_humaneval(path: str | Path, n: int | None = None) -> list[HumanEvalExample]:
@@ -46,8 +48,14 @@ def load_humaneval(path: str | Path, n: int | None = None) -> list[HumanEvalExam
     for where, record in read_jsonl_records(path):
         require_strings(record, KEYS, where, "HumanEval")
         problem = {key: record[key] for key in KEYS}
-        examples.append(HumanEvalExample(id=problem["task_id"], family=FAMILY, problem=problem,
-                                         messages=[{"role": "user", "content": INSTRUCTION.format(**problem)}]))
+        examples.append(
+            HumanEvalExample(
+                id=problem["task_id"],
+                family=FAMILY,
+                problem=problem,
+                messages=[{"role": "user", "content": INSTRUCTION.format(**problem)}],
+            )
+        )
         if n is not None and len(examples) >= n:
             break
     return examples
@@ -61,17 +69,22 @@ def completion_from_response(problem: dict, response: str) -> str:
     return code
 
 
-def score_many(examples: Sequence[HumanEvalExample], responses: Sequence[str],
-               timeout: float = CHECK_TIMEOUT_S) -> list[bool]:
+def score_many(
+    examples: Sequence[HumanEvalExample], responses: Sequence[str], timeout: float = CHECK_TIMEOUT_S
+) -> list[bool]:
     problems = [ex.problem for ex in examples]
-    completions = [completion_from_response(ex.problem, r) if isinstance(r, str) else "" for ex, r
-                   in zip(examples, responses, strict=True)]
+    completions = [
+        completion_from_response(ex.problem, r) if isinstance(r, str) else ""
+        for ex, r in zip(examples, responses, strict=True)
+    ]
     return run_checks(problems, completions, timeout)
 
 
 def run_checks(problems: Sequence[dict], completions: Sequence[str], timeout: float = CHECK_TIMEOUT_S) -> list[bool]:
     """Pass/fail of each ``prompt + completion + test + check(entry_point)`` program: it passes
     when it runs to its end (``sandbox.run_to_end``: an exit of its own is no pass)."""
-    programs = [p["prompt"] + c + "\n" + p["test"] + "\n" + f"check({p['entry_point']})\n"
-                for p, c in zip(problems, completions, strict=True)]
+    programs = [
+        p["prompt"] + c + "\n" + p["test"] + "\n" + f"check({p['entry_point']})\n"
+        for p, c in zip(problems, completions, strict=True)
+    ]
     return [output is not None for output in sandbox.run_many_to_end(programs, timeout)]

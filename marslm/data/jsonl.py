@@ -23,13 +23,21 @@ from pathlib import Path
 from ..errors import UserError
 
 ROLES = {"system", "user", "assistant", "tool"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "model": "assistant", "system": "system", "tool": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 SHAPES = "{messages}, Alpaca {instruction, output}, {prompt, completion} or ShareGPT {conversations}"
 
 
 # ---------------------------------------------------------------------------- reading records
+
 
 def read_jsonl_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """``(where, record)`` for each non-blank line; ``where`` is ``"path:line"`` for error messages.
@@ -54,12 +62,14 @@ def read_jsonl_records(path: str | Path) -> Iterator[tuple[str, dict]]:
             raise UserError(f"{where}: malformed JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        if _SURROGATE_ESCAPE.search(line):   # the file is UTF-8, so only an escape can make one
+        if _SURROGATE_ESCAPE.search(line):  # the file is UTF-8, so only an escape can make one
             try:
                 json.dumps(record, ensure_ascii=False).encode("utf-8")
             except UnicodeEncodeError:
-                raise UserError(f"{where}: a string holds a lone surrogate escape "
-                                f"({_SURROGATE_ESCAPE.search(line).group()}): not valid Unicode text") from None
+                raise UserError(
+                    f"{where}: a string holds a lone surrogate escape "
+                    f"({_SURROGATE_ESCAPE.search(line).group()}): not valid Unicode text"
+                ) from None
         empty = False
         yield where, record
     if empty:
@@ -80,6 +90,7 @@ def require_strings(record: dict, keys: tuple[str, ...], where: str, what: str) 
 
 
 # ---------------------------------------------------------------------------- chat shapes
+
 
 def _check_messages(messages, where: str, field: str = "messages", need_assistant: bool = True) -> list[dict]:
     if not isinstance(messages, list) or not messages:
@@ -123,7 +134,9 @@ def _from_sharegpt(record: dict, where: str) -> list[dict]:
     for turn in turns:
         role = SHAREGPT_ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
         if role is None or not isinstance(turn.get("value"), str):
-            raise UserError(f"{where}: each ShareGPT turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value'")
+            raise UserError(
+                f"{where}: each ShareGPT turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value'"
+            )
         messages.append({"role": role, "content": turn["value"]})
     return _check_messages(messages, where, "conversations")
 

@@ -20,7 +20,7 @@ FAMILIES = ("arithmetic", "lists")
 _ARITHMETIC_FRAMES = (
     "Could you help me with this one? {story} Please explain how you get there.",
     "Here is a little puzzle for you.\n{story}\nWalk me through it.",
-    "My kid brought this home from school: \"{story}\" What would the answer be?",
+    'My kid brought this home from school: "{story}" What would the answer be?',
     "{story} I'd like to see the working, not just the result.",
 )
 
@@ -48,7 +48,7 @@ def _story_of(prompt: str) -> str:
     for phrasing in toy._ARITHMETIC_PHRASINGS:
         lead = phrasing.replace("{story}", "")
         if lead and prompt.startswith(lead):
-            return prompt[len(lead):]
+            return prompt[len(lead) :]
     return prompt
 
 

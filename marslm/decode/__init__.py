@@ -7,11 +7,19 @@ transformers: the vLLM plugin runs it under the transformers version vLLM pins.
 from importlib import import_module
 
 _EXPORTS = {
-    "METRICS": "acceptance", "accept_length": "acceptance", "confidence": "acceptance",
-    "DecodeBatch": "batch", "FinishedRow": "batch",
+    "METRICS": "acceptance",
+    "accept_length": "acceptance",
+    "confidence": "acceptance",
+    "DecodeBatch": "batch",
+    "FinishedRow": "batch",
     "BlockCachedBatch": "block_cache",
-    "GenerationResult": "generation", "generate": "generation",
-    "CACHE_MODES": "params", "MODES": "params", "DecodingParams": "params", "ParamError": "params", "check_tau": "params",
+    "GenerationResult": "generation",
+    "generate": "generation",
+    "CACHE_MODES": "params",
+    "MODES": "params",
+    "DecodingParams": "params",
+    "ParamError": "params",
+    "check_tau": "params",
     "TextStream": "text",
 }
 __all__ = sorted(_EXPORTS)

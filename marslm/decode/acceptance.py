@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-METRICS = ("prob", "entropy", "margin")
+from .params import METRICS
+
 PROB, ENTROPY, MARGIN = range(3)
 
 
@@ -36,8 +37,9 @@ def one_token_rows(tau: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
     return torch.where(metric == ENTROPY, tau <= 0, tau >= 1)
 
 
-def confidence(logits: torch.Tensor, metric: torch.Tensor,
-               present: set[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def confidence(
+    logits: torch.Tensor, metric: torch.Tensor, present: set[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy tokens and their confidence under each row's metric.
 
     logits: ``[batch, candidates, vocab]``; metric: ``[batch]`` metric codes. ``present``: the
@@ -57,8 +59,9 @@ def confidence(logits: torch.Tensor, metric: torch.Tensor,
     return tokens, conf
 
 
-def accept_length(conf: torch.Tensor, tau: torch.Tensor, metric: torch.Tensor,
-                  max_accept: torch.Tensor | None = None) -> torch.Tensor:
+def accept_length(
+    conf: torch.Tensor, tau: torch.Tensor, metric: torch.Tensor, max_accept: torch.Tensor | None = None
+) -> torch.Tensor:
     """Number of leading candidates to accept per row, in ``1..candidates``.
 
     conf: ``[batch, candidates]``; tau, metric: ``[batch]``; max_accept: optional ``[batch]`` cap
@@ -66,7 +69,7 @@ def accept_length(conf: torch.Tensor, tau: torch.Tensor, metric: torch.Tensor,
     """
     tau_col = tau[:, None].to(conf.dtype)
     passes = torch.where(metric[:, None] == ENTROPY, conf <= tau_col, conf >= tau_col)
-    passes[:, 0] = True   # the AR token: accepted whatever its confidence
+    passes[:, 0] = True  # the AR token: accepted whatever its confidence
     accept = passes.long().cumprod(dim=-1).sum(dim=-1)
     accept = torch.where(one_token_rows(tau, metric), torch.ones_like(accept), accept)
     if max_accept is not None:

@@ -58,8 +58,8 @@ CACHE_MODES = ("none", "cursor")
 @dataclass
 class FinishedRow:
     request_id: object
-    token_ids: list[int]          # new tokens, the stop token excluded
-    stopped: bool                 # ended on a stop token (else: hit max_new_tokens)
+    token_ids: list[int]  # new tokens, the stop token excluded
+    stopped: bool  # ended on a stop token (else: hit max_new_tokens)
     accepted_per_step: list[int]  # tokens accepted in each forward this row took part in
 
     @property
@@ -69,31 +69,60 @@ class FinishedRow:
 
 @dataclass
 class BatchStats:
-    forwards: int = 0               # model calls
-    peak_cache_slots: int = 0       # widest the cache got, holes included
-    fed_columns: int = 0            # sum over forwards of batch x width (compute proxy)
+    forwards: int = 0  # model calls
+    peak_cache_slots: int = 0  # widest the cache got, holes included
 
 
 @dataclass
 class _Step:
     """What the inputs phase decided, for the phases after the forward."""
-    pending_len: torch.Tensor     # [rows]
-    pending_valid: torch.Tensor   # [rows, Wp]
-    draft_valid: torch.Tensor     # [rows, K]
-    reads: torch.Tensor           # [rows] masks each row reads this step
-    n_masks: int                  # masks per group fed
+
+    pending_len: torch.Tensor  # [rows]
+    pending_valid: torch.Tensor  # [rows, Wp]
+    draft_valid: torch.Tensor  # [rows, K]
+    reads: torch.Tensor  # [rows] masks each row reads this step
+    n_masks: int  # masks per group fed
     groups: int
 
 
 class DecodeBatch:
     # Per-row tensors, indexed alike; rows leave by indexing all of them at once.
-    ROW_STATE = ("tokens", "prompt_len", "seq_len", "cached_len", "max_len", "tau", "metric", "temperature",
-                 "top_p", "top_k", "n_masks", "width", "lossless", "draft", "draft_len", "draft_q", "accept_log",
-                 "forwards", "slot_valid", "last_accept")
+    ROW_STATE = (
+        "tokens",
+        "prompt_len",
+        "seq_len",
+        "cached_len",
+        "max_len",
+        "tau",
+        "metric",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n_masks",
+        "width",
+        "lossless",
+        "draft",
+        "draft_len",
+        "draft_q",
+        "accept_log",
+        "forwards",
+        "slot_valid",
+        "last_accept",
+    )
 
-    def __init__(self, model, *, mask_token_id: int, stop_ids: list[int], pad_id: int = 0,
-                 cache: str = "cursor", use_last_mask: bool = True, draft_groups: bool = False,
-                 adaptive_width: bool = True, seed: int | None = None):
+    def __init__(
+        self,
+        model,
+        *,
+        mask_token_id: int,
+        stop_ids: list[int],
+        pad_id: int = 0,
+        cache: str = "cursor",
+        use_last_mask: bool = True,
+        draft_groups: bool = False,
+        adaptive_width: bool = True,
+        seed: int | None = None,
+    ):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
         self.model = model
@@ -106,34 +135,34 @@ class DecodeBatch:
         self.draft_groups = draft_groups
         self.adaptive_width = adaptive_width
         self.stats = BatchStats()
-        self.generator = torch.Generator(device=dev)   # for requests that name no seed
+        self.generator = torch.Generator(device=dev)  # for requests that name no seed
         if seed is not None:
             self.generator.manual_seed(seed)
         self.request_ids: list = []
-        self.generators: list[torch.Generator | None] = []   # per row: its own seed's generator
+        self.generators: list[torch.Generator | None] = []  # per row: its own seed's generator
         self.kv: SlotCache | None = None
         long = torch.long
         empty = dict(device=dev, dtype=long)
-        self.tokens = torch.zeros(0, 0, **empty)              # [rows, room] prompt, then accepted
+        self.tokens = torch.zeros(0, 0, **empty)  # [rows, room] prompt, then accepted
         self.prompt_len = torch.zeros(0, **empty)
-        self.seq_len = torch.zeros(0, **empty)                # prompt + accepted
-        self.cached_len = torch.zeros(0, **empty)             # leading tokens with cached keys/values
-        self.max_len = torch.zeros(0, **empty)                # prompt + max_new_tokens
+        self.seq_len = torch.zeros(0, **empty)  # prompt + accepted
+        self.cached_len = torch.zeros(0, **empty)  # leading tokens with cached keys/values
+        self.max_len = torch.zeros(0, **empty)  # prompt + max_new_tokens
         self.tau = torch.zeros(0, dtype=torch.float64, device=dev)
         self.metric = torch.zeros(0, **empty)
         self.temperature = torch.zeros(0, dtype=torch.float32, device=dev)
         self.top_p = torch.zeros(0, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(0, **empty)
-        self.n_masks = torch.zeros(0, **empty)                # most masks this row may read per step
-        self.width = torch.zeros(0, **empty)                  # masks it reads now (adaptive width)
+        self.n_masks = torch.zeros(0, **empty)  # most masks this row may read per step
+        self.width = torch.zeros(0, **empty)  # masks it reads now (adaptive width)
         self.lossless = torch.zeros(0, dtype=torch.bool, device=dev)
-        self.draft = torch.zeros(0, 0, **empty)               # lossless: tokens to verify
+        self.draft = torch.zeros(0, 0, **empty)  # lossless: tokens to verify
         self.draft_len = torch.zeros(0, **empty)
-        self.draft_q = torch.zeros(0, 0, 0, device=dev)       # lossless sampling: the drafts' distributions
-        self.accept_log = torch.zeros(0, 0, **empty)          # [rows, steps] accepted per forward
+        self.draft_q = torch.zeros(0, 0, 0, device=dev)  # lossless sampling: the drafts' distributions
+        self.accept_log = torch.zeros(0, 0, **empty)  # [rows, steps] accepted per forward
         self.forwards = torch.zeros(0, **empty)
-        self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)   # [rows, slots]
-        self.last_accept = torch.zeros(0, **empty)            # tokens each row accepted last step
+        self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [rows, slots]
+        self.last_accept = torch.zeros(0, **empty)  # tokens each row accepted last step
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -157,18 +186,24 @@ class DecodeBatch:
 
         zeros = torch.zeros(n, dtype=long, device=dev)
         new_rows = {
-            "tokens": tokens, "prompt_len": prompt_len, "seq_len": prompt_len.clone(), "cached_len": zeros,
+            "tokens": tokens,
+            "prompt_len": prompt_len,
+            "seq_len": prompt_len.clone(),
+            "cached_len": zeros,
             "max_len": prompt_len + max_new,
             "tau": column([s.tau for s in settings], torch.float64),
             "metric": column([metric_code(s.metric) for s in settings], long),
             "temperature": column([s.temperature for s in settings], torch.float32),
             "top_p": column([s.top_p for s in settings], torch.float32),
             "top_k": column([s.top_k for s in settings], long),
-            "n_masks": n_masks, "width": n_masks.clone(),
+            "n_masks": n_masks,
+            "width": n_masks.clone(),
             "lossless": column([s.mode == "lossless" for s in settings], torch.bool),
-            "draft": torch.zeros(n, 0, dtype=long, device=dev), "draft_len": zeros,
+            "draft": torch.zeros(n, 0, dtype=long, device=dev),
+            "draft_len": zeros,
             "draft_q": torch.zeros(n, 0, 0, device=dev),
-            "accept_log": torch.zeros(n, int(max_new.max()) + 1, dtype=long, device=dev), "forwards": zeros,
+            "accept_log": torch.zeros(n, int(max_new.max()) + 1, dtype=long, device=dev),
+            "forwards": zeros,
             "slot_valid": torch.zeros(n, self.slot_valid.shape[1], dtype=torch.bool, device=dev),
             "last_accept": zeros,
         }
@@ -192,8 +227,11 @@ class DecodeBatch:
         reported by :meth:`step` itself."""
         counts = self.last_accept.tolist()
         ends = self.seq_len.tolist()
-        return {rid: self.tokens[i, ends[i] - n: ends[i]].tolist()
-                for i, (rid, n) in enumerate(zip(self.request_ids, counts)) if n}
+        return {
+            rid: self.tokens[i, ends[i] - n : ends[i]].tolist()
+            for i, (rid, n) in enumerate(zip(self.request_ids, counts))
+            if n
+        }
 
     def cancel(self, request_ids) -> None:
         """Drop rows (a client went away, a stop string matched); their places are free from the next step on."""
@@ -216,7 +254,7 @@ class DecodeBatch:
         kept = keep.tolist()
         self.request_ids = [self.request_ids[i] for i in kept]
         self.generators = [self.generators[i] for i in kept]
-        if not kept:   # an empty batch starts afresh: no stale cache width
+        if not kept:  # an empty batch starts afresh: no stale cache width
             self.kv = None
             self.slot_valid = self.slot_valid.new_zeros(0, 0)
         elif self.kv is not None:
@@ -229,11 +267,15 @@ class DecodeBatch:
             return []
         step, input_ids, position_ids, mask, read = self._inputs()
         with torch.no_grad():
-            logits = self.model(input_ids=input_ids, position_ids=position_ids,
-                                attention_mask=for_attention(mask, self.model), cache=self.kv,
-                                use_cache=self.kv is not None, logits_to_keep=read).logits
+            logits = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=for_attention(mask, self.model),
+                cache=self.kv,
+                use_cache=self.kv is not None,
+                logits_to_keep=read,
+            ).logits
         self.stats.forwards += 1
-        self.stats.fed_columns += input_ids.numel()
         candidates, accept, stopped, verified, mask_tokens, probs = self._accept(step, logits)
         seq_len_before = self.seq_len
         self._record(step, candidates, accept, verified, mask_tokens, probs)
@@ -265,20 +307,40 @@ class DecodeBatch:
             group_valid = group_sees <= self.draft_len[:, None]
         else:
             group_sees, group_valid = self.draft_len[:, None], torch.ones(rows, 1, dtype=torch.bool, device=dev)
-        input_ids = torch.cat([pending, self.draft.masked_fill(~draft_valid, self.pad_id),
-                               torch.full((rows, groups * n_masks), self.mask_token_id, device=dev)], dim=1)
-        position_ids = torch.cat([
-            self.cached_len[:, None] + pending_cols,
-            self.seq_len[:, None] + draft_cols,
-            (self.seq_len[:, None, None] + group_sees[:, :, None] + mask_cols).flatten(1)], dim=1)
+        input_ids = torch.cat(
+            [
+                pending,
+                self.draft.masked_fill(~draft_valid, self.pad_id),
+                torch.full((rows, groups * n_masks), self.mask_token_id, device=dev),
+            ],
+            dim=1,
+        )
+        position_ids = torch.cat(
+            [
+                self.cached_len[:, None] + pending_cols,
+                self.seq_len[:, None] + draft_cols,
+                (self.seq_len[:, None, None] + group_sees[:, :, None] + mask_cols).flatten(1),
+            ],
+            dim=1,
+        )
         mask = decode_step_mask(self.slot_valid, pending_valid, draft_valid, group_sees, group_valid, n_masks)
-        read = torch.cat([(pending_len - 1)[:, None], width_pending + draft_cols.expand(rows, -1),
-                          width_pending + draft_width + torch.arange(groups * n_masks, device=dev).expand(rows, -1)],
-                         dim=1)
+        read = torch.cat(
+            [
+                (pending_len - 1)[:, None],
+                width_pending + draft_cols.expand(rows, -1),
+                width_pending + draft_width + torch.arange(groups * n_masks, device=dev).expand(rows, -1),
+            ],
+            dim=1,
+        )
         if self.kv is None and self.cache_mode != "none":
             self.kv = SlotCache(capacity=2 * (int(self.seq_len.max()) + input_ids.shape[1]))
-        return (_Step(pending_len, pending_valid, draft_valid, reads, n_masks, groups),
-                input_ids, position_ids, mask, read)
+        return (
+            _Step(pending_len, pending_valid, draft_valid, reads, n_masks, groups),
+            input_ids,
+            position_ids,
+            mask,
+            read,
+        )
 
     def _accept(self, step: _Step, logits: torch.Tensor):
         """Phase 2: each row's candidates and how many of them it accepts."""
@@ -286,8 +348,8 @@ class DecodeBatch:
         draft_width, n_masks, groups = self.draft.shape[1], step.n_masks, step.groups
         predicted, conf = confidence(logits, self.metric)
         ar_tokens = predicted[:, : draft_width + 1]
-        mask_tokens = predicted[:, draft_width + 1:].reshape(rows, groups, n_masks)
-        mask_conf = conf[:, draft_width + 1:].reshape(rows, groups, n_masks)
+        mask_tokens = predicted[:, draft_width + 1 :].reshape(rows, groups, n_masks)
+        mask_conf = conf[:, draft_width + 1 :].reshape(rows, groups, n_masks)
         sampling = self.temperature > 0
         probs = sampling_probs(logits, self.temperature, self.top_p, self.top_k) if bool(sampling.any()) else None
 
@@ -307,17 +369,19 @@ class DecodeBatch:
         speculative = sampling & self.lossless
         if probs is not None and bool(speculative.any()):
             q = self.draft_q
-            if q.shape[1] != draft_width:   # no row drew its draft by sampling: nothing reads q
+            if q.shape[1] != draft_width:  # no row drew its draft by sampling: nothing reads q
                 q = probs.new_zeros(rows, draft_width, probs.shape[-1])
             uniform = self._uniform(speculative, self.draft_len, draft_width)
             kept, next_probs = speculative_accept(probs[:, : draft_width + 1], q, self.draft, self.draft_len, uniform)
             verified = torch.where(speculative, kept, verified)
             correction = torch.where(speculative, self._draw(next_probs, speculative), correction)
         cand_cols = torch.arange(max(draft_width, n_masks) + 1, device=dev)
-        lossless_candidates = torch.where(cand_cols == verified[:, None], correction[:, None],
-                                          _pad_cols(self.draft, len(cand_cols)))
-        candidates = torch.where(self.lossless[:, None], lossless_candidates,
-                                 _pad_cols(threshold_candidates, len(cand_cols)))
+        lossless_candidates = torch.where(
+            cand_cols == verified[:, None], correction[:, None], _pad_cols(self.draft, len(cand_cols))
+        )
+        candidates = torch.where(
+            self.lossless[:, None], lossless_candidates, _pad_cols(threshold_candidates, len(cand_cols))
+        )
         accept = torch.where(self.lossless, verified + 1, threshold_accept)
 
         accept = torch.minimum(accept, self.max_len - self.seq_len)
@@ -365,7 +429,7 @@ class DecodeBatch:
         speculative = self.lossless & (self.temperature > 0)
         if probs is not None and bool(speculative.any()):
             draft_width = self.draft.shape[1]
-            mask_probs = probs[:, draft_width + 1:].reshape(rows, groups, n_masks, -1)
+            mask_probs = probs[:, draft_width + 1 :].reshape(rows, groups, n_masks, -1)
             q = mask_probs.gather(1, group[:, None, None, None].expand(-1, 1, n_masks, mask_probs.shape[-1]))[:, 0]
             # each sampling row draws exactly its own draft's tokens: its samples do not depend on the batch
             wanted = speculative[:, None] & (torch.arange(n_masks, device=self.device) < self.draft_len[:, None])
@@ -415,8 +479,11 @@ class DecodeBatch:
             ids = self.tokens[i, start:end].tolist()
             if bool(stopped[i]):
                 ids = ids[:-1]
-            done.append(FinishedRow(self.request_ids[i], ids, bool(stopped[i]),
-                                    self.accept_log[i, : int(self.forwards[i])].tolist()))
+            done.append(
+                FinishedRow(
+                    self.request_ids[i], ids, bool(stopped[i]), self.accept_log[i, : int(self.forwards[i])].tolist()
+                )
+            )
         self._keep((~finished).nonzero().flatten())
         return done
 

@@ -32,8 +32,7 @@ from .params import DecodingParams
 class BlockCachedBatch:
     """Decodes one static batch with the paper's block cache; :meth:`run` returns the finished rows."""
 
-    def __init__(self, model, *, mask_token_id: int, stop_ids: list[int], pad_id: int = 0,
-                 block_cache_size: int = 16):
+    def __init__(self, model, *, mask_token_id: int, stop_ids: list[int], pad_id: int = 0, block_cache_size: int = 16):
         self.model = model
         self.device = next(model.parameters()).device
         self.mask_token_id = mask_token_id
@@ -57,7 +56,7 @@ class BlockCachedBatch:
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         cols = torch.arange(size, device=dev)
         while True:
-            room = (settings.max_new_tokens - generated.shape[1])
+            room = settings.max_new_tokens - generated.shape[1]
             block = torch.full((rows, size), self.mask_token_id, dtype=torch.long, device=dev)
             filled = torch.where(finished, size, 0)
             block_end = torch.full_like(filled, min(size, room))
@@ -77,7 +76,7 @@ class BlockCachedBatch:
                 accept = torch.where(stopped, is_stop.long().argmax(dim=1) + 1, accept)
                 write = (cols >= filled[:, None]) & (cols < (filled + accept)[:, None])
                 block = torch.where(write, cand, block)
-                for row, n in enumerate(accept.tolist()):   # host bookkeeping: once per row per step
+                for row, n in enumerate(accept.tolist()):  # host bookkeeping: once per row per step
                     if n:
                         accept_log[row].append(n)
                 filled = filled + accept
@@ -99,7 +98,7 @@ class BlockCachedBatch:
         dev, width = self.device, max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=dev)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long, device=dev)
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=dev)
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         valid = torch.arange(width, device=dev) >= (width - lengths)[:, None]
         positions = (torch.arange(width, device=dev) - (width - lengths)[:, None]).clamp(min=0)
@@ -113,17 +112,23 @@ class BlockCachedBatch:
         rows, size = block.shape
         positions = committed[:, None] + torch.arange(size, device=self.device)
         fed_valid = torch.ones(rows, size, dtype=torch.bool, device=self.device)
-        logits = self._call(block, positions, causal_step_mask(slot_valid, fed_valid),
-                            logits_to_keep=1 if commit else 0)
+        logits = self._call(
+            block, positions, causal_step_mask(slot_valid, fed_valid), logits_to_keep=1 if commit else 0
+        )
         if not commit:
             self.kv.crop(-size)
         return logits
 
     def _call(self, ids, positions, mask, logits_to_keep: int) -> torch.Tensor:
         self.stats.forwards += 1
-        self.stats.fed_columns += ids.numel()
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=for_attention(mask, self.model),
-                         cache=self.kv, use_cache=True, logits_to_keep=logits_to_keep)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=for_attention(mask, self.model),
+            cache=self.kv,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
         self.stats.peak_cache_slots = max(self.stats.peak_cache_slots, self.kv.get_seq_length())
         return out.logits
 

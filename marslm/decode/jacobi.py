@@ -26,9 +26,9 @@ from ..errors import UserError
 @dataclass
 class JacobiResult:
     texts: list[str]
-    token_ids: list[list[int]]            # new tokens per prompt, stop token excluded
-    forwards: list[int]                   # forwards per prompt
-    accepted_per_step: list[list[int]]    # tokens committed by each forward (stop token included)
+    token_ids: list[list[int]]  # new tokens per prompt, stop token excluded
+    forwards: list[int]  # forwards per prompt
+    accepted_per_step: list[list[int]]  # tokens committed by each forward (stop token included)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -52,26 +52,27 @@ def _committed_count(guesses: list[int], predictions: list[int]) -> int:
 
 
 @torch.no_grad()
-def _decode_one(model, prompt_ids: list[int], window: int, max_new_tokens: int,
-                stop_ids: set[int]) -> tuple[list[int], list[int]]:
+def _decode_one(
+    model, prompt_ids: list[int], window: int, max_new_tokens: int, stop_ids: set[int]
+) -> tuple[list[int], list[int]]:
     """(new tokens with the stop token if one came, tokens committed per forward) for one prompt."""
     device = model.device
     generated: list[int] = []
     accepted_per_step: list[int] = []
-    guesses = [prompt_ids[-1]] * window          # no better guess before the first forward
+    guesses = [prompt_ids[-1]] * window  # no better guess before the first forward
     while len(generated) < max_new_tokens:
         prefix = prompt_ids + generated
         input_ids = torch.tensor([prefix + guesses], device=device)
         logits = model(input_ids=input_ids).logits[0]
         # The output at the last prefix position predicts the first guess's slot, and so on; the
         # output at the last guess predicts one token past the window.
-        predictions = logits[len(prefix) - 1:].argmax(dim=-1).tolist()    # window + 1 of them
+        predictions = logits[len(prefix) - 1 :].argmax(dim=-1).tolist()  # window + 1 of them
 
-        committed = predictions[:_committed_count(guesses, predictions)]
-        committed = committed[:max_new_tokens - len(generated)]
-        for i, token in enumerate(committed):       # stop at the first stop token, keeping it
+        committed = predictions[: _committed_count(guesses, predictions)]
+        committed = committed[: max_new_tokens - len(generated)]
+        for i, token in enumerate(committed):  # stop at the first stop token, keeping it
             if token in stop_ids:
-                committed = committed[:i + 1]
+                committed = committed[: i + 1]
                 break
         generated += committed
         accepted_per_step.append(len(committed))
@@ -79,13 +80,14 @@ def _decode_one(model, prompt_ids: list[int], window: int, max_new_tokens: int,
             break
         # The predictions past the committed ones are the next iteration's guesses, shifted left;
         # pad with the last of them to keep the window full.
-        guesses = predictions[len(committed):][:window]
+        guesses = predictions[len(committed) :][:window]
         guesses += [guesses[-1] if guesses else generated[-1]] * (window - len(guesses))
     return generated, accepted_per_step
 
 
-def jacobi_generate(model, tokenizer, prompts, *, window: int = 4, max_new_tokens: int = 256,
-                    apply_chat_template: bool = True) -> JacobiResult:
+def jacobi_generate(
+    model, tokenizer, prompts, *, window: int = 4, max_new_tokens: int = 256, apply_chat_template: bool = True
+) -> JacobiResult:
     """Greedy Jacobi decoding of ``prompts`` (strings, message lists or token-id lists), one at a time.
 
     The output equals greedy AR decoding (``model.generate(do_sample=False)``) token for token.
@@ -100,8 +102,9 @@ def jacobi_generate(model, tokenizer, prompts, *, window: int = 4, max_new_token
 
     texts, token_ids, forwards, accepted = [], [], [], []
     for prompt in prompts:
-        generated, steps = _decode_one(model, encode_prompt(tokenizer, prompt, apply_chat_template),
-                                       window, max_new_tokens, stop_ids)
+        generated, steps = _decode_one(
+            model, encode_prompt(tokenizer, prompt, apply_chat_template), window, max_new_tokens, stop_ids
+        )
         answer = generated[:-1] if generated and generated[-1] in stop_ids else generated
         texts.append(tokenizer.decode(answer, skip_special_tokens=True))
         token_ids.append(answer)

@@ -39,8 +39,8 @@ class SlotLayer(DynamicLayer):
         end = self.length + key_states.shape[-2]
         if end > self.keys.shape[-2]:
             self._grow(end)
-        self.keys[:, :, self.length:end] = key_states
-        self.values[:, :, self.length:end] = value_states
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
@@ -48,8 +48,9 @@ class SlotLayer(DynamicLayer):
         capacity = max(needed, 2 * self.keys.shape[-2])
         grow = capacity - self.keys.shape[-2]
         self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:2], grow, self.keys.shape[3])], dim=2)
-        self.values = torch.cat([self.values, self.values.new_zeros(*self.values.shape[:2], grow,
-                                                                    self.values.shape[3])], dim=2)
+        self.values = torch.cat(
+            [self.values, self.values.new_zeros(*self.values.shape[:2], grow, self.values.shape[3])], dim=2
+        )
 
     def get_seq_length(self) -> int:
         return self.length

@@ -11,11 +11,12 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import UserError
-from .acceptance import METRICS
+from ..settings import setting
 
+METRICS = ("prob", "entropy", "margin")  # acceptance.py computes them, in this order
 MODES = ("threshold", "lossless")
-CACHE_MODES = ("none", "block", "cursor")   # none: recompute; block: the paper's; cursor: ours (generation.py)
-MAX_STOP_SEQUENCES = 4   # as OpenAI's API
+CACHE_MODES = ("none", "block", "cursor")  # none: recompute; block: the paper's; cursor: ours (generation.py)
+MAX_STOP_SEQUENCES = 4  # as OpenAI's API
 
 
 class ParamError(UserError):
@@ -28,16 +29,35 @@ class ParamError(UserError):
 
 @dataclass
 class DecodingParams:
-    tau: float = 1.0                  # confidence threshold; 1 (prob/margin) or 0 (entropy) = one token per forward
-    metric: str = "prob"              # prob | margin | entropy (acceptance.py)
-    block_size: int | None = None     # masks per step + 1; None: the block size the checkpoint was trained with
-    max_new_tokens: int = 256
-    mode: str = "threshold"           # threshold (tau) | lossless (masks draft, the next forward verifies)
-    temperature: float = 0.0          # 0: greedy; > 0 samples (lossless: exactly the AR model's distribution)
-    top_p: float = 1.0
-    top_k: int = 0                    # 0: no top-k cut
-    seed: int | None = None           # per request: the same seed gives the same sample, whatever the batch
-    stop: tuple[str, ...] = ()        # stop strings, excluded from the output (OpenAI semantics)
+    """One request's decoding settings; the decoding options of the CLI are these fields."""
+
+    tau: float = setting(
+        1.0,
+        "confidence threshold: accept mask predictions while they pass it; 1 (prob, "
+        "margin) or 0 (entropy) is one token per forward, plain greedy AR",
+    )
+    metric: str = setting(
+        "prob",
+        "confidence metric: top-1 probability, top-1 minus top-2, or entropy (accept while below tau, in nats)",
+        choices=METRICS,
+    )
+    block_size: int | None = setting(
+        None, "masks per step + 1, at most the block size the checkpoint was trained with (default: that one)"
+    )
+    max_new_tokens: int = setting(256, "longest answer, in tokens")
+    mode: str = setting(
+        "threshold",
+        "threshold: accept while confident (tau); lossless: the masks draft, the "
+        "next forward verifies, and the output is the AR model's",
+        choices=MODES,
+    )
+    temperature: float = setting(0.0, "0: greedy; > 0 samples (lossless mode: exactly the AR model's distribution)")
+    top_p: float = setting(1.0, "nucleus sampling: keep the smallest set of tokens holding this much mass")
+    top_k: int = setting(0, "sample among the k most likely tokens (0: all)")
+    seed: int | None = setting(None, "sampling seed: the same seed gives the same answer, whatever the batch")
+    stop: tuple[str, ...] = setting(
+        (), "end the answer just before this text (repeat for up to 4)", metavar="TEXT", repeat=True
+    )
 
     def verify(self, trained_block_size: int | None = None) -> DecodingParams:
         """Check every field; return a copy with ``block_size`` resolved against the checkpoint's."""
@@ -48,8 +68,11 @@ class DecodingParams:
         if not isinstance(block_size, int) or block_size < 1:
             raise ParamError(f"block size must be an integer >= 1, got {block_size!r}", "block_size")
         if trained_block_size is not None and block_size > trained_block_size:
-            raise ParamError(f"block size must be in 1..{trained_block_size} (the block size the model was "
-                             f"trained with), got {block_size}", "block_size")
+            raise ParamError(
+                f"block size must be in 1..{trained_block_size} (the block size the model was "
+                f"trained with), got {block_size}",
+                "block_size",
+            )
         if self.mode == "lossless" and block_size < 2:
             raise ParamError("lossless mode needs at least one mask to draft from (block size >= 2)", "block_size")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 
-def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                   top_k: torch.Tensor) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p, per row: logits ``[rows, n, vocab]``, the
     settings ``[rows]``. Rows at temperature 0 get their softmax at temperature 1 (never sampled)."""
     t = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)[:, None, None]
@@ -37,8 +38,9 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     return scores.softmax(dim=-1)
 
 
-def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor,
-                       uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def speculative_accept(
+    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """How many drafts each row keeps, and the distribution to draw the token after them from.
 
     p ``[rows, K + 1, vocab]``: the AR distributions at the last real token and at each draft;
@@ -48,7 +50,7 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, dr
     rows, k = draft.shape
     p_draft = p[:, :k].gather(-1, draft[..., None])[..., 0]
     q_draft = q.gather(-1, draft[..., None])[..., 0]
-    keep = uniform * q_draft < p_draft                          # u < p/q, without dividing by q
+    keep = uniform * q_draft < p_draft  # u < p/q, without dividing by q
     keep &= torch.arange(k, device=draft.device) < draft_len[:, None]
     kept = keep.long().cumprod(dim=1).sum(dim=1)
     at = kept[:, None, None].expand(-1, 1, p.shape[-1])

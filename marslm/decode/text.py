@@ -17,9 +17,9 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.ids: list[int] = []
-        self.text = ""                 # decoded so far (may run past a stop string until it is found)
-        self.emitted = ""              # handed out so far
-        self.stopped = False           # a stop string was found; ``text`` ends before it
+        self.text = ""  # decoded so far (may run past a stop string until it is found)
+        self.emitted = ""  # handed out so far
+        self.stopped = False  # a stop string was found; ``text`` ends before it
         self._prefix_offset = self._read_offset = 0
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
@@ -31,12 +31,12 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids += ids
-        before = self._decode(self.ids[self._prefix_offset: self._read_offset])
-        after = self._decode(self.ids[self._prefix_offset:])
+        before = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        after = self._decode(self.ids[self._prefix_offset :])
         if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
             searched = max(0, len(self.text) - self._hold)
-            self.text += after[len(before):]
+            self.text += after[len(before) :]
             self._find_stop(searched)
         safe = len(self.text) if self.stopped else len(self.text) - self._hold
         return self._emit(safe)
@@ -69,6 +69,6 @@ class TextStream:
     def _emit(self, upto: int) -> str:
         if upto <= len(self.emitted):
             return ""
-        delta = self.text[len(self.emitted): upto]
+        delta = self.text[len(self.emitted) : upto]
         self.emitted += delta
         return delta

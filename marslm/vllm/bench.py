@@ -37,14 +37,17 @@ from .launch import serve_command
 @dataclass(frozen=True)
 class Contender:
     name: str
-    server: str            # "none" | "ngram" | "mars": the server's --speculative
-    fields: dict | None    # request fields
+    server: str  # "none" | "ngram" | "mars": the server's --speculative
+    fields: dict | None  # request fields
 
 
 def contenders(taus=(0.95,)) -> list[Contender]:
-    return [Contender("vLLM plain AR", "none", None), Contender("vLLM ngram", "ngram", None),
-            Contender("vLLM MARS lossless", "mars", {"mode": "lossless"}),
-            *[Contender(f"vLLM MARS tau {tau:g}", "mars", {"tau": tau}) for tau in taus]]
+    return [
+        Contender("vLLM plain AR", "none", None),
+        Contender("vLLM ngram", "ngram", None),
+        Contender("vLLM MARS lossless", "mars", {"mode": "lossless"}),
+        *[Contender(f"vLLM MARS tau {tau:g}", "mars", {"tau": tau}) for tau in taus],
+    ]
 
 
 def _free_port() -> int:
@@ -61,9 +64,13 @@ class _Server:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         with self.log_path.open("w") as log:
-            self.proc = subprocess.Popen(serve_command(model, port=self.port, speculative=speculative,
-                                                       log_level="warning", vllm_args=vllm_args),
-                                         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                serve_command(model, port=self.port, speculative=speculative, log_level="warning", vllm_args=vllm_args),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
 
     def wait(self, deadline: float) -> None:
         import httpx
@@ -93,9 +100,20 @@ class _Server:
                 self.proc.wait()
 
 
-def run_vllm_bench(model: str, *, concurrencies=(1, 8, 32), requests: int = 64, repeats: int = 3,
-                   taus=(0.95,), max_tokens: int = 192, timeout: float = 300.0, start_timeout: float = 600.0,
-                   seed: int = 0, vllm_args: list[str] = (), log=print) -> dict:
+def run_vllm_bench(
+    model: str,
+    *,
+    concurrencies=(1, 8, 32),
+    requests: int = 64,
+    repeats: int = 3,
+    taus=(0.95,),
+    max_tokens: int = 192,
+    timeout: float = 300.0,
+    start_timeout: float = 600.0,
+    seed: int = 0,
+    vllm_args: list[str] = (),
+    log=print,
+) -> dict:
     field = contenders(taus)
     servers: dict[str, _Server] = {}
     with tempfile.TemporaryDirectory(prefix="marslm-vllm-bench-") as log_dir:
@@ -106,21 +124,30 @@ def run_vllm_bench(model: str, *, concurrencies=(1, 8, 32), requests: int = 64, 
             for server in servers.values():
                 server.wait(deadline)
             log(f"vllm bench: {len(servers)} servers up")
-            runs = asyncio.run(_measure(servers, field, concurrencies, requests, repeats, max_tokens, timeout,
-                                        seed, log))
+            runs = asyncio.run(
+                _measure(servers, field, concurrencies, requests, repeats, max_tokens, timeout, seed, log)
+            )
         finally:
             for server in servers.values():
                 server.stop()
-    return {"model": model, "engine": "vllm", "requests": requests, "max_tokens": max_tokens, "repeats": repeats,
-            "concurrency": list(concurrencies), "data": "toy test split", "runs": runs,
-            "results": summarise(runs, field, concurrencies)}
+    return {
+        "model": model,
+        "engine": "vllm",
+        "requests": requests,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "concurrency": list(concurrencies),
+        "data": "toy test split",
+        "runs": runs,
+        "results": summarise(runs, field, concurrencies),
+    }
 
 
 async def _measure(servers, field, concurrencies, requests, repeats, max_tokens, timeout, seed, log) -> list[dict]:
     import httpx
 
     from ..data import toy
-    from ..loadtest import _one_request, _run_level, _summarise
+    from ..experiments.loadtest import _one_request, _run_level, _summarise
 
     examples = toy.make_split("test", requests, seed=seed)
     limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
@@ -129,23 +156,39 @@ async def _measure(servers, field, concurrencies, requests, repeats, max_tokens,
         models = {}
         for kind, server in servers.items():
             models[kind] = (await client.get(server.url + "/v1/models")).json()["data"][0]["id"]
-            await _one_request(client, server.url, {}, models[kind], examples[0].messages, 8, timeout)   # warm-up
+            await _one_request(client, server.url, {}, models[kind], examples[0].messages, 8, timeout)  # warm-up
         for repeat in range(repeats):
             for concurrency in concurrencies:
                 for contender in field:
                     server = servers[contender.server]
-                    samples, wall = await _run_level(client, server.url, {}, models[contender.server], examples,
-                                                     concurrency, max_tokens, timeout, contender.fields)
-                    correct = await asyncio.to_thread(toy.score_many, examples,
-                                                      [s.text if s.ok else None for s in samples])
-                    entry = {"contender": contender.name, "concurrency": concurrency, "repeat": repeat,
-                             **_summarise(samples, wall, correct)}
+                    samples, wall = await _run_level(
+                        client,
+                        server.url,
+                        {},
+                        models[contender.server],
+                        examples,
+                        concurrency,
+                        max_tokens,
+                        timeout,
+                        contender.fields,
+                    )
+                    correct = await asyncio.to_thread(
+                        toy.score_many, examples, [s.text if s.ok else None for s in samples]
+                    )
+                    entry = {
+                        "contender": contender.name,
+                        "concurrency": concurrency,
+                        "repeat": repeat,
+                        **_summarise(samples, wall, correct),
+                    }
                     if contender.server == "none":
-                        entry["tokens_per_forward"] = 1.0   # no drafts: one token per forward by construction
+                        entry["tokens_per_forward"] = 1.0  # no drafts: one token per forward by construction
                     runs.append(entry)
-                    log(f"vllm bench: {contender.name:>20} x{concurrency:<3} #{repeat}: {entry['tokens_per_s']} "
+                    log(
+                        f"vllm bench: {contender.name:>20} x{concurrency:<3} #{repeat}: {entry['tokens_per_s']} "
                         f"tok/s, {entry['tokens_per_forward']} tok/fwd, accuracy {entry['accuracy']}, "
-                        f"errors {entry['errors']}")
+                        f"errors {entry['errors']}"
+                    )
     return runs
 
 
@@ -158,22 +201,33 @@ def summarise(runs: list[dict], field, concurrencies) -> list[dict]:
             if not mine:
                 continue
             speed = [r["tokens_per_s"] or 0.0 for r in mine]
-            rows.append({
-                "contender": contender.name, "concurrency": concurrency,
-                "tokens_per_s": round(statistics.median(speed), 1), "tokens_per_s_min": min(speed),
-                "tokens_per_s_max": max(speed),
-                "speedup": round(statistics.median(speed) / statistics.median(plain), 3) if plain and
-                statistics.median(plain) else None,
-                "tokens_per_forward": mine[-1]["tokens_per_forward"], "accuracy": mine[-1]["accuracy"],
-                "errors": sum(r["errors"] for r in mine)})
+            rows.append(
+                {
+                    "contender": contender.name,
+                    "concurrency": concurrency,
+                    "tokens_per_s": round(statistics.median(speed), 1),
+                    "tokens_per_s_min": min(speed),
+                    "tokens_per_s_max": max(speed),
+                    "speedup": round(statistics.median(speed) / statistics.median(plain), 3)
+                    if plain and statistics.median(plain)
+                    else None,
+                    "tokens_per_forward": mine[-1]["tokens_per_forward"],
+                    "accuracy": mine[-1]["accuracy"],
+                    "errors": sum(r["errors"] for r in mine),
+                }
+            )
     return rows
 
 
 def format_table(report: dict) -> str:
-    lines = ["| contender | concurrency | tok/s (median; min-max) | x plain | tok/fwd | accuracy | errors |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| contender | concurrency | tok/s (median; min-max) | x plain | tok/fwd | accuracy | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in report["results"]:
-        lines.append(f"| {r['contender']} | {r['concurrency']} | {r['tokens_per_s']} ({r['tokens_per_s_min']}-"
-                     f"{r['tokens_per_s_max']}) | {r['speedup']} | {r['tokens_per_forward']} | {r['accuracy']} "
-                     f"| {r['errors']} |")
+        lines.append(
+            f"| {r['contender']} | {r['concurrency']} | {r['tokens_per_s']} ({r['tokens_per_s_min']}-"
+            f"{r['tokens_per_s_max']}) | {r['speedup']} | {r['tokens_per_forward']} | {r['accuracy']} "
+            f"| {r['errors']} |"
+        )
     return "\n".join(lines)

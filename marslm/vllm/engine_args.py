@@ -28,18 +28,24 @@ SPECULATIVE = ("mars", "ngram", "none")
 NGRAM_MAX = 4
 
 
-def serving_config(model_dir: str | Path, *, tau: float = 0.95, metric: str = "prob",
-                   mode: str = "threshold") -> ServingConfig:
+def serving_config(
+    model_dir: str | Path, *, tau: float = 0.95, metric: str = "prob", mode: str = "threshold"
+) -> ServingConfig:
     """The checkpoint's mask token and block size (``marslm.json``), or none for a plain AR checkpoint."""
     mars = MarsConfig.load(model_dir) if Path(model_dir).is_dir() else None
     if mars is None or mars.stage != "mars" or mars.mask_token_id is None or mars.block_size < 1:
         return ServingConfig(tau=tau, metric=metric, mode=mode)
-    return ServingConfig(mask_token_id=mars.mask_token_id, num_masks=mars.block_size, tau=tau, metric=metric,
-                         mode=mode)
+    return ServingConfig(mask_token_id=mars.mask_token_id, num_masks=mars.block_size, tau=tau, metric=metric, mode=mode)
 
 
-def engine_kwargs(model_dir: str | Path, *, speculative: str = "mars", serving: ServingConfig | None = None,
-                  cpu: bool = False, scheduler_cls: str = SCHEDULER) -> dict:
+def engine_kwargs(
+    model_dir: str | Path,
+    *,
+    speculative: str = "mars",
+    serving: ServingConfig | None = None,
+    cpu: bool = False,
+    scheduler_cls: str = SCHEDULER,
+) -> dict:
     """Keyword arguments of ``vllm.LLM`` / ``EngineArgs`` for one model directory.
 
     ``speculative``: ``mars`` (falls back to none for a checkpoint without masks), ``ngram``
@@ -51,12 +57,19 @@ def engine_kwargs(model_dir: str | Path, *, speculative: str = "mars", serving: 
     serving = serving or serving_config(model_dir)
     kwargs: dict = {"model": str(model_dir)}
     if speculative == "mars" and serving.mask_token_id is not None:
-        kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER,
-                                        "num_speculative_tokens": serving.num_speculative_tokens}
+        kwargs["speculative_config"] = {
+            "method": "custom_class",
+            "model": PROPOSER,
+            "num_speculative_tokens": serving.num_speculative_tokens,
+        }
         kwargs["additional_config"] = serving.to_additional_config()
     elif speculative == "ngram":
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": max(serving.num_masks, 1),
-                                        "prompt_lookup_max": NGRAM_MAX, "prompt_lookup_min": 2}
+        kwargs["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": max(serving.num_masks, 1),
+            "prompt_lookup_max": NGRAM_MAX,
+            "prompt_lookup_min": 2,
+        }
     if "speculative_config" in kwargs:
         # Per-request acceptance counts: the scheduler counts every forward into them, so the
         # middleware can report tokens per forward in `usage`.

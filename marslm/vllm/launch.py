@@ -29,16 +29,42 @@ def vllm_python() -> Path:
         python = venv / "bin" / "python"
         if python.is_file():
             return python
-    raise UserError(f"the vLLM engine needs vLLM's own environment, and there is none at {candidates[0]}: "
-                    f"run `make vllm-env` (or point {ENV_VAR} at one with vLLM and marslm installed)")
+    raise UserError(
+        f"the vLLM engine needs vLLM's own environment, and there is none at {candidates[0]}: "
+        f"run `make vllm-env` (or point {ENV_VAR} at one with vLLM and marslm installed)"
+    )
 
 
-def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, tau: float = 0.95,
-                  speculative: str = "mars", api_key: str | None = None, served_model_name: str | None = None,
-                  max_batch: int | None = None, log_level: str = "info", vllm_args: list[str] = ()) -> list[str]:
+def serve_command(
+    model: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    tau: float = 0.95,
+    speculative: str = "mars",
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_batch: int | None = None,
+    log_level: str = "info",
+    vllm_args: list[str] = (),
+) -> list[str]:
     """The command line that serves ``model`` with vLLM (``vllm_args`` go to ``vllm serve`` as they are)."""
-    cmd = [str(vllm_python()), "-m", "marslm.vllm.serve", model, "--host", host, "--port", str(port),
-           "--tau", repr(tau), "--speculative", speculative, "--log-level", log_level]
+    cmd = [
+        str(vllm_python()),
+        "-m",
+        "marslm.vllm.serve",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tau",
+        repr(tau),
+        "--speculative",
+        speculative,
+        "--log-level",
+        log_level,
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     if served_model_name:

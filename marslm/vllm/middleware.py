@@ -32,8 +32,11 @@ class MarsMiddleware:
         try:
             body = rewrite_request(body)
         except FieldError as exc:
-            await _send_json(send, 400, {"error": {"message": str(exc), "type": "invalid_request_error",
-                                                   "param": exc.param, "code": None}})
+            await _send_json(
+                send,
+                400,
+                {"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}},
+            )
             return
         scope = dict(scope, headers=_with_length(scope["headers"], len(body)))
         replayed = False
@@ -43,7 +46,7 @@ class MarsMiddleware:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()   # after the body: disconnects
+            return await receive()  # after the body: disconnects
 
         await self.app(scope, replay, _UsageWriter(send))
 
@@ -58,8 +61,10 @@ def rewrite_request(raw: bytes) -> bytes:
     if not isinstance(body, dict):
         return raw
     if body.get("block_size") is not None:
-        raise FieldError("'block_size' is not supported by the vLLM engine: each step reads the checkpoint's "
-                          "block size of masks", "block_size")
+        raise FieldError(
+            "'block_size' is not supported by the vLLM engine: each step reads the checkpoint's block size of masks",
+            "block_size",
+        )
     xargs = body.get("vllm_xargs") or {}
     if not isinstance(xargs, dict):
         return raw
@@ -98,10 +103,15 @@ class _UsageWriter:
         if message["type"] == "http.response.start":
             headers = dict(message.get("headers") or [])
             content_type = headers.get(b"content-type", b"")
-            self.kind = "json" if content_type.startswith(b"application/json") else \
-                "sse" if content_type.startswith(b"text/event-stream") else None
+            self.kind = (
+                "json"
+                if content_type.startswith(b"application/json")
+                else "sse"
+                if content_type.startswith(b"text/event-stream")
+                else None
+            )
             if self.kind == "json":
-                self.start = message   # sent with the rewritten body, whose length changes
+                self.start = message  # sent with the rewritten body, whose length changes
                 return
             await self.send(message)
             return
@@ -121,21 +131,26 @@ class _UsageWriter:
             await self.send(dict(self.start, headers=_with_length(self.start.get("headers") or [], len(body))))
             await self.send({"type": "http.response.body", "body": body, "more_body": False})
             return
-        if more:   # pass on whole events only: the usage event must be read in one piece
+        if more:  # pass on whole events only: the usage event must be read in one piece
             complete, separator, self.buffer = self.buffer.rpartition(b"\n\n")
             if not separator:
                 return
             payload = complete + separator
         else:
             payload, self.buffer = self.buffer, b""
-        await self.send({"type": "http.response.body", "more_body": more,
-                         "body": b"\n\n".join(_rewrite_event(event) for event in payload.split(b"\n\n"))})
+        await self.send(
+            {
+                "type": "http.response.body",
+                "more_body": more,
+                "body": b"\n\n".join(_rewrite_event(event) for event in payload.split(b"\n\n")),
+            }
+        )
 
 
 def _rewrite_event(event: bytes) -> bytes:
     if event.startswith(b"data: {") and b'"usage"' in event:
         try:
-            return b"data: " + json.dumps(add_forwards(json.loads(event[len(b"data: "):]))).encode()
+            return b"data: " + json.dumps(add_forwards(json.loads(event[len(b"data: ") :]))).encode()
         except ValueError:
             pass
     return event
@@ -160,6 +175,11 @@ async def _read_body(receive) -> bytes:
 
 async def _send_json(send, status: int, payload: dict) -> None:
     body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -47,8 +47,7 @@ def _attach(runner) -> None:
         return
     rows = MarsRows(runner, drafter.config)
     drafter.rows = rows
-    runner.rejection_sampler = MarsRejectionSampler(runner.sampler, runner.speculative_config, runner.device,
-                                                    rows=rows)
+    runner.rejection_sampler = MarsRejectionSampler(runner.sampler, runner.speculative_config, runner.device, rows=rows)
 
 
 class MarsRequestCheck(LogitsProcessor):

@@ -22,24 +22,28 @@ class MarsProposer:
     def __init__(self, vllm_config):
         self.config = ServingConfig.from_vllm_config(vllm_config)
         if self.config.mask_token_id is None:
-            raise ValueError("MarsProposer needs additional_config['marslm'] (marslm.vllm.engine_args.engine_kwargs "
-                             "sets it from the checkpoint's marslm.json)")
+            raise ValueError(
+                "MarsProposer needs additional_config['marslm'] (marslm.vllm.engine_args.engine_kwargs "
+                "sets it from the checkpoint's marslm.json)"
+            )
         self.masks = [self.config.mask_token_id] * self.config.num_masks
-        self.rows = None   # MarsRows, attached by the plugin together with the sampler
+        self.rows = None  # MarsRows, attached by the plugin together with the sampler
 
     def load_model(self, *args, **kwargs) -> None:
         """Nothing to load: the target model reads the masks itself."""
 
     def propose(self, sampled_token_ids: list[list[int]], *args, **kwargs) -> list[list[int]]:
         if self.rows is None:
-            raise RuntimeError("the marslm vLLM plugin is not loaded: install marslm in vLLM's environment "
-                               "(its `vllm.general_plugins` entry point attaches the MARS sampler)")
+            raise RuntimeError(
+                "the marslm vLLM plugin is not loaded: install marslm in vLLM's environment "
+                "(its `vllm.general_plugins` entry point attaches the MARS sampler)"
+            )
         rows = self.rows.refresh()
         drafts = rows.take_next_drafts()
         if drafts is not None:
-            tokens, lengths = (t.cpu().numpy() for t in drafts)   # the runner has synced already
+            tokens, lengths = (t.cpu().numpy() for t in drafts)  # the runner has synced already
         out = []
-        for i, new_tokens in enumerate(sampled_token_ids):   # vLLM's interface: one list per row
+        for i, new_tokens in enumerate(sampled_token_ids):  # vLLM's interface: one list per row
             if not new_tokens or rows.mode[i] == OFF:
                 out.append([])
             elif rows.mode[i] == LOSSLESS and drafts is not None and lengths[i]:

@@ -91,11 +91,10 @@ class MarsRejectionSampler(RejectionSampler):
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
         dev = logits.device
         n_rows = len(metadata.num_draft_tokens)
-        width = metadata.max_spec_len + 1                     # positions: the last token, then the drafts
+        width = metadata.max_spec_len + 1  # positions: the last token, then the drafts
 
         # --- each row's drafts and logits as [rows, positions]
-        n_drafts = torch.diff(metadata.cu_num_draft_tokens.long(), prepend=torch.zeros(1, dtype=torch.long,
-                                                                                        device=dev))
+        n_drafts = torch.diff(metadata.cu_num_draft_tokens.long(), prepend=torch.zeros(1, dtype=torch.long, device=dev))
         pos = torch.arange(width, device=dev)
         draft_at = (metadata.cu_num_draft_tokens.long() - n_drafts)[:, None] + pos[None, :-1]
         draft_valid = pos[None, :-1] < n_drafts[:, None]
@@ -103,15 +102,16 @@ class MarsRejectionSampler(RejectionSampler):
         is_mask = draft_valid & (drafts == self.mask_token_id)
         logit_at = (metadata.cu_num_sampled_tokens.long() - n_drafts - 1)[:, None] + pos
         logit_at = logit_at.clamp(0, logits.shape[0] - 1)
-        predicted = logits.argmax(dim=-1)[logit_at]            # [rows, positions]; read before vLLM's
-                                                               # sampler may reuse `logits`
+        predicted = logits.argmax(dim=-1)[logit_at]  # [rows, positions]; read before vLLM's
+        # sampler may reuse `logits`
         threshold_out = None
         if bool((rows.mode == THRESHOLD).any()):
             threshold_out = self._threshold(logits[logit_at], predicted, is_mask, rows, n_rows)
 
         # --- vLLM's verification, masks hidden: a placeholder never matches the target's argmax
-        hidden = metadata.draft_token_ids.masked_fill(metadata.draft_token_ids == self.mask_token_id,
-                                                      PLACEHOLDER_TOKEN_ID)
+        hidden = metadata.draft_token_ids.masked_fill(
+            metadata.draft_token_ids == self.mask_token_id, PLACEHOLDER_TOKEN_ID
+        )
         out = super().forward(replace(metadata, draft_token_ids=hidden), draft_probs, logits, sampling_metadata)
         tokens = out.sampled_token_ids
 

@@ -37,7 +37,7 @@ class MarsScheduler(Scheduler):
                 if request.spec_decode_metrics is not None:
                     request.spec_decode_metrics.observe(num_draft_tokens=0, num_accepted=0)
             elif self.roll_back_accepted_masks and self._mode(request) == THRESHOLD:
-                roll_back[req_id] = len(new_tokens) - 1   # all but the AR token came from masks
+                roll_back[req_id] = len(new_tokens) - 1  # all but the AR token came from masks
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for req_id, n in roll_back.items():
             request = self.requests.get(req_id)

@@ -19,27 +19,49 @@ from .engine_args import SPECULATIVE, engine_kwargs, server_args, serving_config
 
 
 def build_argv(argv: list[str]) -> list[str]:
-    parser = argparse.ArgumentParser(prog="python -m marslm.vllm.serve [-- VLLM_ARGS]", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m marslm.vllm.serve [-- VLLM_ARGS]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("model", help="model directory (a MARS checkpoint or any HF causal LM)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--tau", type=float, default=0.95, help="default tau of requests that name none")
-    parser.add_argument("--speculative", choices=SPECULATIVE, default="mars",
-                        help="mars (default), ngram (vLLM's prompt lookup, a baseline) or none")
+    parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE,
+        default="mars",
+        help="mars (default), ngram (vLLM's prompt lookup, a baseline) or none",
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-batch", type=int, default=None, help="vLLM's --max-num-seqs")
     parser.add_argument("--log-level", default="info")
     split = argv.index("--") if "--" in argv else len(argv)
-    args, vllm_args = parser.parse_args(argv[:split]), argv[split + 1:]
+    args, vllm_args = parser.parse_args(argv[:split]), argv[split + 1 :]
 
     from vllm.platforms import current_platform
 
-    kwargs = engine_kwargs(args.model, speculative=args.speculative, serving=serving_config(args.model, tau=args.tau),
-                           cpu=current_platform.is_cpu())
-    out = ["vllm", "serve", *server_args(kwargs), "--host", args.host, "--port", str(args.port),
-           "--uvicorn-log-level", args.log_level, "--override-generation-config", json.dumps({"temperature": 0.0})]
+    kwargs = engine_kwargs(
+        args.model,
+        speculative=args.speculative,
+        serving=serving_config(args.model, tau=args.tau),
+        cpu=current_platform.is_cpu(),
+    )
+    out = [
+        "vllm",
+        "serve",
+        *server_args(kwargs),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--uvicorn-log-level",
+        args.log_level,
+        "--override-generation-config",
+        json.dumps({"temperature": 0.0}),
+    ]
     if args.api_key:
         out += ["--api-key", args.api_key]
     if args.served_model_name:

@@ -32,8 +32,8 @@ CONFIG_KEY = "marslm"
 class ServingConfig:
     """The server's side: the checkpoint's mask token and masks per step, and request defaults."""
 
-    mask_token_id: int | None = None   # None: the engine runs without MARS (every row OFF)
-    num_masks: int = 0                 # masks per step: the trained block size B, so B + 1 candidates
+    mask_token_id: int | None = None  # None: the engine runs without MARS (every row OFF)
+    num_masks: int = 0  # masks per step: the trained block size B, so B + 1 candidates
     tau: float = 0.95
     metric: str = "prob"
     mode: str = "threshold"
@@ -54,9 +54,9 @@ class ServingConfig:
 
 @dataclass(frozen=True)
 class RowSettings:
-    mode: int          # OFF | THRESHOLD | LOSSLESS
+    mode: int  # OFF | THRESHOLD | LOSSLESS
     tau: float
-    metric: int        # acceptance.py's metric code
+    metric: int  # acceptance.py's metric code
 
 
 class FieldError(ParamError):
@@ -101,7 +101,7 @@ def row_settings(extra_args: dict | None, greedy: bool, config: ServingConfig) -
     if config.mask_token_id is None or config.num_masks < 1:
         return RowSettings(OFF, 1.0, metric_code("prob"))
     named = any(fields.get(name) is not None for name in FIELDS)
-    if not greedy and not named:   # a sampling request that asks nothing of MARS: plain vLLM
+    if not greedy and not named:  # a sampling request that asks nothing of MARS: plain vLLM
         return RowSettings(OFF, 1.0, metric_code("prob"))
     metric = fields.get("metric") or config.metric
     tau = float(fields["tau"]) if fields.get("tau") is not None else config.tau

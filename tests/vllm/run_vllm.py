@@ -35,16 +35,22 @@ def run(job: dict) -> dict:
 
     results = {}
     for engine in job["engines"]:
-        kwargs = engine_kwargs(job["model"], speculative=engine["speculative"], cpu=current_platform.is_cpu(),
-                               **({"scheduler_cls": NoRollbackScheduler} if engine.get("no_rollback") else {}))
-        if not current_platform.is_cpu():   # engines follow one another; the server test needs room too
+        kwargs = engine_kwargs(
+            job["model"],
+            speculative=engine["speculative"],
+            cpu=current_platform.is_cpu(),
+            **({"scheduler_cls": NoRollbackScheduler} if engine.get("no_rollback") else {}),
+        )
+        if not current_platform.is_cpu():  # engines follow one another; the server test needs room too
             kwargs["gpu_memory_utilization"] = 0.25
         llm = LLM(**kwargs, max_model_len=job["max_model_len"], seed=0, max_num_seqs=64)
         results[engine["name"]] = {}
         for name, requests in engine["batches"].items():
             prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
-            params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args"))
-                      for r in requests]
+            params = [
+                SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args"))
+                for r in requests
+            ]
             outputs = llm.generate(prompts, params, use_tqdm=False)
             results[engine["name"]][name] = [_record(o.outputs[0]) for o in outputs]
         del llm
@@ -54,8 +60,11 @@ def run(job: dict) -> dict:
 
 def _record(completion) -> dict:
     metrics = completion.spec_decode_metrics
-    return {"token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason,
-            "forwards": sum(metrics.histogram) if metrics is not None else None}
+    return {
+        "token_ids": list(completion.token_ids),
+        "finish_reason": completion.finish_reason,
+        "forwards": sum(metrics.histogram) if metrics is not None else None,
+    }
 
 
 if __name__ == "__main__":

@@ -39,8 +39,16 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 48
 MAX_MODEL_LEN = 512
-MIXED = [{"tau": 0.95}, {"tau": 0.8}, {"mode": "lossless"}, {"tau": 1.0}, {"tau": 0.9, "metric": "margin"},
-         {"tau": 0.5, "metric": "entropy"}, {"tau": 0.6}, {}]
+MIXED = [
+    {"tau": 0.95},
+    {"tau": 0.8},
+    {"mode": "lossless"},
+    {"tau": 1.0},
+    {"tau": 0.9, "metric": "margin"},
+    {"tau": 0.5, "metric": "entropy"},
+    {"tau": 0.6},
+    {},
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,32 +64,50 @@ def vllm_env():
 @pytest.fixture(scope="module")
 def prompts(trained_checkpoints):
     _, tokenizer = trained_checkpoints["mars64"]
-    examples = toy.make_split("train", TRAIN_N, seed=0)[::8]   # memorised: confident masks, ragged lengths
+    examples = toy.make_split("train", TRAIN_N, seed=0)[::8]  # memorised: confident masks, ragged lengths
     return [encode_prompt(tokenizer, ex.messages) for ex in examples]
 
 
 def _requests(prompts, settings):
-    return [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "extra_args": s or None}
-            for p, s in zip(prompts, settings)]
+    return [
+        {"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "extra_args": s or None} for p, s in zip(prompts, settings)
+    ]
 
 
 @pytest.fixture(scope="module")
 def decoded(vllm_env, trained_dirs, prompts, tmp_path_factory):
     n = len(prompts)
-    job = {"model": str(trained_dirs["dir"] / "mars"), "max_model_len": MAX_MODEL_LEN, "engines": [
-        {"name": "plain", "speculative": "none", "batches": {"greedy": _requests(prompts, [None] * n)}},
-        {"name": "mars", "speculative": "mars", "batches": {
-            "lossless": _requests(prompts, [{"mode": "lossless"}] * n),
-            "tau0.95": _requests(prompts, [{"tau": 0.95}] * n),
-            "tau0.8": _requests(prompts, [{"tau": 0.8}] * n),
-            "mixed": _requests(prompts, [MIXED[i % len(MIXED)] for i in range(n)])}},
-        {"name": "no_rollback", "speculative": "mars", "no_rollback": True, "batches": {
-            "tau0.8": _requests(prompts, [{"tau": 0.8}] * n)}},
-    ]}
+    job = {
+        "model": str(trained_dirs["dir"] / "mars"),
+        "max_model_len": MAX_MODEL_LEN,
+        "engines": [
+            {"name": "plain", "speculative": "none", "batches": {"greedy": _requests(prompts, [None] * n)}},
+            {
+                "name": "mars",
+                "speculative": "mars",
+                "batches": {
+                    "lossless": _requests(prompts, [{"mode": "lossless"}] * n),
+                    "tau0.95": _requests(prompts, [{"tau": 0.95}] * n),
+                    "tau0.8": _requests(prompts, [{"tau": 0.8}] * n),
+                    "mixed": _requests(prompts, [MIXED[i % len(MIXED)] for i in range(n)]),
+                },
+            },
+            {
+                "name": "no_rollback",
+                "speculative": "mars",
+                "no_rollback": True,
+                "batches": {"tau0.8": _requests(prompts, [{"tau": 0.8}] * n)},
+            },
+        ],
+    }
     work = tmp_path_factory.mktemp("vllm")
     (work / "job.json").write_text(json.dumps(job))
-    run = subprocess.run([str(vllm_env), str(HERE / "run_vllm.py"), str(work / "job.json"), str(work / "out.json")],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [str(vllm_env), str(HERE / "run_vllm.py"), str(work / "job.json"), str(work / "out.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads((work / "out.json").read_text())
 
@@ -94,7 +120,7 @@ def answer(output: dict) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf_greedy(trained_checkpoints, prompts):
-    from tests.test_decode import hf_greedy as reference
+    from tests.helpers import hf_greedy as reference
 
     model, tokenizer = trained_checkpoints["mars64"]
     return [reference(model, tokenizer, [p], MAX_TOKENS)[0] for p in prompts]
@@ -103,16 +129,25 @@ def hf_greedy(trained_checkpoints, prompts):
 def marslm_oracle(trained_checkpoints, prompt, first_token, settings):
     """marslm.generate from the prompt and vLLM's prefill token: (tokens, forwards)."""
     model, tokenizer = trained_checkpoints["mars64"]
-    out = generate(model, tokenizer, [prompt + [first_token]], tau=settings.get("tau", 0.95),
-                   metric=settings.get("metric", "prob"), mode=settings.get("mode", "threshold"), cache="none",
-                   use_last_mask=True, adaptive_width=False, max_new_tokens=MAX_TOKENS - 1,
-                   apply_chat_template=False)
+    out = generate(
+        model,
+        tokenizer,
+        [prompt + [first_token]],
+        tau=settings.get("tau", 0.95),
+        metric=settings.get("metric", "prob"),
+        mode=settings.get("mode", "threshold"),
+        cache="none",
+        use_last_mask=True,
+        adaptive_width=False,
+        max_new_tokens=MAX_TOKENS - 1,
+        apply_chat_template=False,
+    )
     return [first_token] + out.token_ids[0], 1 + out.forwards[0]
 
 
 def check_against_marslm(trained_checkpoints, prompt, output, settings, greedy):
     """Same tokens as marslm's decoding, in the same forwards (lossless drafts the same way too)."""
-    if not greedy:   # the first token already stops the answer
+    if not greedy:  # the first token already stops the answer
         assert answer(output) == []
         return
     expected, forwards = marslm_oracle(trained_checkpoints, prompt, greedy[0], settings)
@@ -143,7 +178,7 @@ def test_threshold_equals_marslm_generate(decoded, trained_checkpoints, prompts,
 def test_mixed_settings_share_a_batch(decoded, trained_checkpoints, prompts, hf_greedy):
     for i, (prompt, output, greedy) in enumerate(zip(prompts, decoded["mars"]["mixed"], hf_greedy)):
         settings = MIXED[i % len(MIXED)]
-        if settings.get("tau") == 1.0:   # one-token mode: vLLM's own decoding
+        if settings.get("tau") == 1.0:  # one-token mode: vLLM's own decoding
             assert answer(output) == greedy
             assert output["forwards"] == len(output["token_ids"])
         else:
@@ -173,11 +208,30 @@ def server(vllm_env, trained_dirs, tmp_path_factory):
     port = _free_port()
     log = (tmp_path_factory.mktemp("server") / "log").open("w+")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "marslm.cli", "serve", "--engine", "vllm", "--model",
-                             str(trained_dirs["dir"] / "mars"), "--port", str(port), "--tau", "0.95", "--",
-                             "--max-model-len", str(MAX_MODEL_LEN),
-                             *os.environ.get("MARSLM_VLLM_EXTRA_ARGS", "").split()],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "marslm.cli",
+            "serve",
+            "--engine",
+            "vllm",
+            "--model",
+            str(trained_dirs["dir"] / "mars"),
+            "--port",
+            str(port),
+            "--tau",
+            "0.95",
+            "--",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            *os.environ.get("MARSLM_VLLM_EXTRA_ARGS", "").split(),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     import httpx
 
     url = f"http://127.0.0.1:{port}"
@@ -208,8 +262,9 @@ def server(vllm_env, trained_dirs, tmp_path_factory):
 def _chat(url, messages, **fields):
     import httpx
 
-    return httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS, **fields},
-                      timeout=120)
+    return httpx.post(
+        url + "/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS, **fields}, timeout=120
+    )
 
 
 def test_server_settings_streaming_and_usage(server, trained_checkpoints, decoded):
@@ -230,12 +285,21 @@ def test_server_settings_streaming_and_usage(server, trained_checkpoints, decode
 
     # streaming: the same text, and the usage chunk reports tokens per forward
     text, usage = [], None
-    with httpx.stream("POST", server + "/v1/chat/completions", timeout=120, json={
-            "messages": examples[0].messages, "max_tokens": MAX_TOKENS, "tau": 0.8, "stream": True,
-            "stream_options": {"include_usage": True}}) as response:
+    with httpx.stream(
+        "POST",
+        server + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "messages": examples[0].messages,
+            "max_tokens": MAX_TOKENS,
+            "tau": 0.8,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 usage = chunk.get("usage") or usage
                 text += [c["delta"].get("content") or "" for c in chunk["choices"]]
     assert "".join(text) == tokenizer.decode(answer(decoded["mars"]["tau0.8"][0]), skip_special_tokens=True)
@@ -250,19 +314,29 @@ def test_server_requests_with_different_settings_run_together(server, trained_ch
     batches = ["lossless", "tau0.95", "tau0.8", "lossless"]
     fields = {"lossless": {"mode": "lossless"}, "tau0.95": {"tau": 0.95}, "tau0.8": {"tau": 0.8}}
     with ThreadPoolExecutor(len(batches)) as pool:
-        replies = list(pool.map(lambda i: _chat(server, examples[i].messages, **fields[batches[i]]),
-                                range(len(batches))))
+        replies = list(
+            pool.map(lambda i: _chat(server, examples[i].messages, **fields[batches[i]]), range(len(batches)))
+        )
     for i, reply in enumerate(replies):
         expected = tokenizer.decode(answer(decoded["mars"][batches[i]][i]), skip_special_tokens=True)
         assert reply.json()["choices"][0]["message"]["content"] == expected
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"tau": "high"}, "tau"), ({"tau": True}, "tau"), ({"tau": 1.5}, "tau"), ({"tau": 0}, "tau"),
-    ({"metric": "certainty"}, "metric"), ({"mode": "fast"}, "mode"), ({"metric": "entropy"}, "tau"),
-    ({"tau": 0.9, "temperature": 0.7}, "temperature"), ({"block_size": 2}, "block_size"),
-    ({"vllm_xargs": {"tau": -1}}, "tau"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tau": "high"}, "tau"),
+        ({"tau": True}, "tau"),
+        ({"tau": 1.5}, "tau"),
+        ({"tau": 0}, "tau"),
+        ({"metric": "certainty"}, "metric"),
+        ({"mode": "fast"}, "mode"),
+        ({"metric": "entropy"}, "tau"),
+        ({"tau": 0.9, "temperature": 0.7}, "temperature"),
+        ({"block_size": 2}, "block_size"),
+        ({"vllm_xargs": {"tau": -1}}, "tau"),
+    ],
+)
 def test_server_refuses_bad_values(server, fields, param):
     reply = _chat(server, [{"role": "user", "content": "What is 2 plus 3?"}], **fields)
     assert reply.status_code == 400

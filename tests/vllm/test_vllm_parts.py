@@ -12,25 +12,50 @@ import pytest
 from marslm.decode.acceptance import metric_code
 from marslm.vllm import middleware
 from marslm.vllm.engine_args import PROPOSER, SCHEDULER, engine_kwargs, server_args, serving_config
-from marslm.vllm.settings import (LOSSLESS, OFF, THRESHOLD, FieldError, RowSettings, ServingConfig, check_request,
-                                   row_settings)
+from marslm.vllm.settings import (
+    LOSSLESS,
+    OFF,
+    THRESHOLD,
+    FieldError,
+    RowSettings,
+    ServingConfig,
+    check_request,
+    row_settings,
+)
 
 MARS = ServingConfig(mask_token_id=3, num_masks=4, tau=0.95)
 
 
-@pytest.mark.parametrize("fields", [{}, {"tau": 0.9}, {"tau": 1}, {"tau": 0.5, "metric": "margin"},
-                                    {"tau": 0.7, "metric": "entropy"}, {"mode": "lossless"}, {"other": "kept"}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"tau": 0.9},
+        {"tau": 1},
+        {"tau": 0.5, "metric": "margin"},
+        {"tau": 0.7, "metric": "entropy"},
+        {"mode": "lossless"},
+        {"other": "kept"},
+    ],
+)
 def test_check_request_accepts(fields):
     check_request(fields)
 
 
-@pytest.mark.parametrize("fields, greedy, param", [
-    ({"tau": "0.9"}, True, "tau"), ({"tau": True}, True, "tau"), ({"tau": 0}, True, "tau"),
-    ({"tau": 1.01}, True, "tau"),
-    ({"tau": -0.1, "metric": "entropy"}, True, "tau"), ({"metric": "entropy"}, True, "tau"),
-    ({"metric": "confidence"}, True, "metric"), ({"mode": "greedy"}, True, "mode"),
-    ({"tau": 0.9}, False, "temperature"),
-])
+@pytest.mark.parametrize(
+    "fields, greedy, param",
+    [
+        ({"tau": "0.9"}, True, "tau"),
+        ({"tau": True}, True, "tau"),
+        ({"tau": 0}, True, "tau"),
+        ({"tau": 1.01}, True, "tau"),
+        ({"tau": -0.1, "metric": "entropy"}, True, "tau"),
+        ({"metric": "entropy"}, True, "tau"),
+        ({"metric": "confidence"}, True, "metric"),
+        ({"mode": "greedy"}, True, "mode"),
+        ({"tau": 0.9}, False, "temperature"),
+    ],
+)
 def test_check_request_refuses(fields, greedy, param):
     with pytest.raises(FieldError) as info:
         check_request(fields, greedy=greedy)
@@ -39,13 +64,13 @@ def test_check_request_refuses(fields, greedy, param):
 
 def test_row_settings():
     prob, margin = metric_code("prob"), metric_code("margin")
-    assert row_settings(None, True, MARS) == RowSettings(THRESHOLD, 0.95, prob)   # the server's default tau
+    assert row_settings(None, True, MARS) == RowSettings(THRESHOLD, 0.95, prob)  # the server's default tau
     assert row_settings({"tau": 0.8, "metric": "margin"}, True, MARS) == RowSettings(THRESHOLD, 0.8, margin)
     assert row_settings({"mode": "lossless"}, True, MARS).mode == LOSSLESS
-    assert row_settings({"tau": 1.0}, True, MARS).mode == OFF                  # one-token mode: plain vLLM
+    assert row_settings({"tau": 1.0}, True, MARS).mode == OFF  # one-token mode: plain vLLM
     assert row_settings({"tau": 0.0, "metric": "entropy"}, True, MARS).mode == OFF
-    assert row_settings(None, False, MARS).mode == OFF                         # a sampling request
-    assert row_settings({"tau": 0.5}, True, ServingConfig()).mode == OFF       # a checkpoint without masks
+    assert row_settings(None, False, MARS).mode == OFF  # a sampling request
+    assert row_settings({"tau": 0.5}, True, ServingConfig()).mode == OFF  # a checkpoint without masks
 
 
 def test_engine_kwargs(trained_dirs):
@@ -55,8 +80,11 @@ def test_engine_kwargs(trained_dirs):
     assert kwargs["additional_config"]["marslm"]["mask_token_id"] == serving_config(mars).mask_token_id
     assert kwargs["scheduler_cls"] == SCHEDULER and kwargs["enforce_eager"] and kwargs["block_size"] == 32
     args = server_args(kwargs)
-    assert args[0] == str(mars) and "--enforce-eager" in args and args[-2:] == ["--middleware", middleware.__name__
-                                                                                + ".MarsMiddleware"]
+    assert (
+        args[0] == str(mars)
+        and "--enforce-eager" in args
+        and args[-2:] == ["--middleware", middleware.__name__ + ".MarsMiddleware"]
+    )
     assert json.loads(args[args.index("--speculative-config") + 1]) == kwargs["speculative_config"]
     # a plain AR checkpoint is served by vLLM as it is: no drafts, no plugin scheduler
     assert engine_kwargs(trained_dirs["dir"] / "ar") == {"model": str(trained_dirs["dir"] / "ar")}
@@ -64,8 +92,11 @@ def test_engine_kwargs(trained_dirs):
 
 
 def test_rewrite_request_moves_fields():
-    body = json.loads(middleware.rewrite_request(json.dumps(
-        {"messages": [], "tau": 0.8, "mode": "lossless", "vllm_xargs": {"other": 1}}).encode()))
+    body = json.loads(
+        middleware.rewrite_request(
+            json.dumps({"messages": [], "tau": 0.8, "mode": "lossless", "vllm_xargs": {"other": 1}}).encode()
+        )
+    )
     assert body == {"messages": [], "vllm_xargs": {"other": 1, "tau": 0.8, "mode": "lossless"}}
     untouched = b'{"messages": [], "temperature": 0.7}'
     assert middleware.rewrite_request(untouched) == untouched
@@ -78,8 +109,11 @@ def test_rewrite_request_moves_fields():
 
 def test_add_forwards():
     payload = {"usage": {"completion_tokens": 12}, "metrics": {"speculative_decoding": {"num_spec_steps": 5}}}
-    assert middleware.add_forwards(payload)["usage"] == {"completion_tokens": 12, "forwards": 5,
-                                                         "tokens_per_forward": 2.4}
+    assert middleware.add_forwards(payload)["usage"] == {
+        "completion_tokens": 12,
+        "forwards": 5,
+        "tokens_per_forward": 2.4,
+    }
     assert middleware.add_forwards({"usage": {"completion_tokens": 3}}) == {"usage": {"completion_tokens": 3}}
 
 
@@ -100,8 +134,12 @@ def _run_app(app_body, headers, request=b'{"messages": [], "tau": 0.9}'):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-             "headers": [(b"content-length", str(len(request)).encode())]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"content-length", str(len(request)).encode())],
+    }
     asyncio.run(middleware.MarsMiddleware(app)(scope, receive, send))
     return seen, sent
 
@@ -109,8 +147,9 @@ def _run_app(app_body, headers, request=b'{"messages": [], "tau": 0.9}'):
 def test_middleware_rewrites_json_and_event_streams():
     usage = {"usage": {"completion_tokens": 6}, "metrics": {"speculative_decoding": {"num_spec_steps": 4}}}
     body = json.dumps(usage).encode()
-    seen, sent = _run_app([body[:10], body[10:]], [(b"content-type", b"application/json"),
-                                                   (b"content-length", str(len(body)).encode())])
+    seen, sent = _run_app(
+        [body[:10], body[10:]], [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    )
     assert json.loads(seen["body"])["vllm_xargs"] == {"tau": 0.9}
     assert int(seen["headers"][b"content-length"]) == len(seen["body"])
     out = b"".join(m.get("body", b"") for m in sent)
@@ -118,28 +157,45 @@ def test_middleware_rewrites_json_and_event_streams():
     assert dict(sent[0]["headers"])[b"content-length"] == str(len(out)).encode()
 
     stream = b'data: {"choices": [{"delta": {"content": "a"}}]}\n\ndata: ' + body + b"\n\ndata: [DONE]\n\n"
-    cut = stream.index(b'"usage"') + 3   # the usage event arrives in two pieces
+    cut = stream.index(b'"usage"') + 3  # the usage event arrives in two pieces
     _, sent = _run_app([stream[:cut], stream[cut:]], [(b"content-type", b"text/event-stream")])
     events = b"".join(m.get("body", b"") for m in sent).split(b"\n\n")
     assert events[0] == b'data: {"choices": [{"delta": {"content": "a"}}]}' and events[2] == b"data: [DONE]"
-    assert json.loads(events[1][len(b"data: "):])["usage"]["forwards"] == 4
+    assert json.loads(events[1][len(b"data: ") :])["usage"]["forwards"] == 4
 
 
 def test_middleware_refuses_with_an_openai_error():
     _, sent = _run_app([b"{}"], [(b"content-type", b"application/json")], request=b'{"tau": "high"}')
     assert sent[0]["status"] == 400
-    assert json.loads(sent[1]["body"]) == {"error": {"message": "'tau' must be a number, got \"high\"",
-                                                     "type": "invalid_request_error", "param": "tau", "code": None}}
+    assert json.loads(sent[1]["body"]) == {
+        "error": {
+            "message": "'tau' must be a number, got \"high\"",
+            "type": "invalid_request_error",
+            "param": "tau",
+            "code": None,
+        }
+    }
 
 
 def run_cli(*args, **env):
-    return subprocess.run([sys.executable, "-m", "marslm.cli", *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "marslm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
 
 
 def test_serve_vllm_without_its_environment_fails_in_one_line(trained_dirs, tmp_path):
-    proc = run_cli("serve", "--engine", "vllm", "--model", str(trained_dirs["dir"] / "mars"),
-                   MARSLM_VLLM_VENV=str(tmp_path / "none"))
+    proc = run_cli(
+        "serve",
+        "--engine",
+        "vllm",
+        "--model",
+        str(trained_dirs["dir"] / "mars"),
+        MARSLM_VLLM_VENV=str(tmp_path / "none"),
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "make vllm-env" in proc.stderr
     proc = run_cli("loadtest", "--engine", "vllm", MARSLM_VLLM_VENV=str(tmp_path / "none"))
@@ -148,7 +204,9 @@ def test_serve_vllm_without_its_environment_fails_in_one_line(trained_dirs, tmp_
 
 def test_plugin_needs_no_transformers():
     """What the plugin imports of marslm must work with the transformers vLLM pins: it imports none."""
-    code = ("import sys; import marslm.vllm.settings, marslm.vllm.engine_args, marslm.vllm.middleware, "
-            "marslm.vllm.launch, marslm.decode.acceptance; "
-            "sys.exit('transformers' in sys.modules)")
+    code = (
+        "import sys; import marslm.vllm.settings, marslm.vllm.engine_args, marslm.vllm.middleware, "
+        "marslm.vllm.launch, marslm.decode.acceptance; "
+        "sys.exit('transformers' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

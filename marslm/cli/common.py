@@ -1,0 +1,84 @@
+"""What several subcommands share: list-valued option types, code execution, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UserError
+
+EXIT_USAGE = 2  # a mistake the user can fix: one line on stderr
+EXIT_FAILED_CELLS = 1  # eval: some settings failed (out of memory, say); the rest is reported
+
+
+def floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def strings(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_device(parser) -> None:
+    parser.add_argument("--device", default="auto", help="torch device (default: cuda if available, else cpu)")
+
+
+def add_unsafe_exec(parser) -> None:
+    parser.add_argument(
+        "--unsafe-exec",
+        action="store_true",
+        help="where bubblewrap is unavailable, run model-written code (the code family, HumanEval) "
+        "WITHOUT a sandbox: it can do whatever you can (default: refuse)",
+    )
+
+
+def code_execution(args, check_now: bool = False) -> None:
+    """Apply --unsafe-exec; with ``check_now``, refuse before any slow work when code cannot run."""
+    from .. import sandbox
+
+    sandbox.allow_unsafe_exec(args.unsafe_exec)
+    if check_now:
+        sandbox.require_isolation()
+
+
+def write_json(path: str, payload: dict) -> None:
+    from ..files import write_json_atomically
+
+    write_json_atomically(path, payload)
+
+
+def no_extra_args(args) -> None:
+    if getattr(args, "vllm_args", None):
+        raise UserError(f"unexpected arguments {' '.join(args.vllm_args)} (options after -- are for --engine vllm)")
+
+
+def load_for_decoding(model_path: str, params, device: str = "auto"):
+    """``(model, tokenizer, params)`` for ``generate`` and ``show``: the settings checked before the
+    model loads, then against the block size it was trained with; a warning when an AR checkpoint
+    is asked to accept untrained mask guesses."""
+    import logging
+
+    from ..modeling import check_model_source, checkpoint_facts, load_model, resolve_device
+
+    params.verify()
+    check_model_source(model_path)
+    model, tokenizer, _ = load_model(model_path, device=resolve_device(device))
+    facts = checkpoint_facts(model, tokenizer)
+    params = params.verify(facts.block_size)
+    if facts.stage == "ar" and not params.one_token:
+        logging.getLogger("marslm").warning(
+            "%s is an AR checkpoint (marslm.json stage 'ar'): its masks were never trained, so tau %g accepts "
+            "untrained guesses; use tau 1, or a MARS checkpoint",
+            model_path,
+            params.tau,
+        )
+    return model, tokenizer, params

@@ -1,0 +1,53 @@
+"""``marslm demo``: the whole method end to end, on the toy suite or on SmolLM2."""
+
+from __future__ import annotations
+
+from .common import add_unsafe_exec, code_execution
+
+COMMAND = "demo"
+
+
+def add_parser(sub) -> None:
+    from ..experiments.demo import DEMO_PRESETS
+    from ..experiments.demo_smollm2 import SMOLLM2_PRESETS
+
+    demo = sub.add_parser(
+        COMMAND,
+        help="the whole method end to end: the toy suite, or a real model (smollm2)",
+        description="Toy presets: build the toy suite and tokenizer, train a small Qwen2 from "
+        "scratch (AR SFT), fine-tune it with MARS and, as the fair baseline, continue the AR "
+        "model with the same budget; compare at several tau; writes OUT/ar, OUT/ar_control, "
+        "OUT/mars and OUT/report.json (OUT is replaced). smollm2: convert SmolLM2-135M-Instruct, "
+        "distill its own greedy answers, train MARS on them on the CPU, evaluate against the "
+        "original model; every stage resumes (rerun the same command after an interruption).",
+    )
+    demo.add_argument(
+        "--out", default=None, help="output directory (default runs/demo; runs/smollm2-demo for the smollm2 presets)"
+    )
+    demo.add_argument(
+        "--preset",
+        choices=sorted(DEMO_PRESETS) + sorted(SMOLLM2_PRESETS),
+        default="default",
+        help="quick: a smoke run in minutes; default: the quoted numbers; plateau: an AR stage "
+        "trained to its plateau; short: AR stopped half way up its learning curve; smollm2: MARS on "
+        "SmolLM2-135M-Instruct, about 2 hours on 2 cores (needs `make smollm2`'s packages); "
+        "smollm2-quick: the same plumbing in a few minutes, no quality claims",
+    )
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_unsafe_exec(demo)
+    demo.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..experiments.demo_smollm2 import SMOLLM2_PRESETS
+
+    code_execution(args, check_now=True)  # both score the toy suite's code items
+    if args.preset in SMOLLM2_PRESETS:
+        from ..experiments.demo_smollm2 import run_smollm2_demo
+
+        run_smollm2_demo(args.out or "runs/smollm2-demo", args.preset, progress=not args.quiet)
+        return 0
+    from ..experiments.demo import run_demo
+
+    run_demo(args.out or "runs/demo", args.preset, progress=not args.quiet)
+    return 0

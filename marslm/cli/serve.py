@@ -1,0 +1,70 @@
+"""``marslm serve``: an OpenAI-compatible server, marslm's own engine or vLLM's with the MARS
+plugin; its options are ``ServeConfig``'s fields."""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from .common import no_extra_args
+
+COMMAND = "serve"
+
+
+def add_parser(sub) -> None:
+    from ..serve_config import ServeConfig
+    from ..settings import add_options
+
+    srv = sub.add_parser(
+        COMMAND,
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Start a FastAPI + uvicorn server with continuous batching: /v1/completions, "
+        "/v1/chat/completions (both with stream), /v1/models, /health, /metrics (Prometheus), "
+        "/admin/tau and /admin/policy. Requests may add tau, metric, block_size, mode, "
+        "temperature, top_p, top_k, seed and stop. With --engine vllm, vLLM serves instead "
+        "(using --host, --port, --api-key, --served-model-name, --max-batch, --tau, --log-level).",
+    )
+    srv.add_argument("--model", required=True, help="MARS checkpoint directory (or hub id)")
+    add_options(srv, ServeConfig)
+    srv.add_argument(
+        "vllm_args",
+        nargs="*",
+        metavar="-- VLLM_ARGS",
+        help="with --engine vllm: options for `vllm serve` after --, e.g. -- --tensor-parallel-size 2",
+    )
+    srv.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..modeling import check_model_source
+    from ..serve_config import ServeConfig
+    from ..settings import from_args
+
+    config = from_args(ServeConfig, args).validate()
+    check_model_source(args.model)
+    if config.engine == "vllm":
+        return _serve_vllm(args.model, config, args.vllm_args)
+    no_extra_args(args)
+    from ..server import serve
+
+    serve(args.model, config)
+    return 0
+
+
+def _serve_vllm(model: str, config, vllm_args: list[str]) -> int:
+    from ..vllm.launch import exec_server, serve_command
+
+    if config.tau_policy != "fixed":
+        raise UserError("--tau-policy adaptive is marslm's engine; vLLM serves a fixed default tau")
+    exec_server(
+        serve_command(
+            model,
+            host=config.host,
+            port=config.port,
+            tau=config.tau,
+            api_key=config.api_key,
+            served_model_name=config.served_model_name,
+            max_batch=config.max_batch,
+            log_level=config.log_level,
+            vllm_args=vllm_args,
+        )
+    )
+    return 0

@@ -1,0 +1,442 @@
+"""``marslm bench``: wall-clock decoding speed, side by side, in one process.
+
+Every contender decodes the same test prompts in static batches of the same size (HF
+``generate`` cannot refill a batch, so neither do we here), after a warm-up, for several
+repeats. Reported per contender and batch size: tokens/s (median, min, max), tokens per forward,
+speed-up over the AR baseline (HF ``generate`` with KV cache on the AR checkpoint), accuracy of
+the answers, and the peak KV-cache size.
+
+Tokens are new tokens without the stop token. Tokens per forward for HF contenders counts model
+calls with a forward hook: every row of a batch takes part in every call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..chat import encode_prompt
+from ..decode import generate
+from ..errors import UserError
+
+PAPER_REFERENCE = (
+    "paper (Qwen2.5-7B, GPU, block cache, tau 0.95): 1.71x at batch 4, 1.60x at 8, 1.34x at 16; "
+    "without a cache 0.90x / 0.49x / 0.23x"
+)
+
+
+@dataclass
+class Contender:
+    name: str
+    kind: str  # "hf" | "hf-lookup" | "mars"
+    checkpoint: str  # "ar" | "mars"
+    options: dict = field(default_factory=dict)
+
+
+# Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
+CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "cursor-fixed", "lossless", "lossless-groups")
+
+
+def default_contenders(taus=(0.95, 0.9), block_cache_sizes=(16, 32), groups=CONTENDER_GROUPS) -> list[Contender]:
+    unknown = set(groups) - set(CONTENDER_GROUPS)
+    if unknown:
+        raise UserError(
+            f"unknown contender group(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONTENDER_GROUPS)}"
+        )
+    contenders = [Contender("HF generate (AR ckpt)", "hf", "ar")]
+    if "hf-mars" in groups:
+        contenders.append(Contender("HF generate (MARS ckpt)", "hf", "mars"))
+    if "lookup" in groups:
+        contenders.append(
+            Contender("HF prompt lookup (MARS ckpt)", "hf-lookup", "mars", {"prompt_lookup_num_tokens": 4})
+        )
+    for tau in taus:
+        if "none" in groups:
+            contenders.append(Contender(f"MARS none tau={tau}", "mars", "mars", {"tau": tau, "cache": "none"}))
+        for size in block_cache_sizes if "block" in groups else ():
+            contenders.append(
+                Contender(
+                    f"MARS block{size} tau={tau}",
+                    "mars",
+                    "mars",
+                    {"tau": tau, "cache": "block", "block_cache_size": size},
+                )
+            )
+        if "cursor" in groups:
+            contenders.append(Contender(f"MARS cursor tau={tau}", "mars", "mars", {"tau": tau, "cache": "cursor"}))
+        if "cursor-fixed" in groups:  # every mask fed at every step: what adaptive width saves
+            contenders.append(
+                Contender(
+                    f"MARS cursor fixed-width tau={tau}",
+                    "mars",
+                    "mars",
+                    {"tau": tau, "cache": "cursor", "adaptive_width": False},
+                )
+            )
+    if "lossless" in groups:
+        contenders.append(Contender("MARS lossless", "mars", "mars", {"mode": "lossless", "cache": "cursor"}))
+    if "lossless-groups" in groups:
+        contenders.append(
+            Contender(
+                "MARS lossless +groups", "mars", "mars", {"mode": "lossless", "cache": "cursor", "draft_groups": True}
+            )
+        )
+    return contenders
+
+
+class _ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+    def close(self):
+        self.handle.remove()
+
+
+def _kv_bytes_per_slot(model) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
+
+
+def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options) -> dict:
+    if options.get("prompt_lookup_num_tokens") and batch_size > 1:
+        return {"refused": "HF assisted/prompt-lookup decoding supports batch size 1 only"}
+    pad = tokenizer.pad_token_id
+    counter = _ForwardCounter(model)
+    token_ids, row_forwards, peak_slots = [], 0, 0
+    try:
+        for start in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[start : start + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+            attn = (
+                torch.arange(width, device=model.device)[None]
+                >= (width - torch.tensor([len(p) for p in chunk], device=model.device))[:, None]
+            ).long()
+            calls_before = counter.calls
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=attn,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
+                    **options,
+                )
+            row_forwards += (counter.calls - calls_before) * len(chunk)
+            peak_slots = max(peak_slots, out.shape[1])
+            for row in out[:, width:].tolist():
+                stop = [i for i, t in enumerate(row) if t in (tokenizer.eos_token_id, pad)]
+                token_ids.append(row[: stop[0]] if stop else row)
+    finally:
+        counter.close()
+    tokens = sum(map(len, token_ids))
+    return {
+        "token_ids": token_ids,
+        "tokens": tokens,
+        "tokens_per_forward": (tokens + len(token_ids)) / row_forwards,
+        "kv_slots": peak_slots * batch_size,
+    }
+
+
+def _run_mars(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options) -> dict:
+    token_ids, accepted, peak_slots = [], [], 0
+    for start in range(0, len(prompt_ids), batch_size):
+        out = generate(
+            model, tokenizer, prompt_ids[start : start + batch_size], max_new_tokens=max_new_tokens, **options
+        )
+        token_ids += out.token_ids
+        accepted += out.accepted_per_step
+        width = out.stats.peak_cache_slots or max(map(len, prompt_ids[start : start + batch_size])) + max_new_tokens
+        peak_slots = max(peak_slots, width)
+    tokens = sum(map(len, token_ids))
+    return {
+        "token_ids": token_ids,
+        "tokens": tokens,
+        "tokens_per_forward": sum(map(sum, accepted)) / sum(map(len, accepted)),
+        "kv_slots": peak_slots * batch_size if options.get("cache", "cursor") != "none" else 0,
+    }
+
+
+def run_bench(
+    models: dict,
+    eval_set,
+    *,
+    batch_sizes=(1, 4, 8),
+    n: int = 32,
+    repeats: int = 3,
+    max_new_tokens: int = 128,
+    contenders: list[Contender] | None = None,
+    progress: bool = True,
+) -> dict:
+    """``models``: ``{"ar": (model, tokenizer), "mars": (model, tokenizer)}``.
+
+    Per batch size, every contender is warmed up, then the repeats go round the contenders in turn
+    (interleaved), so a machine that slows down for a while slows every contender alike.
+    """
+    from tqdm.auto import tqdm
+
+    contenders = [c for c in contenders or default_contenders() if c.checkpoint in models]
+    examples = eval_set.examples[:n]
+    prompts = {
+        name: [encode_prompt(tokenizer, ex.messages) for ex in examples] for name, (_, tokenizer) in models.items()
+    }
+    rows = []
+    bar = tqdm(total=len(batch_sizes) * len(contenders) * (repeats + 1), desc="bench", disable=not progress)
+    for batch_size in batch_sizes:
+        seconds = {c.name: [] for c in contenders}
+        results = {}
+        for round_ in range(repeats + 1):  # round 0 is the warm-up, on one batch
+            for c in contenders:
+                model, tokenizer = models[c.checkpoint]
+                if "refused" in results.get(c.name, {}):
+                    bar.update(1)
+                    continue
+                runner = _run_hf if c.kind.startswith("hf") else _run_mars
+                prompt_ids = prompts[c.checkpoint][:batch_size] if round_ == 0 else prompts[c.checkpoint]
+                started = time.perf_counter()
+                result = runner(model, tokenizer, prompt_ids, batch_size, max_new_tokens, c.options)
+                if round_ or "refused" in result:
+                    seconds[c.name].append(time.perf_counter() - started)
+                    results[c.name] = result
+                bar.update(1)
+        for c in contenders:
+            model, tokenizer = models[c.checkpoint]
+            result = results[c.name]
+            row = {"contender": c.name, "batch_size": batch_size, "options": c.options, "checkpoint": c.checkpoint}
+            if "refused" in result:
+                rows.append({**row, "refused": result["refused"]})
+                continue
+            texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in result["token_ids"]]
+            correct = eval_set.score_many(examples, texts)
+            rates = [result["tokens"] / s for s in seconds[c.name]]
+            rows.append(
+                {
+                    **row,
+                    "tokens": result["tokens"],
+                    "tokens_per_second": statistics.median(rates),
+                    "tokens_per_second_min": min(rates),
+                    "tokens_per_second_max": max(rates),
+                    "tokens_per_forward": result["tokens_per_forward"],
+                    "accuracy": sum(correct) / len(correct),
+                    "peak_kv_mib": result["kv_slots"] * _kv_bytes_per_slot(model) / 2**20,
+                    "token_ids": result["token_ids"],
+                }
+            )
+    bar.close()
+    for row in rows:
+        base = next(
+            (
+                r
+                for r in rows
+                if r["batch_size"] == row["batch_size"]
+                and r["contender"] == "HF generate (AR ckpt)"
+                and "tokens_per_second" in r
+            ),
+            None,
+        )
+        if base and "tokens_per_second" in row:
+            row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
+    _mark_identical_outputs(rows)
+    for row in rows:
+        row.pop("token_ids", None)
+    report = {
+        "data": eval_set.name,
+        "n": len(examples),
+        "repeats": repeats,
+        "max_new_tokens": max_new_tokens,
+        "device": str(next(iter(models.values()))[0].device),
+        "threads": torch.get_num_threads(),
+        "paper_reference": PAPER_REFERENCE,
+        "rows": rows,
+    }
+    report["targets"] = check_targets(report)
+    return report
+
+
+def _mark_identical_outputs(rows) -> None:
+    """Flag contenders whose output equals greedy AR on the same checkpoint (the lossless claim)."""
+    for row in rows:
+        ref = next(
+            (
+                r
+                for r in rows
+                if r["batch_size"] == row["batch_size"]
+                and r.get("token_ids") is not None
+                and r["contender"] == f"HF generate ({row['checkpoint'].upper()} ckpt)"
+            ),
+            None,
+        )
+        if ref is not None and row.get("token_ids") is not None:
+            row["same_as_greedy"] = row["token_ids"] == ref["token_ids"]
+
+
+# The project's speed targets on this benchmark: (data, contender, batch size, least speed-up over
+# HF generate on the AR checkpoint). Off the training distribution MARS must not be slower than AR.
+TARGETS = (
+    ("toy", "MARS cursor tau=0.95", 1, 1.6),
+    ("toy", "MARS cursor tau=0.95", 8, 1.4),
+    ("toy", "MARS lossless", 1, 1.5),
+    ("reworded", "MARS cursor tau=0.95", 1, 0.95),
+    ("reworded", "MARS cursor tau=0.95", 8, 0.95),
+)
+
+
+def check_targets(report: dict) -> list[str]:
+    """One line per target that this report's data has: met or missed, and by how much."""
+    rows = {(r["contender"], r["batch_size"]): r for r in report["rows"] if "speedup" in r}
+    lines = []
+    for data, name, batch, want in TARGETS:
+        row = rows.get((name, batch))
+        if row is not None and report.get("data") == data:
+            got = row["speedup"]
+            verdict = "met" if got >= want else f"MISSED by {want - got:.2f}x"
+            lines.append(f"{name} at batch {batch} ({data}): {got:.2f}x vs target {want:.2f}x -- {verdict}")
+    lookup = rows.get(("HF prompt lookup (MARS ckpt)", 1))
+    mars = rows.get(("MARS cursor tau=0.95", 1))
+    if lookup and mars:
+        verdict = "met" if mars["speedup"] > lookup["speedup"] else "MISSED"
+        lines.append(
+            f"MARS tau=0.95 vs HF prompt lookup at batch 1: {mars['speedup']:.2f}x vs "
+            f"{lookup['speedup']:.2f}x -- {verdict}"
+        )
+    return lines
+
+
+def format_bench_table(report: dict) -> str:
+    head = ["contender", "batch", "tok/s (median, min-max)", "tok/fwd", "vs AR", "accuracy", "= greedy", "peak KV MiB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["rows"]:
+        if "refused" in r:
+            lines.append(f"| {r['contender']} | {r['batch_size']} | refused: {r['refused']} |  |  |  |  |  |")
+            continue
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["contender"],
+                    str(r["batch_size"]),
+                    f"{r['tokens_per_second']:.0f} ({r['tokens_per_second_min']:.0f}-{r['tokens_per_second_max']:.0f})",
+                    f"{r['tokens_per_forward']:.2f}",
+                    f"{r.get('speedup', float('nan')):.2f}x",
+                    f"{100 * r['accuracy']:.1f}",
+                    {True: "yes", False: "no"}.get(r.get("same_as_greedy"), "-"),
+                    f"{r['peak_kv_mib']:.2f}",
+                ]
+            )
+            + " |"
+        )
+    lines.append("")
+    lines += [f"- {line}" for line in check_targets(report)]
+    lines.append("")
+    lines.append(
+        f"n={report['n']} prompts, {report['repeats']} repeats, max {report['max_new_tokens']} new tokens, "
+        f"device {report['device']}, {report['threads']} threads. Reference: {report['paper_reference']}"
+    )
+    return "\n".join(lines)
+
+
+def load_bench_models(mars_dir: str, ar_dir: str | None, device: str = "auto"):
+    from ..modeling import check_model_source, load_model, resolve_device
+
+    models = {}
+    for name, path in (("mars", mars_dir), ("ar", ar_dir)):
+        if path is None:
+            continue
+        check_model_source(path)
+        model, tokenizer, _ = load_model(path, device=resolve_device(device))
+        models[name] = (model, tokenizer)
+    if "ar" not in models:
+        raise UserError("--ar-model is required: the AR baseline is HF generate on the AR checkpoint")
+    return models
+
+
+# ---------------------------------------------------------------------------- the cost curve
+
+
+def cost_curve(
+    model, *, widths, contexts=(128, 512), batch_sizes=(1,), repeats: int = 5, seed: int = 0, progress: bool = True
+) -> dict:
+    """Time of one cached forward against the number of tokens it feeds, as ratios to one token.
+
+    A MARS step feeds the tokens accepted last step plus the masks (up to 2B + 2 columns with
+    draft groups), where AR decoding feeds one; what that costs decides whether multi-token
+    acceptance pays on a given machine. For each batch size and context length a cache is
+    prefilled with ``context`` random tokens, then every width is fed on top of it and the cache
+    is cropped back, the widths in turn within each repeat (interleaved), after a warm-up round.
+    Logits are computed for every fed column, as a MARS step reads them.
+    """
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    rows = []
+    bar = tqdm(
+        total=len(batch_sizes) * len(contexts) * (repeats + 1) * len(widths), desc="cost curve", disable=not progress
+    )
+    for batch in batch_sizes:
+        for context in contexts:
+            cache = DynamicCache(config=model.config)
+            prefix = torch.randint(vocab, (batch, context), generator=generator).to(device)
+            with torch.no_grad():
+                model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+            times = {w: [] for w in widths}
+            for round_ in range(repeats + 1):  # round 0: warm-up
+                for w in widths:
+                    fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
+                    positions = (context + torch.arange(w, device=device)).expand(batch, -1)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    with torch.no_grad():
+                        model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if round_:
+                        times[w].append(time.perf_counter() - started)
+                    cache.crop(-w)
+                    bar.update(1)
+            base = statistics.median(times[widths[0]])
+            for w in widths:
+                ms = statistics.median(times[w])
+                rows.append({"batch_size": batch, "context": context, "width": w, "ms": 1000 * ms, "ratio": ms / base})
+    bar.close()
+    return {
+        "model": getattr(model, "name_or_path", ""),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "widths": list(widths),
+        "rows": rows,
+    }
+
+
+def format_cost_curve(report: dict) -> str:
+    widths = report["widths"]
+    head = ["batch", "context"] + [f"w={w}" for w in widths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = sorted({(r["batch_size"], r["context"]) for r in report["rows"]})
+    for batch, context in keys:
+        cells = {r["width"]: r for r in report["rows"] if (r["batch_size"], r["context"]) == (batch, context)}
+        lines.append(
+            "| " + " | ".join([str(batch), str(context)] + [f"{cells[w]['ratio']:.2f}" for w in widths]) + " |"
+        )
+    base = {(r["batch_size"], r["context"]): r["ms"] for r in report["rows"] if r["width"] == widths[0]}
+    lines.append("")
+    lines.append(
+        "Forward time as a ratio to feeding one token (w=1: "
+        + ", ".join(f"batch {b} context {c}: {ms:.1f} ms" for (b, c), ms in sorted(base.items()))
+        + f"); {report['repeats']} repeats, device {report['device']}, {report['threads']} threads. "
+        "A MARS step at block size B feeds up to B + 1 columns (2B + 2 with draft groups): it pays when "
+        "tokens per forward exceed the ratio at that width."
+    )
+    return "\n".join(lines)

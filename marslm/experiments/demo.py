@@ -1,0 +1,419 @@
+"""``marslm demo``: the whole method, end to end, on the embedded default.
+
+    1. the toy instruction suite (generated) and a BPE tokenizer trained on its train split
+    2. a small Qwen2 model initialised from scratch, saved as a plain HF directory
+    3. stage 1, AR SFT, with a learning curve on held-out items  -> OUT/ar
+    4. stage 2, MARS, from the AR checkpoint                     -> OUT/mars
+    5. the compute-matched control: the AR checkpoint trained on
+       the MARS stage's data, steps and schedule, plain AR loss  -> OUT/ar_control
+    6. AR, control and MARS at several tau on the test split     -> OUT/report.json
+
+Stages 3-5 are the same ``train`` calls a user makes with a hub model; only the starting point
+(a from-scratch model instead of a downloaded instruction-tuned one) differs.
+
+The paper compares AR SFT with AR SFT + a MARS stage, so its MARS model has had more training.
+The fair baseline for MARS's one-token quality is therefore the control, which had the same: the
+demo judges MARS against it, and reports the comparison with the AR parent without judging it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class DemoPreset:
+    model: str  # toy_model preset
+    vocab_size: int
+    train_examples: int
+    test_examples: int
+    ar_steps: int
+    mars_steps: int
+    batch_size: int
+    ar_lr: float
+    mars_lr: float
+    block_size: int = 4
+    mars_ar_weight: float = 1.0  # weight of MARS's clean-stream (SFT) loss term
+    ar_mix: tuple = ()  # (family, weight) pairs for the AR stage's training mixture; () = balanced
+    packing: bool = True  # pack sequences into rows: the padded batch's loss and gradients, fewer FLOPs
+    taus: tuple = (1.0, 0.95, 0.9)
+    curve_points: int = 6  # AR learning-curve evaluations
+    curve_items: int = 100
+    max_length: int = 192
+    seed: int = 0
+
+
+DEMO_PRESETS = {
+    # Smoke runs and the test suite: minutes, no quality claims (a mixture, to run that path too).
+    "quick": DemoPreset(
+        model="test",
+        vocab_size=512,
+        train_examples=2000,
+        test_examples=48,
+        ar_steps=60,
+        mars_steps=30,
+        batch_size=16,
+        ar_lr=3e-3,
+        mars_lr=1e-3,
+        curve_points=2,
+        curve_items=16,
+        ar_mix=(("lists", 2.0),),
+    ),
+    # The numbers we quote. Most of the budget goes to the AR stage, to give MARS the strongest
+    # baseline it allows; MARS weights the clean-stream (SFT) loss 2x, which on a model this small
+    # keeps one-token accuracy at no cost in tokens per forward (docs/results.md).
+    "default": DemoPreset(
+        model="quick",
+        vocab_size=1024,
+        train_examples=20000,
+        test_examples=500,
+        ar_steps=3000,
+        mars_steps=500,
+        batch_size=32,
+        ar_lr=3e-3,
+        mars_lr=1e-3,
+        mars_ar_weight=2.0,
+    ),
+    # An AR stage trained towards its plateau: its mixture draws format items 2x and list items 3x
+    # as often as arithmetic and code (the two families learned last; their items are short).
+    "plateau": DemoPreset(
+        model="quick",
+        vocab_size=1024,
+        train_examples=35000,
+        test_examples=500,
+        ar_steps=4000,
+        mars_steps=650,
+        batch_size=32,
+        ar_lr=3e-3,
+        mars_lr=1e-3,
+        mars_ar_weight=4.0,
+        ar_mix=(("format", 2.0), ("lists", 3.0)),
+        curve_points=8,
+        curve_items=200,
+    ),
+    # AR stopped half way up its learning curve, MARS twice as long: the ablation's setting.
+    "short": DemoPreset(
+        model="quick",
+        vocab_size=1024,
+        train_examples=20000,
+        test_examples=500,
+        ar_steps=1600,
+        mars_steps=800,
+        batch_size=32,
+        ar_lr=3e-3,
+        mars_lr=1e-3,
+    ),
+}
+
+
+def resolve_preset(preset: str | DemoPreset, **overrides) -> DemoPreset:
+    if isinstance(preset, str):
+        if preset not in DEMO_PRESETS:
+            raise UserError(f"unknown preset {preset!r}; choose from {', '.join(DEMO_PRESETS)}")
+        preset = DEMO_PRESETS[preset]
+    return replace(preset, **overrides)
+
+
+def train_arguments(preset: DemoPreset, progress: bool, stage: str) -> dict:
+    """TrainConfig arguments for a stage (shared with the ablation, so its rows compare).
+
+    Only the AR stage uses the preset's family mixture: it is there to bring the slowest family up
+    to the others, while MARS learns what to predict ahead from the suite as evaluated (balanced).
+    """
+    data_mix = dict(preset.ar_mix) if stage == "ar" and preset.ar_mix else None
+    return dict(
+        stage=stage,
+        data="toy",
+        data_n=preset.train_examples,
+        data_seed=preset.seed,
+        data_mix=data_mix,
+        packing=preset.packing,
+        batch_size=preset.batch_size,
+        max_length=preset.max_length,
+        seed=preset.seed,
+        progress=progress,
+        logging_steps=25,
+        save_steps=10**9,
+        warmup_ratio=0.03,
+        weight_decay=0.0,
+    )
+
+
+def _say(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
+
+
+def build_base_model(out: Path, preset: DemoPreset) -> Path:
+    """Tokenizer + from-scratch model, saved like any hub checkpoint."""
+    from ..data import toy
+    from ..data.tokenizer import train_chat_tokenizer
+    from ..modeling import count_parameters
+    from .toy_model import make_tiny_qwen2
+
+    examples = toy.make_split("train", preset.train_examples, seed=preset.seed, weights=dict(preset.ar_mix))
+    texts = [m["content"] for ex in examples for m in toy.to_chat_record(ex)["messages"]]
+    tokenizer = train_chat_tokenizer(texts, vocab_size=preset.vocab_size)
+    model = make_tiny_qwen2(tokenizer, preset.model, seed=preset.seed)
+    base = out / "base"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    _say(f"tokenizer: {len(tokenizer)} tokens; model: Qwen2 '{preset.model}', {count_parameters(model):,} parameters")
+    return base
+
+
+def curve_steps(total_steps: int, points: int) -> list[int]:
+    """Evenly spaced evaluation steps ending at the last one, also when ``points`` does not divide it."""
+    return sorted({max(1, round(k * total_steps / points)) for k in range(1, points + 1)})
+
+
+def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: list):
+    """Evaluates greedy accuracy on held-out items a few times during AR training."""
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from ..evaluate import evaluate, load_eval_set
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eval_set = load_eval_set("toy", preset.curve_items, seed=preset.seed + 1)
+    at_steps = set(curve_steps(preset.ar_steps, preset.curve_points))
+
+    class LearningCurve(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step not in at_steps:
+                return
+            was_training = model.training
+            model.eval()
+            report = evaluate(
+                model, tokenizer, eval_set, taus=(1.0,), block_size=1, progress=False, max_new_tokens=preset.max_length
+            )
+            model.train(was_training)
+            acc = report["results"][0]["accuracy"]
+            curve.append(
+                {
+                    "step": state.global_step,
+                    "accuracy": acc,
+                    "families": {k: v["accuracy"] for k, v in report["results"][0]["families"].items()},
+                }
+            )
+            _say(f"AR step {state.global_step}: held-out accuracy {100 * acc:.1f}%")
+
+    return LearningCurve()
+
+
+def _one_token_gap(mars: dict, baseline: dict) -> tuple[float, dict, str]:
+    """(overall gap in points, per-family gaps, 'interval' text) of MARS at tau 1 against a baseline."""
+    gaps = {
+        f: round(100 * (mars["families"][f]["accuracy"] - baseline["families"][f]["accuracy"]), 6)
+        for f in baseline["families"]
+    }
+    overall = round(100 * (mars["accuracy"] - baseline["accuracy"]), 6)
+    return overall, gaps, _interval(mars, baseline)
+
+
+def _interval(a: dict, b: dict) -> str:
+    """The paired bootstrap interval of a - b over the test items, when both carry per-item scores."""
+    from ..evaluate import paired_bootstrap
+
+    if not a.get("correct") or len(a["correct"]) != len(b.get("correct") or []):
+        return ""
+    low, high = paired_bootstrap(a["correct"], b["correct"])
+    return f" (95% CI {low:+.1f} to {high:+.1f} over items)"
+
+
+def check_results(report: dict) -> list[dict]:
+    """The project's demo targets, checked on a demo report; one entry each: what, met, the numbers.
+
+    Result 1 is judged against the compute-matched control (``ar_control``); the same comparison
+    with the AR parent is reported with ``met`` None. Result 3 (an AR stage at its plateau) is not
+    a verdict a single run can give: the held-out curve also flattens when a cosine schedule ends,
+    so the report keeps the curve and this check only quotes its last gain. Intervals are paired
+    bootstraps over the test items: a 500-item score moves by about a point and a half with the
+    items drawn.
+    """
+    ar = report["ar"]["results"][0]
+    control = report["ar_control"]["results"][0] if "ar_control" in report else None
+    mars = {r["tau"]: r for r in report["mars"]["results"]}
+    checks = []
+
+    worst = min(ar["families"], key=lambda f: ar["families"][f]["accuracy"])
+    checks.append(
+        {
+            "result": 0,
+            "claim": "AR SFT >= 60% overall, no family below 30%",
+            "met": ar["accuracy"] >= 0.60 and ar["families"][worst]["accuracy"] >= 0.30,
+            "detail": f"AR {100 * ar['accuracy']:.1f}%, lowest family {worst} "
+            f"{100 * ar['families'][worst]['accuracy']:.1f}%",
+        }
+    )
+
+    if 1.0 in mars:
+        one = mars[1.0]
+        # gaps are rounded: a gap of exactly -2 points must not fail on float noise
+        for name, baseline, judged in (
+            ("the compute-matched AR control", control, True),
+            ("the AR parent (less training: reported, not judged)", ar, False),
+        ):
+            if baseline is None:
+                continue
+            overall, gaps, interval = _one_token_gap(one, baseline)
+            worst = min(gaps, key=gaps.get)
+            checks.append(
+                {
+                    "result": 1,
+                    "claim": f"MARS at tau 1 >= {name} overall, every family within 2 points",
+                    "met": (overall >= 0 and gaps[worst] >= -2.0) if judged else None,
+                    "detail": f"MARS {100 * one['accuracy']:.1f}% vs {100 * baseline['accuracy']:.1f}%, "
+                    f"{overall:+.1f}{interval}, worst family {worst} {gaps[worst]:+.1f}",
+                }
+            )
+        if 0.95 in mars:
+            fast = mars[0.95]
+            drop = round(100 * (fast["accuracy"] - one["accuracy"]), 6)
+            checks.append(
+                {
+                    "result": 2,
+                    "claim": "MARS at tau 0.95: >= 2.0 tokens per forward, within 2 points of tau 1",
+                    "met": fast["tokens_per_forward"] >= 2.0 and drop >= -2.0,
+                    "detail": f"{fast['tokens_per_forward']:.2f} tokens per forward, {drop:+.1f} points"
+                    f"{_interval(fast, one)}",
+                }
+            )
+    curve = report.get("ar_learning_curve") or []
+    if len(curve) >= 2:
+        gain = 100 * (curve[-1]["accuracy"] - curve[-2]["accuracy"])
+        checks.append(
+            {
+                "result": 3,
+                "claim": "AR stage at its plateau (one run cannot tell; README)",
+                "met": None,
+                "detail": f"last {curve[-1]['step'] - curve[-2]['step']} steps: {gain:+.1f} "
+                f"points held-out, to {100 * curve[-1]['accuracy']:.1f}%",
+            }
+        )
+    return checks
+
+
+def format_checks(checks: list[dict]) -> str:
+    verdict = {True: "met", False: "MISSED", None: "not judged here"}
+    return "\n".join(f"result {c['result']}: {c['claim']}: {c['detail']} -- {verdict[c['met']]}" for c in checks)
+
+
+def run_demo(
+    out: str | Path = "runs/demo",
+    preset: str | DemoPreset = "default",
+    overwrite: bool = True,
+    progress: bool = True,
+    **overrides,
+) -> dict:
+    from ..evaluate import evaluate, format_table, load_eval_set
+    from ..modeling import load_model
+    from ..train import TrainConfig, train
+
+    preset = resolve_preset(preset, **overrides)
+    out = Path(out)
+    if out.exists():
+        if not overwrite:
+            raise UserError(f"{out} exists; pass --overwrite")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    started = time.time()
+    timings = {}
+
+    _say(f"1/6 suite + tokenizer ({preset.train_examples} train examples)")
+    t = time.time()
+    base = build_base_model(out, preset)
+    timings["setup"] = time.time() - t
+
+    curve: list = []
+    _say(f"2/6 AR SFT: {preset.ar_steps} steps of {preset.batch_size}")
+    t = time.time()
+    train(
+        TrainConfig(
+            model=str(base),
+            output=str(out / "ar"),
+            max_steps=preset.ar_steps,
+            learning_rate=preset.ar_lr,
+            **train_arguments(preset, progress, "ar"),
+        ),
+        callbacks=[_learning_curve_callback(preset, base, curve)],
+    )
+    timings["train_ar"] = time.time() - t
+
+    _say(
+        f"3/6 MARS (B={preset.block_size}, SFT-loss weight {preset.mars_ar_weight:g}): "
+        f"{preset.mars_steps} steps of {preset.batch_size}"
+    )
+    t = time.time()
+    train(
+        TrainConfig(
+            model=str(out / "ar"),
+            output=str(out / "mars"),
+            max_steps=preset.mars_steps,
+            learning_rate=preset.mars_lr,
+            block_size=preset.block_size,
+            ar_weight=preset.mars_ar_weight,
+            **train_arguments(preset, progress, "mars"),
+        )
+    )
+    timings["train_mars"] = time.time() - t
+
+    _say("4/6 AR control: the AR checkpoint on the MARS stage's data, steps and schedule, plain AR loss")
+    t = time.time()
+    control_args = {**train_arguments(preset, progress, "mars"), "stage": "ar"}
+    train(
+        TrainConfig(
+            model=str(out / "ar"),
+            output=str(out / "ar_control"),
+            max_steps=preset.mars_steps,
+            learning_rate=preset.mars_lr,
+            **control_args,
+        )
+    )
+    timings["train_control"] = time.time() - t
+
+    _say(f"5/6 evaluating on {preset.test_examples} test items")
+    t = time.time()
+    eval_set = load_eval_set("toy", preset.test_examples, seed=preset.seed)
+    reports = {}
+    for name, taus in (("ar", (1.0,)), ("ar_control", (1.0,)), ("mars", preset.taus)):
+        model, tokenizer, _ = load_model(str(out / name))
+        reports[name] = evaluate(
+            model,
+            tokenizer,
+            eval_set,
+            taus=taus,
+            block_size=preset.block_size,
+            max_new_tokens=preset.max_length,
+            progress=progress,
+            model_name=str(out / name),
+        )
+    timings["eval"] = time.time() - t
+
+    timings["total"] = time.time() - started
+    report = {
+        **reports,
+        "ar_learning_curve": curve,
+        "preset": asdict(preset),
+        "seconds": {k: round(v, 1) for k, v in timings.items()},
+    }
+    report["checks"] = check_results(report)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _say(
+        "6/6 results\n"
+        + format_table(
+            {
+                "AR SFT": reports["ar"],
+                "AR control": reports["ar_control"],
+                f"MARS B={preset.block_size}": reports["mars"],
+            }
+        )
+        + "\n"
+        + format_checks(report["checks"])
+    )
+    _say(f"done in {timings['total'] / 60:.1f} min; report: {out / 'report.json'}")
+    return report

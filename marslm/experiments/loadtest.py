@@ -1,0 +1,298 @@
+"""``marslm loadtest``: throughput, latency percentiles and accuracy of a running server, per tau policy.
+
+For each policy and each concurrency level, ``requests`` prompts from the toy test split are sent
+as streaming chat completions by ``concurrency`` closed-loop workers (each sends its next request
+when the previous one ends), and measured client-side: time to first token, request latency,
+completion tokens per second over the run's wall time, and the server's ``tokens_per_forward``
+(from ``usage``). The answers are scored with ``toy.score_many`` after the timed window, so
+"accuracy within 2 points of tau = 1" can be checked at the load where it matters.
+
+How a policy is applied: through the server's admin API, not per request. ``POST /admin/policy``
+sets ``fixed`` at tau 1.0 / 0.95, or ``adaptive`` between ``--adaptive-tau`` (the ceiling) and
+``--tau-floor``; the requests name no tau, so they follow the server's default exactly as
+production traffic would. The server's own policy is read first and restored at the end.
+Use ``--api-key`` if the server has one.
+
+Everything is bounded: ``requests`` per run, ``--timeout`` per request, and a wall-clock
+``--deadline`` after which the remaining runs are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+POLICIES = ("fixed-1.0", "fixed-0.95", "adaptive")
+
+
+def policy_settings(name: str, adaptive_tau: float = 0.95, tau_floor: float = 0.9) -> dict:
+    """The ``POST /admin/policy`` body for a policy name: ``fixed-<tau>`` or ``adaptive``."""
+    if name == "adaptive":
+        return {"policy": "adaptive", "tau": adaptive_tau, "tau_floor": min(tau_floor, adaptive_tau)}
+    if name.startswith("fixed-"):
+        try:
+            tau = float(name[len("fixed-") :])
+        except ValueError:
+            raise UserError(f"bad policy {name!r}; use fixed-<tau> or adaptive") from None
+        return {"policy": "fixed", "tau": tau, "tau_floor": min(tau_floor, tau)}
+    raise UserError(f"bad policy {name!r}; use fixed-<tau> or adaptive")
+
+
+@dataclass
+class Sample:
+    ok: bool
+    latency: float
+    ttft: float | None
+    text: str
+    completion_tokens: int = 0
+    forwards: int = 0
+    accepted: float = 0.0  # tokens_per_forward * forwards: decoded tokens, stop token included
+    error: str = ""
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+async def _one_request(
+    client,
+    url: str,
+    headers: dict,
+    model: str,
+    messages: list,
+    max_tokens: int,
+    timeout: float,
+    fields: dict | None = None,
+) -> Sample:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(fields or {}),
+    }
+    started = time.perf_counter()
+    ttft, parts, usage = None, [], None
+    try:
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout
+        ) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:200]
+                return Sample(False, time.perf_counter() - started, None, "", error=f"{response.status_code} {detail}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    return Sample(False, time.perf_counter() - started, ttft, "", error=chunk["error"]["message"])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    content = choice.get("delta", {}).get("content")
+                    if content:
+                        if ttft is None:
+                            ttft = time.perf_counter() - started
+                        parts.append(content)
+    except Exception as exc:  # a timeout or a dropped connection is a failed sample, not a crash
+        return Sample(False, time.perf_counter() - started, ttft, "", error=f"{type(exc).__name__}: {exc}")
+    usage = usage or {}
+    forwards = usage.get("forwards", 0)
+    return Sample(
+        True,
+        time.perf_counter() - started,
+        ttft,
+        "".join(parts),
+        usage.get("completion_tokens", 0),
+        forwards,
+        usage.get("tokens_per_forward", 0.0) * forwards,
+    )
+
+
+async def _run_level(
+    client, url, headers, model, examples, concurrency, max_tokens, timeout, fields: dict | None = None
+) -> tuple[list, float]:
+    """Send every example once with ``concurrency`` closed-loop workers; samples in example order.
+    ``fields``: extra request fields (tau, mode, ...) for every request."""
+    samples: list[Sample | None] = [None] * len(examples)
+    next_index = iter(range(len(examples)))
+
+    async def worker():
+        for i in next_index:  # a shared iterator: each index is taken by exactly one worker
+            samples[i] = await _one_request(
+                client, url, headers, model, examples[i].messages, max_tokens, timeout, fields
+            )
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(examples)))))
+    return samples, time.perf_counter() - started
+
+
+def _summarise(samples: list[Sample], wall: float, correct: list[bool]) -> dict:
+    ok = [s for s in samples if s.ok]
+    latencies = [s.latency for s in ok]
+    ttfts = [s.ttft for s in ok if s.ttft is not None]
+    tokens = sum(s.completion_tokens for s in ok)
+    forwards = sum(s.forwards for s in ok)
+
+    def pct(values):
+        return {f"p{q}": _round(percentile(values, q)) for q in (50, 90, 99)}
+
+    return {
+        "ok": len(ok),
+        "errors": len(samples) - len(ok),
+        "first_error": next((s.error for s in samples if not s.ok), None),
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(ok) / wall, 3) if wall else None,
+        "tokens_per_s": round(tokens / wall, 2) if wall else None,
+        "completion_tokens": tokens,
+        "tokens_per_forward": round(sum(s.accepted for s in ok) / forwards, 4) if forwards else None,
+        "latency_s": pct(latencies) | {"mean": _round(sum(latencies) / len(latencies)) if latencies else None},
+        "ttft_s": pct(ttfts),
+        "accuracy": round(sum(correct) / len(correct), 4) if correct else None,
+    }
+
+
+def _round(value, digits: int = 4):
+    return None if value is None else round(value, digits)
+
+
+async def run_loadtest_async(
+    url: str,
+    *,
+    concurrencies=(1, 8, 32),
+    requests: int = 64,
+    policies=POLICIES,
+    max_tokens: int = 192,
+    api_key: str | None = None,
+    model: str | None = None,
+    adaptive_tau: float = 0.95,
+    tau_floor: float = 0.9,
+    timeout: float = 300.0,
+    deadline: float = 3600.0,
+    seed: int = 0,
+    log=print,
+) -> dict:
+    import httpx
+
+    from ..data import toy
+
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    settings = {name: policy_settings(name, adaptive_tau, tau_floor) for name in policies}
+    examples = toy.make_split("test", requests, seed=seed)
+    limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
+    started = time.perf_counter()
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        try:
+            response = await client.get(url + "/v1/models", headers=headers)
+        except httpx.HTTPError as exc:
+            raise UserError(f"cannot reach {url}: {exc}") from None
+        if response.status_code != 200:
+            raise UserError(f"{url}/v1/models answered {response.status_code}: {response.text[:200]}")
+        model = model or response.json()["data"][0]["id"]
+        original = await _admin(client, url + "/admin/policy", headers)
+        results = []
+        try:
+            # one unmeasured request: first-call costs (allocator, kernels) stay out of the numbers
+            await _one_request(client, url, headers, model, examples[0].messages, 8, timeout)
+            for name in policies:
+                for concurrency in concurrencies:
+                    if time.perf_counter() - started > deadline:
+                        log(f"loadtest: deadline of {deadline:.0f} s reached; skipping the remaining runs")
+                        break
+                    # re-applied before every run: an adaptive tau starts each run at its ceiling
+                    await _admin(client, url + "/admin/policy", headers, settings[name])
+                    samples, wall = await _run_level(
+                        client, url, headers, model, examples, concurrency, max_tokens, timeout
+                    )
+                    correct = await asyncio.to_thread(
+                        toy.score_many, examples, [s.text if s.ok else None for s in samples]
+                    )
+                    entry = {
+                        "policy": name,
+                        "concurrency": concurrency,
+                        "requests": len(examples),
+                        **_summarise(samples, wall, correct),
+                    }
+                    results.append(entry)
+                    log(
+                        f"loadtest: {name:>10} x{concurrency:<3} {entry['tokens_per_s']} tok/s, "
+                        f"p50 {entry['latency_s']['p50']} s, accuracy {entry['accuracy']}, errors {entry['errors']}"
+                    )
+        finally:
+            await _admin(
+                client,
+                url + "/admin/policy",
+                headers,
+                {
+                    "policy": original["policy"],
+                    "tau": original["ceiling"],
+                    "tau_floor": original["floor"],
+                    "slo_ms": original["slo_ms"],
+                },
+            )
+    baseline = {r["concurrency"]: r["accuracy"] for r in results if r["policy"] == "fixed-1.0"}
+    for r in results:
+        if r["concurrency"] in baseline and r["accuracy"] is not None and baseline[r["concurrency"]] is not None:
+            r["accuracy_delta_points"] = round(100 * (r["accuracy"] - baseline[r["concurrency"]]), 2)
+    return {
+        "url": url,
+        "model": model,
+        "requests": len(examples),
+        "max_tokens": max_tokens,
+        "data": "toy test split",
+        "concurrency": list(concurrencies),
+        "policies": {n: settings[n] for n in policies},
+        "results": results,
+    }
+
+
+async def _admin(client, url: str, headers: dict, body: dict | None = None) -> dict:
+    response = await (
+        client.post(url, json=body, headers=headers) if body is not None else client.get(url, headers=headers)
+    )
+    if response.status_code != 200:
+        raise UserError(
+            f"{url} answered {response.status_code}: {response.text[:200]} "
+            "(the loadtest sets the tau policy through the admin API; pass --api-key if needed)"
+        )
+    return response.json()
+
+
+def run_loadtest(url: str, **kwargs) -> dict:
+    return asyncio.run(run_loadtest_async(url, **kwargs))
+
+
+def format_table(report: dict) -> str:
+    rows = [
+        "| policy | concurrency | req/s | tok/s | latency p50 / p90 / p99 (s) | TTFT p50 (s) | tok/fwd "
+        "| accuracy | Δ vs tau 1 (pts) | errors |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        lat = r["latency_s"]
+        rows.append(
+            f"| {r['policy']} | {r['concurrency']} | {_fmt(r['requests_per_s'])} | {_fmt(r['tokens_per_s'])} "
+            f"| {_fmt(lat['p50'])} / {_fmt(lat['p90'])} / {_fmt(lat['p99'])} | {_fmt(r['ttft_s']['p50'])} "
+            f"| {_fmt(r['tokens_per_forward'])} | {_fmt(r['accuracy'])} "
+            f"| {_fmt(r.get('accuracy_delta_points'))} | {r['errors']} |"
+        )
+    return "\n".join(rows)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if isinstance(value, float) and abs(value) < 100 else str(value)

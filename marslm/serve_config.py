@@ -1,0 +1,101 @@
+"""Every ``marslm serve`` knob in one validated object: the CLI's options, the engine's and the
+HTTP server's settings are its fields (settings.py), so each default is written once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .decode.params import check_tau
+from .errors import UserError
+from .settings import flag_of, setting
+
+POLICIES = ("fixed", "adaptive")
+DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
+ENGINES = ("marslm", "vllm")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass
+class ServeConfig:
+    host: str = setting("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
+    port: int = setting(8000, "port (0 picks a free one)")
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' (except /health, /metrics)")
+    dtype: str = setting(
+        "auto", "weights dtype (auto: as saved); float64 makes batching unable to flip near-ties", choices=DTYPE_NAMES
+    )
+    device: str = setting("auto", "torch device (auto: cuda if available, else cpu)")
+    served_model_name: str | None = setting(
+        None, "model name clients send (default: the model directory's name, or the hub id)"
+    )
+    engine: str = setting(
+        "marslm",
+        "marslm: this package's engine; vllm: vLLM's OpenAI server with the MARS "
+        "plugin, from the environment `make vllm-env` makes",
+        choices=ENGINES,
+    )
+    log_level: str = setting("info", "server log level", choices=LOG_LEVELS)
+    max_batch: int = setting(16, "requests decoded together")
+    max_queue: int = setting(256, "requests that may wait for a batch row; beyond it: 429 with Retry-After")
+    max_tokens: int = setting(256, "max_tokens of a request that names none")
+    max_tokens_limit: int = setting(4096, "largest max_tokens accepted")
+    seed: int = setting(0, "seed of sampling for requests that name no seed")
+    tau: float = setting(0.95, "default tau for requests that name none; the adaptive policy's ceiling")
+    tau_policy: str = setting(
+        "fixed",
+        "fixed: the default tau stays put; adaptive: it falls toward --tau-floor as "
+        "the queue grows or steps pass --slo-ms, and recovers as load falls",
+        choices=POLICIES,
+    )
+    tau_floor: float = setting(0.9, "lowest default tau of the adaptive policy")
+    slo_ms: float | None = setting(None, "step latency above which the adaptive policy lowers tau")
+    shutdown_timeout: float = setting(
+        30.0,
+        "on SIGTERM, seconds in-flight requests may take to finish before "
+        "they are cancelled (a 503 error object, or a last stream event)",
+    )
+    max_request_bytes: int = setting(2**20, "largest request body; a larger one is refused (413) as it arrives")
+    header_timeout: float = setting(10.0, "seconds a connection may take to send a request's line and headers")
+    body_timeout: float = setting(30.0, "seconds a request's body may take to arrive, then 408")
+    keep_alive_timeout: float = setting(5.0, "seconds an idle keep-alive connection stays open")
+    max_connections: int = setting(1024, "open connections; one more is answered 503 and closed")
+
+    def validate(self) -> ServeConfig:
+        def flag(name):
+            return flag_of(ServeConfig, name)
+
+        check_tau(self.tau, "prob")
+        check_tau(self.tau_floor, "prob")
+        if self.tau_floor > self.tau:
+            raise UserError(f"{flag('tau_floor')} {self.tau_floor} is above {flag('tau')} {self.tau}")
+        for name in (
+            "max_batch",
+            "max_queue",
+            "max_tokens",
+            "max_tokens_limit",
+            "max_request_bytes",
+            "max_connections",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{flag(name)} must be an integer >= 1, got {value}")
+        if not 0 <= self.port <= 65535:
+            raise UserError(f"{flag('port')} must be in 0..65535, got {self.port}")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_timeout"):
+            value = getattr(self, name)
+            zero_ok = name == "shutdown_timeout"  # 0: cancel in-flight requests at once
+            if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+                raise UserError(
+                    f"{flag(name)} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value}"
+                )
+        if self.slo_ms is not None and not (math.isfinite(self.slo_ms) and self.slo_ms > 0):
+            raise UserError(f"{flag('slo_ms')} must be a finite number > 0, got {self.slo_ms}")
+        for name, allowed in (
+            ("tau_policy", POLICIES),
+            ("dtype", DTYPE_NAMES),
+            ("engine", ENGINES),
+            ("log_level", LOG_LEVELS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        return self

@@ -1,0 +1,136 @@
+"""Decoding correctness on a trained tiny checkpoint.
+
+The checkpoint is trained (AR SFT, then MARS) on the toy suite for a few seconds, so its
+confidences spread from near 0 to near 1 and every acceptance path is exercised. Comparisons
+run in float64: batch shape then cannot flip a near-tie, so any mismatch is a real bug.
+"""
+
+import pytest
+
+from marslm import generate
+from marslm.chat import encode_prompt
+from marslm.data import toy
+from tests.helpers import hf_greedy
+from tests.trained import TRAIN_N
+
+
+@pytest.fixture(scope="module")
+def prompts(trained_checkpoints):
+    _, tokenizer = trained_checkpoints["mars64"]
+    examples = toy.make_split("train", TRAIN_N, seed=0)[::8]  # memorised prompts: confident masks
+    return [encode_prompt(tokenizer, ex.messages) for ex in examples]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("cache", ["none", "cursor", "block"])
+def test_one_token_mode_equals_hf_greedy(trained_checkpoints, prompts, batch, cache):
+    model, tokenizer = trained_checkpoints["mars64"]
+    expected = hf_greedy(model, tokenizer, prompts[:batch], 48)
+    out = generate(model, tokenizer, prompts[:batch], tau=1.0, cache=cache, max_new_tokens=48)
+    assert out.token_ids == expected
+    assert out.tokens_per_forward == 1.0
+
+
+def test_ragged_batch_equals_each_prompt_alone(trained_checkpoints, prompts):
+    model, tokenizer = trained_checkpoints["mars64"]
+    together = generate(model, tokenizer, prompts, tau=0.7, max_new_tokens=48)
+    alone = [generate(model, tokenizer, [p], tau=0.7, max_new_tokens=48) for p in prompts]
+    assert together.token_ids == [a.token_ids[0] for a in alone]
+    assert together.forwards == [a.forwards[0] for a in alone]
+    assert together.tokens_per_forward > 1.2
+
+
+TAUS = {"prob": [1.0, 0.95, 0.8], "margin": [1.0, 0.95, 0.8], "entropy": [0.0, 0.2, 0.6]}
+
+
+@pytest.mark.parametrize("metric", ["prob", "margin", "entropy"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_cursor_cache_equals_recompute(trained_checkpoints, prompts, metric, batch):
+    """With the last mask read (the default), which the reference sampler of test_oracle.py does not do."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    for tau in TAUS[metric]:
+        kwargs = dict(tau=tau, metric=metric, max_new_tokens=40, use_last_mask=True)
+        oracle = generate(model, tokenizer, prompts[:batch], cache="none", **kwargs)
+        out = generate(model, tokenizer, prompts[:batch], cache="cursor", **kwargs)
+        assert out.token_ids == oracle.token_ids, tau
+        assert out.accepted_per_step == oracle.accepted_per_step, tau
+
+
+def test_multi_token_acceptance_happens(trained_checkpoints, prompts):
+    model, tokenizer = trained_checkpoints["mars64"]
+    out = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=48, use_last_mask=True, adaptive_width=False)
+    assert max(max(steps) for steps in out.accepted_per_step) == 5  # B + 1 with the last mask
+    without = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=48, use_last_mask=False, adaptive_width=False)
+    assert max(max(steps) for steps in without.accepted_per_step) <= 4
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("cache", ["none", "cursor"])
+@pytest.mark.parametrize("draft_groups", [False, True])
+def test_lossless_equals_hf_greedy(trained_checkpoints, prompts, batch, cache, draft_groups):
+    model, tokenizer = trained_checkpoints["mars64"]
+    expected = hf_greedy(model, tokenizer, prompts[:batch], 48)
+    out = generate(
+        model,
+        tokenizer,
+        prompts[:batch],
+        mode="lossless",
+        cache=cache,
+        draft_groups=draft_groups,
+        use_last_mask=True,
+        max_new_tokens=48,
+    )
+    assert out.token_ids == expected
+    assert out.tokens_per_forward > 1.0
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        self.handle = model.register_forward_hook(self._count)
+
+    def _count(self, *_):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("cache", ["none", "cursor", "block"])
+def test_stats_are_exact(trained_checkpoints, prompts, cache):
+    model, tokenizer = trained_checkpoints["mars64"]
+    counter = ForwardCounter(model)
+    try:
+        out = generate(model, tokenizer, prompts, tau=0.8, cache=cache, block_cache_size=8, max_new_tokens=40)
+    finally:
+        counter.handle.remove()
+    assert out.batch_forwards == counter.calls
+    most = 8 if cache == "block" else 5  # a cache block; else B + 1 with the last mask
+    for ids, steps in zip(out.token_ids, out.accepted_per_step):
+        assert all(1 <= s <= most for s in steps)
+        assert sum(steps) in (len(ids), len(ids) + 1)  # + the stop token when one was produced
+    if cache == "block":
+        # the prefill, and a commit after every block but the last, accept nothing
+        blocks = -(-max(sum(steps) for steps in out.accepted_per_step) // 8)
+        assert out.batch_forwards >= max(out.forwards) + blocks
+    else:  # rows never sit out a step, so the batch runs exactly as long as its longest row
+        assert out.batch_forwards == max(out.forwards)
+
+
+def test_max_new_tokens_and_eos(trained_checkpoints, prompts):
+    model, tokenizer = trained_checkpoints["mars64"]
+    short = generate(model, tokenizer, prompts, tau=0.5, max_new_tokens=3)
+    assert all(len(ids) <= 3 for ids in short.token_ids)
+    full = generate(model, tokenizer, prompts, tau=0.5, max_new_tokens=64)
+    assert all(tokenizer.eos_token_id not in ids for ids in full.token_ids)
+
+
+def test_continuous_refill_equals_one_batch(trained_checkpoints, prompts):
+    model, tokenizer = trained_checkpoints["mars64"]
+    all_at_once = generate(model, tokenizer, prompts, tau=0.9, max_new_tokens=40)
+    two_at_a_time = generate(model, tokenizer, prompts, tau=0.9, max_new_tokens=40, batch_size=2)
+    assert two_at_a_time.token_ids == all_at_once.token_ids
+
+
+def test_cursor_cache_holes_are_bounded(trained_checkpoints, prompts):
+    model, tokenizer = trained_checkpoints["mars64"]
+    out = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=64, use_last_mask=True)
+    longest = max(len(p) for p in prompts) + 64 + 5
+    assert out.stats.peak_cache_slots <= 2 * longest + 8

@@ -1,0 +1,107 @@
+"""MARS decoding below tau = 1 against an independent reference sampler (tests/reference_sampler.py).
+
+The decoder's cache modes are compared with each other elsewhere; that cannot catch a bug they
+share (a mask placed one position off, a candidate read from the wrong column, the acceptance
+rule itself). Here every cache mode must reproduce, token for token and step for step, a plain
+per-row loop with no cache that follows the reference sampler's rule. float64, on the trained
+tiny checkpoint, so no near-tie can flip.
+"""
+
+from functools import cache
+
+import pytest
+
+from marslm import generate
+from marslm.chat import encode_prompt, stop_token_ids
+from marslm.config import MarsConfig
+from marslm.data import toy
+from tests.decode.reference_sampler import reference_generate
+from tests.trained import TRAIN_N
+
+TAUS = (0.95, 0.8, 0.6)
+METRICS = ("prob", "entropy", "margin")
+MAX_NEW = 40
+BLOCK_CACHE = 8
+
+
+@pytest.fixture(scope="module")
+def setup(trained_checkpoints):
+    model, tokenizer = trained_checkpoints["mars64"]
+    config = MarsConfig.load(trained_checkpoints["mars_dir"])
+    examples = toy.make_split("train", TRAIN_N, seed=0)
+    # memorised prompts (confident masks) and one held-out prompt (unconfident ones), of ragged lengths
+    prompts = [encode_prompt(tokenizer, ex.messages) for ex in (examples[3], examples[10], examples[21])]
+    prompts.append(encode_prompt(tokenizer, toy.make_split("test", 1, seed=5)[0].messages))
+    assert len(set(map(len, prompts))) > 1
+    stop = set(stop_token_ids(tokenizer, model.generation_config))
+
+    @cache
+    def reference(index: int, tau: float, metric: str, window: str, adaptive: bool = False):
+        return reference_generate(
+            model,
+            prompts[index],
+            mask_id=config.mask_token_id,
+            stop_ids=stop,
+            tau=tau,
+            metric=metric,
+            block_size=config.block_size,
+            max_new_tokens=MAX_NEW,
+            window=window,
+            block_cache_size=BLOCK_CACHE,
+            adaptive=adaptive,
+        )
+
+    return model, tokenizer, prompts, reference
+
+
+@pytest.mark.parametrize("cache", ["none", "cursor", "block"])
+@pytest.mark.parametrize("metric", METRICS)
+def test_decoding_equals_the_reference_sampler(setup, cache, metric):
+    model, tokenizer, prompts, reference = setup
+    window = "block" if cache == "block" else "sliding"
+    multi_token_steps = 0
+    for tau in TAUS:
+        for rows in ([0], [0, 1, 2, 3]):  # one prompt, then a ragged batch
+            out = generate(
+                model,
+                tokenizer,
+                [prompts[i] for i in rows],
+                tau=tau,
+                metric=metric,
+                cache=cache,
+                block_cache_size=BLOCK_CACHE,
+                use_last_mask=False,
+                adaptive_width=False,
+                max_new_tokens=MAX_NEW,
+            )
+            for i, ids, steps in zip(rows, out.token_ids, out.accepted_per_step):
+                expected_ids, expected_steps = reference(i, tau, metric, window)
+                assert ids == expected_ids, (tau, i)
+                assert steps == expected_steps, (tau, i)
+                multi_token_steps += sum(s > 1 for s in steps)
+    assert multi_token_steps > 10  # the comparison exercised multi-token acceptance
+
+
+@pytest.mark.parametrize("cache", ["none", "cursor"])
+@pytest.mark.parametrize("metric", METRICS)
+def test_adaptive_width_only_shortens_the_reach(setup, cache, metric):
+    """A row that reads fewer masks accepts what the reference accepts from that many candidates:
+    narrowing a step never changes a prediction (causal attention), only how far it can reach."""
+    model, tokenizer, prompts, reference = setup
+    narrowed = 0
+    for tau in TAUS:
+        out = generate(
+            model,
+            tokenizer,
+            prompts,
+            tau=tau,
+            metric=metric,
+            cache=cache,
+            use_last_mask=False,
+            adaptive_width=True,
+            max_new_tokens=MAX_NEW,
+        )
+        for i, (ids, steps) in enumerate(zip(out.token_ids, out.accepted_per_step)):
+            assert (ids, steps) == reference(i, tau, metric, "sliding", adaptive=True), (tau, i)
+            narrowed += ids != reference(i, tau, metric, "sliding")[0]
+    assert narrowed  # the adaptive widths did change some answers' path, so the check had teeth

@@ -1,0 +1,105 @@
+"""The main job end to end, at the quick preset: every stage runs and the report is well formed."""
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from marslm.cli import main
+from marslm.config import MarsConfig
+
+
+@pytest.mark.slow
+def test_quick_demo_writes_a_well_formed_report(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--preset", "quick", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "| MARS B=4 | 0.95 |" in printed
+
+    report = json.loads((out / "report.json").read_text())
+    assert set(report) >= {"ar", "ar_control", "mars", "ar_learning_curve", "preset", "seconds"}
+    assert [r["tau"] for r in report["ar"]["results"]] == [1.0]
+    assert [r["tau"] for r in report["ar_control"]["results"]] == [1.0]
+    assert [r["tau"] for r in report["mars"]["results"]] == [1.0, 0.95, 0.9]
+    for result in report["ar"]["results"] + report["ar_control"]["results"] + report["mars"]["results"]:
+        assert 0.0 <= result["accuracy"] <= 1.0
+        assert result["tokens_per_forward"] >= 1.0
+        assert set(result["families"]) == {"arithmetic", "format", "lists", "code"}
+        assert sum(f["n"] for f in result["families"].values()) == result["n"]
+    # one-token mode is AR decoding: exactly one token per forward
+    assert report["mars"]["results"][0]["tokens_per_forward"] == 1.0
+    assert [point["step"] for point in report["ar_learning_curve"]] == [30, 60]
+    # the issue's results, checked on this run (the quick preset makes no quality claims, so only the shape)
+    assert [c["result"] for c in report["checks"]] == [0, 1, 1, 2, 3]
+    assert [c["met"] is None for c in report["checks"]] == [False, False, True, False, True]
+    assert "control" in report["checks"][1]["claim"] and "parent" in report["checks"][2]["claim"]
+    assert "result 2: " in printed
+
+    for stage in ("ar", "ar_control", "mars"):
+        assert (out / stage / "config.json").is_file()
+        assert MarsConfig.load(out / stage).stage == stage.split("_")[0]
+    control = MarsConfig.load(out / "ar_control").extra["train"]
+    assert control["steps"] == report["preset"]["mars_steps"]  # the MARS stage's budget, AR loss
+    AutoModelForCausalLM.from_pretrained(out / "mars")
+    AutoTokenizer.from_pretrained(out / "mars").apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def _report(ar, ar_families, mars, control=None):
+    """A demo report with only what check_results reads; accuracies in percent. The control equals
+    the AR parent unless given as (accuracy, families)."""
+
+    def result(tau, acc, families, tpf=1.0):
+        return {
+            "tau": tau,
+            "accuracy": acc / 100,
+            "tokens_per_forward": tpf,
+            "families": {f: {"accuracy": a / 100, "n": 125} for f, a in families.items()},
+        }
+
+    control = control or (ar, ar_families)
+    return {
+        "ar": {"results": [result(1.0, ar, ar_families)]},
+        "ar_control": {"results": [result(1.0, *control)]},
+        "mars": {"results": [result(tau, acc, fams, tpf) for tau, acc, fams, tpf in mars]},
+        "ar_learning_curve": [{"step": 500, "accuracy": 0.90}, {"step": 1000, "accuracy": 0.91}],
+    }
+
+
+def test_check_results_judges_each_claim_at_its_edge():
+    from marslm.experiments.demo import check_results, format_checks
+
+    families = {"arithmetic": 90.0, "lists": 60.0}
+    # every claim met exactly at its threshold: equal overall, a family 2 points down, 2.0 tok/fwd, -2 points
+    edge = _report(80.0, families, [(1.0, 80.0, {"arithmetic": 94.0, "lists": 58.0}, 1.0), (0.95, 78.0, families, 2.0)])
+    checks = {c["result"]: c for c in check_results(edge) if c["met"] is not None or c["result"] == 3}
+    assert [checks[r]["met"] for r in (0, 1, 2)] == [True, True, True]
+    assert checks[3]["met"] is None and "+1.0 points" in checks[3]["detail"]
+    # and each missed just past it
+    assert not check_results(_report(59.0, families, []))[0]["met"]
+    assert not check_results(_report(80.0, {"arithmetic": 99.0, "lists": 29.0}, []))[0]["met"]
+    below = _report(80.0, families, [(1.0, 79.8, families, 1.0)])
+    assert not check_results(below)[1]["met"]
+    family_drop = _report(80.0, families, [(1.0, 81.0, {"arithmetic": 95.0, "lists": 57.6}, 1.0)])
+    assert "lists -2.4" in check_results(family_drop)[1]["detail"] and not check_results(family_drop)[1]["met"]
+    # result 1 is judged against the control; the parent's comparison is reported only
+    beats_parent_not_control = _report(
+        80.0, families, [(1.0, 81.0, families, 1.0)], control=(82.0, {"arithmetic": 92.0, "lists": 62.0})
+    )
+    judged, parent = check_results(beats_parent_not_control)[1:3]
+    assert judged["met"] is False and "control" in judged["claim"] and "-1.0" in judged["detail"]
+    assert parent["met"] is None and "+1.0" in parent["detail"]
+    beats_control_not_parent = _report(85.0, families, [(1.0, 81.0, families, 1.0)], control=(80.0, families))
+    assert check_results(beats_control_not_parent)[1]["met"] is True
+    slow = _report(80.0, families, [(1.0, 80.0, families, 1.0), (0.95, 80.0, families, 1.99)])
+    assert not check_results(slow)[3]["met"]
+    lossy = _report(80.0, families, [(1.0, 80.0, families, 1.0), (0.95, 77.8, families, 2.5)])
+    assert not check_results(lossy)[3]["met"]
+    assert "MISSED" in format_checks(check_results(lossy)) and "not judged here" in format_checks(checks.values())
+
+
+def test_learning_curve_steps_are_even_and_end_at_the_last_step():
+    from marslm.experiments.demo import curve_steps
+
+    assert curve_steps(4000, 8) == [500, 1000, 1500, 2000, 2500, 3000, 3500, 4000]
+    assert curve_steps(5500, 8) == [688, 1375, 2062, 2750, 3438, 4125, 4812, 5500]  # no extra point at 5496
+    assert curve_steps(3, 6) == [1, 2, 3]
