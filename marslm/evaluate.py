@@ -101,6 +101,7 @@ def evaluate(
     batch_size: int = 32,
     max_new_tokens: int = 192,
     use_last_mask: bool = True,
+    adaptive_width: bool = True,
     progress: bool = True,
     model_name: str | None = None,
 ) -> dict:
@@ -126,13 +127,22 @@ def evaluate(
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
             use_last_mask=use_last_mask,
+            adaptive_width=adaptive_width,
             on_finish=lambda _row, bar=bar: bar.update(1),
         )
         seconds = time.perf_counter() - started
         bar.close()
         correct = eval_set.score_many(eval_set.examples, out.texts)
         entry = summarise_result(eval_set.examples, correct, out.accepted_per_step, seconds)
-        entry.update(tau=tau, metric=metric, block_size=block_size, cache=cache, mode=mode, use_last_mask=use_last_mask)
+        entry.update(
+            tau=tau,
+            metric=metric,
+            block_size=block_size,
+            cache=cache,
+            mode=mode,
+            use_last_mask=use_last_mask,
+            adaptive_width=adaptive_width,
+        )
         results.append(entry)
     return {"model": model_name or getattr(model, "name_or_path", ""), "data": eval_set.name, "results": results}
 
@@ -205,7 +215,16 @@ def _checkpoint_facts(model: str) -> tuple[str | None, int | None]:
 
 
 def plan_cells(
-    stage: str | None, trained_block: int | None, *, taus, entropy_taus, metrics, block_sizes, cache: str, mode: str
+    stage: str | None,
+    trained_block: int | None,
+    *,
+    taus,
+    entropy_taus,
+    metrics,
+    block_sizes,
+    cache: str,
+    mode: str,
+    adaptive_width: bool = True,
 ) -> list[dict]:
     """The decoding settings a sweep runs for one model, in order.
 
@@ -214,20 +233,21 @@ def plan_cells(
     so it gets one cell per block size. A MARS checkpoint gets every (block size, metric, tau);
     the entropy metric takes its taus from ``entropy_taus``, the others from ``taus``.
     """
+    common = {"cache": cache, "adaptive_width": adaptive_width}
     if stage == "ar":
-        return [{"tau": 1.0, "metric": "prob", "block_size": 1, "cache": cache, "mode": "threshold"}]
+        return [{"tau": 1.0, "metric": "prob", "block_size": 1, "mode": "threshold", **common}]
     cells = []
     for block_size in block_sizes or [trained_block or 4]:
         if mode == "lossless":
-            cells.append({"tau": 1.0, "metric": "prob", "block_size": block_size, "cache": cache, "mode": mode})
+            cells.append({"tau": 1.0, "metric": "prob", "block_size": block_size, "mode": mode, **common})
             continue
         for metric in metrics:
             for tau in entropy_taus if metric == "entropy" else taus:
-                cells.append({"tau": tau, "metric": metric, "block_size": block_size, "cache": cache, "mode": mode})
+                cells.append({"tau": tau, "metric": metric, "block_size": block_size, "mode": mode, **common})
     return cells
 
 
-SETTING_KEYS = ("tau", "metric", "block_size", "cache", "mode")
+SETTING_KEYS = ("tau", "metric", "block_size", "cache", "mode", "adaptive_width")
 DATA_KEYS = ("model", "data", "data_n", "data_seed")
 
 
@@ -291,6 +311,7 @@ def sweep(
     block_sizes=None,
     cache: str = "cursor",
     mode: str = "threshold",
+    adaptive_width: bool = True,
     batch_size: int = 32,
     max_new_tokens: int = 192,
     json_path: str | Path | None = None,
@@ -302,7 +323,7 @@ def sweep(
 
     With ``json_path`` the report is rewritten (atomically) after every cell, and a rerun skips
     the cells already there: a cell is identified by (model, data, n, seed, tau, metric,
-    block_size, cache, mode). A cell that raises (out of memory, say) is recorded as
+    block_size, cache, mode, adaptive_width). A cell that raises (out of memory, say) is recorded as
     ``{..setting.., "failed": "<reason>"}`` and the sweep goes on; a rerun tries it again.
     One-token cells of a model are decoded once and shared: whatever the block size or metric,
     their output is greedy AR decoding.
@@ -350,6 +371,7 @@ def sweep(
             block_sizes=block_sizes,
             cache=cache,
             mode=mode,
+            adaptive_width=adaptive_width,
         )
         plans.append((report, cells))
 
@@ -401,6 +423,7 @@ def _run_cell(
             block_size=cell["block_size"],
             cache=cell["cache"],
             mode=cell["mode"],
+            adaptive_width=cell.get("adaptive_width", True),
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
             progress=progress,

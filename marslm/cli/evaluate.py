@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
         "  * An AR SFT checkpoint (marslm.json stage 'ar') is evaluated once, at tau=1: it is the baseline.\n"
         "  * One-token cells of a model are decoded once and shared by every block size and metric.\n"
         "  * With --json FILE every finished cell is saved at once; rerunning the same command skips them\n"
-        "    (key: model, data, n, seed, tau, metric, block size, cache, mode). A cell that fails (out of\n"
+        "    (key: model, data, n, seed, tau, metric, block size, cache, mode, width). A cell that fails (out of\n"
         '    memory, say) is recorded as {"failed": reason}, the sweep goes on, and a rerun retries it;\n'
         "    the exit status is then 1.\n"
         '  * Report shape: one model gives {"model", "data", "results": [...]}; several give\n'
@@ -74,6 +74,12 @@ def add_parser(sub) -> None:
         default="threshold",
         help="threshold: MARS acceptance by tau; lossless: exact greedy output, tau ignored",
     )
+    ev.add_argument(
+        "--fixed-width",
+        dest="adaptive_width",
+        action="store_false",
+        help="always feed every mask (default: a row feeds fewer while its recent steps accepted few)",
+    )
     ev.add_argument("--n", type=int, default=500, help="number of test items (default 500)")
     ev.add_argument("--seed", type=int, default=0, help="seed of the toy suite's test items")
     ev.add_argument("--batch-size", type=int, default=32, help="rows decoded together")
@@ -112,6 +118,7 @@ def run(args) -> int:
         block_sizes=args.block_size,
         cache=args.cache,
         mode=args.mode,
+        adaptive_width=args.adaptive_width,
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         json_path=args.json,
