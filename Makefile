@@ -29,8 +29,8 @@ $(STAMP): pyproject.toml requirements-ci.txt
 test: install
 	-bash scripts/ensure-chromium.sh   # headless Chromium for the `show --html` screenshot test (needs root)
 	-bash scripts/ensure-bubblewrap.sh # the sandbox for model-written code (needs root)
-	$(BIN)/ruff check marslm tests
-	$(BIN)/ruff format --check marslm tests
+	$(BIN)/ruff check marslm tests scripts
+	$(BIN)/ruff format --check marslm tests scripts
 	$(BIN)/python -m pytest
 
 vllm-env: $(VLLM_STAMP)

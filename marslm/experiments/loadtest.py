@@ -78,6 +78,8 @@ async def _one_request(
         "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
+        # Greedy unless a contender says otherwise: OpenAI's default is 1.0, and vLLM applies it.
+        "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
         **(fields or {}),

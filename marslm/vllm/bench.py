@@ -143,7 +143,9 @@ def run_vllm_bench(
     }
 
 
-async def _measure(servers, field, concurrencies, requests, repeats, max_tokens, timeout, seed, log) -> list[dict]:
+async def _measure(
+    servers, field, concurrencies, requests, repeats, max_tokens, timeout, seed, log, settle: float = 3.0
+) -> list[dict]:
     import httpx
 
     from ..data import toy
@@ -161,6 +163,9 @@ async def _measure(servers, field, concurrencies, requests, repeats, max_tokens,
             for concurrency in concurrencies:
                 for contender in field:
                     server = servers[contender.server]
+                    # A vLLM worker keeps polling for a moment after its last request; on a machine
+                    # with few cores it would take them from the next contender's server.
+                    await asyncio.sleep(settle)
                     samples, wall = await _run_level(
                         client,
                         server.url,

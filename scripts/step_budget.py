@@ -1,0 +1,134 @@
+"""Where a decoding step's time goes: the model's forward against the rest, for marslm and HF ``generate``.
+
+    python scripts/step_budget.py CHECKPOINT [toy|reworded] [--json OUT]
+
+Wraps ``model.forward`` with a timer, then decodes the same prompts with ``marslm.generate``
+(tau 1; tau 0.95 with adaptive and with fixed width; lossless) and with HF ``generate`` (KV cache,
+greedy) at batch 1 (8 prompts) and at batch 8 and 32 (32 prompts, rows refilled), 128 new tokens.
+Per setting: milliseconds per step, the forward's share and the rest (host work), tokens fed per
+step (prompts included) and tokens per second. A timing: run it alone, and compare settings
+within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from marslm.chat import encode_prompt
+from marslm.decode import generate
+from marslm.evaluate import load_eval_set
+from marslm.modeling import load_model
+
+MAX_NEW_TOKENS = 128
+MARS_SETTINGS = {
+    "tau 1": {"tau": 1.0},
+    "tau 0.95 adaptive": {"tau": 0.95},
+    "tau 0.95 fixed": {"tau": 0.95, "adaptive_width": False},
+    "lossless": {"mode": "lossless"},
+}
+
+
+class ForwardTimer:
+    """Counts the model's forwards, the time spent in them and the tokens they were fed."""
+
+    def __init__(self, model):
+        self.inner = model.forward
+        model.forward = self
+        self.reset()
+
+    def reset(self):
+        self.seconds, self.fed, self.calls = 0.0, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        started = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        self.seconds += time.perf_counter() - started
+        self.fed += kwargs["input_ids"].numel()
+        self.calls += 1
+        return out
+
+
+def hf_generate(model, tokenizer, prompt_ids, batch_size) -> int:
+    """HF ``generate`` over ``prompt_ids`` in batches (left-padded); returns the new tokens, EOS excluded."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    total = 0
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = prompt_ids[start : start + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=attention,
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        for row in out[:, width:].tolist():
+            row = row[: row.index(eos)] if eos in row else row
+            total += sum(t != pad for t in row)
+    return total
+
+
+def measure(timer, decode) -> dict:
+    decode()  # warm-up
+    timer.reset()
+    started = time.perf_counter()
+    tokens, tokens_per_forward = decode()
+    seconds = time.perf_counter() - started
+    steps = timer.calls
+    return {
+        "steps": steps,
+        "ms_per_step": 1000 * seconds / steps,
+        "forward_ms": 1000 * timer.seconds / steps,
+        "other_ms": 1000 * (seconds - timer.seconds) / steps,
+        "fed_per_step": timer.fed / steps,
+        "tok_s": tokens / seconds,
+        "tpf": tokens_per_forward,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("data", nargs="?", default="toy", choices=("toy", "reworded"))
+    parser.add_argument("--json", help="write the rows as JSON to this file")
+    args = parser.parse_args()
+
+    model, tokenizer, _ = load_model(args.checkpoint)
+    timer = ForwardTimer(model)
+    messages = [e.messages for e in load_eval_set(args.data, 64).examples]
+    rows = []
+    for batch in (1, 8, 32):
+        prompts = messages[:8] if batch == 1 else messages[:32]
+
+        def mars(settings=None, prompts=prompts, batch=batch):
+            out = generate(
+                model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=batch, **(settings or {})
+            )
+            return sum(map(len, out.token_ids)), out.tokens_per_forward
+
+        for name, settings in MARS_SETTINGS.items():
+            rows.append({"batch": batch, "setting": name, **measure(timer, lambda s=settings: mars(s))})
+        prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+        hf = measure(timer, lambda ids=prompt_ids, b=batch: (hf_generate(model, tokenizer, ids, b), 1.0))
+        rows.append({"batch": batch, "setting": "HF generate", **hf})
+        for row in rows[-len(MARS_SETTINGS) - 1 :]:
+            print(
+                f"batch {row['batch']:2d} {row['setting']:18s} {row['ms_per_step']:6.2f} ms/step "
+                f"(forward {row['forward_ms']:.2f}, rest {row['other_ms']:.2f}), fed {row['fed_per_step']:.0f} "
+                f"tokens/step, {row['tok_s']:.0f} tok/s, {row['tpf']:.2f} tok/fwd",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
