@@ -57,17 +57,18 @@ class RealModelPreset:
 
 
 SMOLLM2_PRESETS = {
-    # The CPU recipe (docs/results.md, "Real model": the pilots it came from, and the tokens it
-    # processes). Pilots on 193 answers repeated for 5 epochs mostly memorised them, so the preset
-    # distills ten times as many prompts and sees each answer about twice. The top 16 of the 30
-    # layers learn the masked stream faster per step than the top 8, for about a third more per step.
+    # The CPU recipe (docs/results.md, "Real model": the pilots it came from, the tokens it
+    # processes, and the time of each stage). Pilots on 193 answers repeated for 5 epochs mostly
+    # memorised them, so the preset distills several times as many prompts and sees each answer
+    # about twice. The top 16 of the 30 layers learn the masked stream faster per step than the
+    # top 8, for about a third more per step.
     "smollm2": RealModelPreset(
-        train_prompts="instructions:2000,toy:400",
+        train_prompts="instructions:1200,toy:300",
         heldout_instructions=48,
         heldout_toy=32,
         max_new_tokens=128,
         train_layers=16,
-        steps=400,
+        steps=300,
         batch_size=8,
         grad_accum=1,
         learning_rate=3e-4,
