@@ -16,11 +16,10 @@ import argparse
 import json
 import time
 
-import torch
-
 from marslm.chat import encode_prompt
 from marslm.decode import generate
 from marslm.evaluate import load_eval_set
+from marslm.experiments.bench import _run_hf
 from marslm.modeling import load_model
 
 MAX_NEW_TOKENS = 128
@@ -50,29 +49,6 @@ class ForwardTimer:
         self.fed += kwargs["input_ids"].numel()
         self.calls += 1
         return out
-
-
-def hf_generate(model, tokenizer, prompt_ids, batch_size) -> int:
-    """HF ``generate`` over ``prompt_ids`` in batches (left-padded); returns the new tokens, EOS excluded."""
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    total = 0
-    for start in range(0, len(prompt_ids), batch_size):
-        chunk = prompt_ids[start : start + batch_size]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=attention,
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-        for row in out[:, width:].tolist():
-            row = row[: row.index(eos)] if eos in row else row
-            total += sum(t != pad for t in row)
-    return total
 
 
 def measure(timer, decode) -> dict:
@@ -116,8 +92,11 @@ def main() -> None:
         for name, settings in MARS_SETTINGS.items():
             rows.append({"batch": batch, "setting": name, **measure(timer, lambda s=settings: mars(s))})
         prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
-        hf = measure(timer, lambda ids=prompt_ids, b=batch: (hf_generate(model, tokenizer, ids, b), 1.0))
-        rows.append({"batch": batch, "setting": "HF generate", **hf})
+
+        def hf_decode(ids=prompt_ids, b=batch):
+            return _run_hf(model, tokenizer, ids, b, MAX_NEW_TOKENS, {})["tokens"], 1.0
+
+        rows.append({"batch": batch, "setting": "HF generate", **measure(timer, hf_decode)})
         for row in rows[-len(MARS_SETTINGS) - 1 :]:
             print(
                 f"batch {row['batch']:2d} {row['setting']:18s} {row['ms_per_step']:6.2f} ms/step "
