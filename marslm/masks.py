@@ -21,6 +21,7 @@ model's attention back-end expects, because back-ends disagree on what a mask *m
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .errors import UserError
@@ -69,14 +70,14 @@ def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 def decode_step_mask(
-    slot_valid: torch.Tensor,
-    pending_valid: torch.Tensor,
-    draft_valid: torch.Tensor,
-    group_sees: torch.Tensor,
-    group_valid: torch.Tensor,
+    slot_valid: np.ndarray,
+    pending_valid: np.ndarray,
+    draft_valid: np.ndarray,
+    group_sees: np.ndarray,
+    group_valid: np.ndarray,
     n_masks: int,
-) -> torch.Tensor:
-    """Mask for one decoding forward over a (possibly empty) KV cache.
+) -> np.ndarray:
+    """Mask for one decoding forward over a (possibly empty) KV cache, built on the host.
 
     A step feeds, per row, ``[pending | draft | group_0 | ... | group_{G-1}]``:
 
@@ -88,40 +89,26 @@ def decode_step_mask(
 
     slot_valid ``[batch, S]``: cached slots holding a committed token of that row (ragged
     acceptance leaves holes). pending_valid ``[batch, Wp]``, draft_valid ``[batch, K]``,
-    group_sees / group_valid ``[batch, G]``.
+    group_sees / group_valid ``[batch, G]``. numpy arrays: the decoding loop keeps its row state
+    on the host (as vLLM's input batch does) and ships the finished mask in one copy.
 
     Returns ``[batch, 1, W, S + W]``. Each query also sees itself, so no row is fully masked
     (sdpa would return NaN there); outputs of padding columns are ignored.
     """
     batch, width_pending = pending_valid.shape
     draft_width, groups = draft_valid.shape[1], group_sees.shape[1]
-    dev = pending_valid.device
     if draft_width == 0 and groups == 1:
         # Threshold mode: one mask group right after the pending tokens, so the whole fed block
         # is plain causal attention. The common case, and a hot path on small models.
-        return causal_step_mask(slot_valid, torch.cat([pending_valid, group_valid.expand(batch, n_masks)], dim=1))
+        masks_valid = np.broadcast_to(group_valid, (batch, n_masks))
+        return causal_step_mask(slot_valid, np.concatenate([pending_valid, masks_valid], axis=1))
 
-    def segment(width, value):
-        return torch.full((width,), value, dtype=torch.long, device=dev)
-
-    seg = torch.cat([segment(width_pending, 0), segment(draft_width, 1), segment(groups * n_masks, 2)])
-    idx = torch.cat(
-        [
-            torch.arange(width_pending, device=dev),
-            torch.arange(draft_width, device=dev),
-            torch.arange(n_masks, device=dev).repeat(groups),
-        ]
-    )
-    grp = torch.cat(
-        [segment(width_pending + draft_width, -1), torch.arange(groups, device=dev).repeat_interleave(n_masks)]
-    )
-    fed_valid = torch.cat([pending_valid, draft_valid, group_valid.repeat_interleave(n_masks, dim=1)], dim=1)
-    sees = torch.cat(
-        [
-            torch.zeros(batch, width_pending + draft_width, dtype=torch.long, device=dev),
-            group_sees.repeat_interleave(n_masks, dim=1),
-        ],
-        dim=1,
+    seg = np.repeat([0, 1, 2], [width_pending, draft_width, groups * n_masks])
+    idx = np.concatenate([np.arange(width_pending), np.arange(draft_width), np.tile(np.arange(n_masks), groups)])
+    grp = np.concatenate([np.full(width_pending + draft_width, -1), np.repeat(np.arange(groups), n_masks)])
+    fed_valid = np.concatenate([pending_valid, draft_valid, np.repeat(group_valid, n_masks, axis=1)], axis=1)
+    sees = np.concatenate(
+        [np.zeros((batch, width_pending + draft_width), np.int64), np.repeat(group_sees, n_masks, axis=1)], axis=1
     )
 
     q_seg, k_seg = seg[:, None], seg[None, :]
@@ -129,22 +116,23 @@ def decode_step_mask(
     pending_keys = (k_seg == 0) & ((q_seg > 0) | causal_within)
     draft_keys = (k_seg == 1) & (q_seg == 1) & causal_within
     mask_keys = (k_seg == 2) & (grp[None, :] == grp[:, None]) & causal_within
-    fed = (pending_keys | draft_keys | mask_keys)[None].expand(batch, -1, -1)
+    fed = (pending_keys | draft_keys | mask_keys)[None]
     # A group sees the drafts it was placed after; that depends on the row.
     group_to_draft = (q_seg == 2)[None] & (k_seg == 1)[None] & (idx[None, None, :] < sees[:, :, None])
-    width = seg.shape[0]
-    fed = ((fed | group_to_draft) & fed_valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=dev)
-    cached = slot_valid[:, None, :].expand(batch, width, slot_valid.shape[1])
-    return torch.cat([cached, fed], dim=-1)[:, None]
+    width = len(seg)
+    fed = ((fed | group_to_draft) & fed_valid[:, None, :]) | np.eye(width, dtype=bool)
+    cached = np.broadcast_to(slot_valid[:, None, :], (batch, width, slot_valid.shape[1]))
+    return np.concatenate([cached, fed], axis=-1)[:, None]
 
 
-def causal_step_mask(slot_valid: torch.Tensor, fed_valid: torch.Tensor) -> torch.Tensor:
+def causal_step_mask(slot_valid: np.ndarray, fed_valid: np.ndarray) -> np.ndarray:
     """``[batch, 1, W, S + W]``: fed tokens see the valid cached slots and, causally, the valid fed
     tokens; each also sees itself, so no query row is fully masked."""
     batch, width = fed_valid.shape
-    fed = torch.ones(width, width, dtype=torch.bool, device=fed_valid.device).tril() & fed_valid[:, None, :]
-    fed |= torch.eye(width, dtype=torch.bool, device=fed_valid.device)
-    return torch.cat([slot_valid[:, None, :].expand(batch, width, -1), fed], dim=-1)[:, None]
+    fed = np.tri(width, dtype=bool) & fed_valid[:, None, :]
+    fed |= np.eye(width, dtype=bool)
+    cached = np.broadcast_to(slot_valid[:, None, :], (batch, width, slot_valid.shape[1]))
+    return np.concatenate([cached, fed], axis=-1)[:, None]
 
 
 def for_attention(mask: torch.Tensor, model, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,7 +137,7 @@ def test_two_stream_batch_with_arbitrary_boundaries(B):
 
 
 def bools(rows):
-    return torch.tensor(rows, dtype=torch.bool)
+    return np.array(rows, dtype=bool)
 
 
 def threshold_step_mask(slot_valid, pending_valid, n_masks, group_valid=None):
@@ -144,18 +145,18 @@ def threshold_step_mask(slot_valid, pending_valid, n_masks, group_valid=None):
     return decode_step_mask(
         slot_valid,
         pending_valid,
-        draft_valid=torch.zeros(batch, 0, dtype=torch.bool),
-        group_sees=torch.zeros(batch, 1, dtype=torch.long),
-        group_valid=torch.ones(batch, 1, dtype=torch.bool) if group_valid is None else group_valid,
+        draft_valid=np.zeros((batch, 0), bool),
+        group_sees=np.zeros((batch, 1), np.int64),
+        group_valid=np.ones((batch, 1), bool) if group_valid is None else group_valid,
         n_masks=n_masks,
     )
 
 
 def test_decode_step_mask_empty_cache_is_causal():
-    mask = threshold_step_mask(torch.zeros(1, 0, dtype=torch.bool), bools([[1, 1]]), n_masks=2)
-    assert mask.shape == (1, 1, 4, 4) and mask.dtype == torch.bool
+    mask = threshold_step_mask(np.zeros((1, 0), bool), bools([[1, 1]]), n_masks=2)
+    assert mask.shape == (1, 1, 4, 4) and mask.dtype == bool
     # prefix tokens then masks appended after them: plain causal attention
-    assert torch.equal(mask[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert np.array_equal(mask[0, 0], np.tri(4, dtype=bool))
 
 
 def test_decode_step_mask_holes_and_padding():
@@ -180,20 +181,20 @@ def test_decode_step_mask_holes_and_padding():
             [0, 0, 1, 0, 1, 0, 1, 1],
         ]
     )
-    assert torch.equal(mask[0, 0], row0)
-    assert torch.equal(mask[1, 0], row1)
+    assert np.array_equal(mask[0, 0], row0)
+    assert np.array_equal(mask[1, 0], row1)
 
 
 def test_decode_step_mask_every_query_sees_itself():
-    slot_valid = torch.zeros(2, 3, dtype=torch.bool)
+    slot_valid = np.zeros((2, 3), bool)
     pending_valid = bools([[0, 0], [1, 0]])
     mask = threshold_step_mask(slot_valid, pending_valid, n_masks=2, group_valid=bools([[0], [1]]))
     fed = mask[:, 0, :, 3:]
-    assert fed.diagonal(dim1=-2, dim2=-1).all()
-    assert mask.any(dim=-1).all()
+    assert fed.diagonal(axis1=-2, axis2=-1).all()
+    assert mask.any(axis=-1).all()
     assert not mask[:, 0, :, :3].any()
     # a row with nothing valid sees nothing but itself
-    assert torch.equal(fed[0], torch.eye(4, dtype=torch.bool))
+    assert np.array_equal(fed[0], np.eye(4, dtype=bool))
 
 
 def test_decode_step_mask_draft_groups():
@@ -203,7 +204,7 @@ def test_decode_step_mask_draft_groups():
         slot_valid,
         bools([[1]]),
         draft_valid=bools([[1, 1]]),
-        group_sees=torch.tensor([[0, 1, 2]]),
+        group_sees=np.array([[0, 1, 2]]),
         group_valid=bools([[1, 1, 1]]),
         n_masks=2,
     )
@@ -222,7 +223,7 @@ def test_decode_step_mask_draft_groups():
             [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
         ]
     )
-    assert torch.equal(mask[0, 0], want)
+    assert np.array_equal(mask[0, 0], want)
 
 
 # ------------------------------------------------------------------ for_attention

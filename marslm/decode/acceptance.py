@@ -15,12 +15,14 @@ One-token mode (prob/margin with tau >= 1, entropy with tau <= 0) accepts exactl
 whatever the float rounding: an fp32 softmax can round a confident prediction to exactly 1.0,
 and one-token mode must equal greedy AR decoding token for token.
 
-Everything is a tensor operation over ``[batch, candidates]``, with tau and the metric per row,
-so requests with different settings share one batch.
+Everything is an array operation over ``[batch, candidates]``, with tau and the metric per row,
+so requests with different settings share one batch. The rule takes torch tensors (the vLLM
+plugin, on the device) or numpy arrays (the decoding loop's host-side bookkeeping) alike.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .params import METRICS
@@ -34,7 +36,7 @@ def metric_code(metric: str) -> int:
 
 def one_token_rows(tau: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
     """Rows whose setting means plain AR decoding: exactly one token per forward."""
-    return torch.where(metric == ENTROPY, tau <= 0, tau >= 1)
+    return _namespace(tau).where(metric == ENTROPY, tau <= 0, tau >= 1)
 
 
 def confidence(
@@ -47,15 +49,16 @@ def confidence(
     Returns ``(tokens, conf)``, both ``[batch, candidates]``.
     """
     probs = logits.float().softmax(dim=-1)
-    top2 = probs.topk(2, dim=-1)
-    tokens = top2.indices[..., 0]
-    conf = top2.values[..., 0]
-    row_metric = metric[:, None].expand_as(conf)
-    if MARGIN in present if present is not None else (metric == MARGIN).any():
-        conf = torch.where(row_metric == MARGIN, top2.values[..., 0] - top2.values[..., 1], conf)
+    margin = MARGIN in present if present is not None else bool((metric == MARGIN).any())
+    if margin:
+        top2 = probs.topk(2, dim=-1)
+        tokens, conf = top2.indices[..., 0], top2.values[..., 0]
+        conf = torch.where(metric[:, None] == MARGIN, conf - top2.values[..., 1], conf)
+    else:
+        conf, tokens = probs.max(dim=-1)
     if ENTROPY in present if present is not None else (metric == ENTROPY).any():
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
-        conf = torch.where(row_metric == ENTROPY, entropy, conf)
+        conf = torch.where(metric[:, None] == ENTROPY, entropy, conf)
     return tokens, conf
 
 
@@ -67,11 +70,17 @@ def accept_length(
     conf: ``[batch, candidates]``; tau, metric: ``[batch]``; max_accept: optional ``[batch]`` cap
     (a request may use a smaller block than the batch was run with).
     """
-    tau_col = tau[:, None].to(conf.dtype)
-    passes = torch.where(metric[:, None] == ENTROPY, conf <= tau_col, conf >= tau_col)
+    xp = _namespace(conf)
+    # tau in the confidence's precision: a float32 confidence that rounds to exactly tau passes
+    tau_col = tau[:, None].astype(conf.dtype) if xp is np else tau[:, None].to(conf.dtype)
+    passes = xp.where(metric[:, None] == ENTROPY, conf <= tau_col, conf >= tau_col)
     passes[:, 0] = True  # the AR token: accepted whatever its confidence
-    accept = passes.long().cumprod(dim=-1).sum(dim=-1)
-    accept = torch.where(one_token_rows(tau, metric), torch.ones_like(accept), accept)
+    accept = xp.cumprod(passes * 1, -1).sum(-1)
+    accept = xp.where(one_token_rows(tau, metric), 1, accept)
     if max_accept is not None:
-        accept = torch.minimum(accept, max_accept)
+        accept = xp.minimum(accept, max_accept)
     return accept
+
+
+def _namespace(array):
+    return np if isinstance(array, np.ndarray) else torch

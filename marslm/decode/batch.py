@@ -44,9 +44,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..masks import decode_step_mask, for_attention
+from ..masks import causal_step_mask, decode_step_mask, for_attention
 from .acceptance import accept_length, confidence, metric_code, one_token_rows
 from .kv import SlotCache
 from .params import DecodingParams
@@ -77,16 +78,16 @@ class BatchStats:
 class _Step:
     """What the inputs phase decided, for the phases after the forward."""
 
-    pending_len: torch.Tensor  # [rows]
-    pending_valid: torch.Tensor  # [rows, Wp]
-    draft_valid: torch.Tensor  # [rows, K]
-    reads: torch.Tensor  # [rows] masks each row reads this step
+    pending_len: np.ndarray  # [rows]
+    pending_valid: np.ndarray  # [rows, Wp]
+    draft_valid: np.ndarray  # [rows, K]
+    reads: np.ndarray  # [rows] masks each row reads this step
     n_masks: int  # masks per group fed
     groups: int
 
 
 class DecodeBatch:
-    # Per-row tensors, indexed alike; rows leave by indexing all of them at once.
+    # Per-row host arrays, indexed alike; rows leave by indexing all of them at once.
     ROW_STATE = (
         "tokens",
         "prompt_len",
@@ -103,7 +104,6 @@ class DecodeBatch:
         "lossless",
         "draft",
         "draft_len",
-        "draft_q",
         "accept_log",
         "forwards",
         "slot_valid",
@@ -128,7 +128,7 @@ class DecodeBatch:
         self.model = model
         self.device = dev = next(model.parameters()).device
         self.mask_token_id = mask_token_id
-        self.stop_ids = torch.tensor(stop_ids, device=dev)
+        self.stop_ids = np.array(stop_ids, dtype=np.int64)
         self.pad_id = pad_id
         self.cache_mode = cache
         self.use_last_mask = use_last_mask
@@ -141,28 +141,28 @@ class DecodeBatch:
         self.request_ids: list = []
         self.generators: list[torch.Generator | None] = []  # per row: its own seed's generator
         self.kv: SlotCache | None = None
-        long = torch.long
-        empty = dict(device=dev, dtype=long)
-        self.tokens = torch.zeros(0, 0, **empty)  # [rows, room] prompt, then accepted
-        self.prompt_len = torch.zeros(0, **empty)
-        self.seq_len = torch.zeros(0, **empty)  # prompt + accepted
-        self.cached_len = torch.zeros(0, **empty)  # leading tokens with cached keys/values
-        self.max_len = torch.zeros(0, **empty)  # prompt + max_new_tokens
-        self.tau = torch.zeros(0, dtype=torch.float64, device=dev)
-        self.metric = torch.zeros(0, **empty)
-        self.temperature = torch.zeros(0, dtype=torch.float32, device=dev)
-        self.top_p = torch.zeros(0, dtype=torch.float32, device=dev)
-        self.top_k = torch.zeros(0, **empty)
-        self.n_masks = torch.zeros(0, **empty)  # most masks this row may read per step
-        self.width = torch.zeros(0, **empty)  # masks it reads now (adaptive width)
-        self.lossless = torch.zeros(0, dtype=torch.bool, device=dev)
-        self.draft = torch.zeros(0, 0, **empty)  # lossless: tokens to verify
-        self.draft_len = torch.zeros(0, **empty)
-        self.draft_q = torch.zeros(0, 0, 0, device=dev)  # lossless sampling: the drafts' distributions
-        self.accept_log = torch.zeros(0, 0, **empty)  # [rows, steps] accepted per forward
-        self.forwards = torch.zeros(0, **empty)
-        self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [rows, slots]
-        self.last_accept = torch.zeros(0, **empty)  # tokens each row accepted last step
+        long = np.int64
+        self.tokens = np.zeros((0, 0), long)  # [rows, room] prompt, then accepted
+        self.prompt_len = np.zeros(0, long)
+        self.seq_len = np.zeros(0, long)  # prompt + accepted
+        self.cached_len = np.zeros(0, long)  # leading tokens with cached keys/values
+        self.max_len = np.zeros(0, long)  # prompt + max_new_tokens
+        self.tau = np.zeros(0, np.float64)
+        self.metric = np.zeros(0, long)
+        self.temperature = np.zeros(0, np.float32)
+        self.top_p = np.zeros(0, np.float32)
+        self.top_k = np.zeros(0, long)
+        self.n_masks = np.zeros(0, long)  # most masks this row may read per step
+        self.width = np.zeros(0, long)  # masks it reads now (adaptive width)
+        self.lossless = np.zeros(0, bool)
+        self.draft = np.zeros((0, 0), long)  # lossless: tokens to verify
+        self.draft_len = np.zeros(0, long)
+        self.accept_log = np.zeros((0, 0), long)  # [rows, steps] accepted per forward
+        self.forwards = np.zeros(0, long)
+        self.slot_valid = np.zeros((0, 0), bool)  # [rows, slots]
+        self.last_accept = np.zeros(0, long)  # tokens each row accepted last step
+        # lossless sampling: the distributions the drafts were drawn from, on the device
+        self.draft_q = torch.zeros(0, 0, 0, device=dev)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -172,65 +172,57 @@ class DecodeBatch:
         """Queue new rows (``settings`` verified); the next step feeds (prefills) their prompts."""
         if not prompts:
             return
-        long, dev, n = torch.long, self.device, len(prompts)
-        prompt_len = torch.tensor([len(p) for p in prompts], dtype=long, device=dev)
-        max_new = torch.tensor([s.max_new_tokens for s in settings], dtype=long, device=dev)
-        n_masks = torch.tensor([s.block_size - 1 + self.use_last_mask for s in settings], dtype=long, device=dev)
+        long, n = np.int64, len(prompts)
+        prompt_len = np.array([len(p) for p in prompts], long)
+        max_new = np.array([s.max_new_tokens for s in settings], long)
+        n_masks = np.array([s.block_size - 1 + self.use_last_mask for s in settings], long)
         room = int((prompt_len + max_new).max()) + 2 * int(n_masks.max()) + 2
-        tokens = torch.full((n, room), self.pad_id, dtype=long, device=dev)
+        tokens = np.full((n, room), self.pad_id, long)
         for row, prompt in enumerate(prompts):  # once per request, not per step
-            tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=long, device=dev)
+            tokens[row, : len(prompt)] = prompt
 
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        zeros = torch.zeros(n, dtype=long, device=dev)
+        zeros = np.zeros(n, long)
         new_rows = {
             "tokens": tokens,
             "prompt_len": prompt_len,
-            "seq_len": prompt_len.clone(),
+            "seq_len": prompt_len.copy(),
             "cached_len": zeros,
             "max_len": prompt_len + max_new,
-            "tau": column([s.tau for s in settings], torch.float64),
-            "metric": column([metric_code(s.metric) for s in settings], long),
-            "temperature": column([s.temperature for s in settings], torch.float32),
-            "top_p": column([s.top_p for s in settings], torch.float32),
-            "top_k": column([s.top_k for s in settings], long),
+            "tau": np.array([s.tau for s in settings], np.float64),
+            "metric": np.array([metric_code(s.metric) for s in settings], long),
+            "temperature": np.array([s.temperature for s in settings], np.float32),
+            "top_p": np.array([s.top_p for s in settings], np.float32),
+            "top_k": np.array([s.top_k for s in settings], long),
             "n_masks": n_masks,
-            "width": n_masks.clone(),
-            "lossless": column([s.mode == "lossless" for s in settings], torch.bool),
-            "draft": torch.zeros(n, 0, dtype=long, device=dev),
+            "width": n_masks.copy(),
+            "lossless": np.array([s.mode == "lossless" for s in settings], bool),
+            "draft": np.zeros((n, 0), long),
             "draft_len": zeros,
-            "draft_q": torch.zeros(n, 0, 0, device=dev),
-            "accept_log": torch.zeros(n, int(max_new.max()) + 1, dtype=long, device=dev),
+            "accept_log": np.zeros((n, int(max_new.max()) + 1), long),
             "forwards": zeros,
-            "slot_valid": torch.zeros(n, self.slot_valid.shape[1], dtype=torch.bool, device=dev),
+            "slot_valid": np.zeros((n, self.slot_valid.shape[1]), bool),
             "last_accept": zeros,
         }
         for name in self.ROW_STATE:
-            old, new = getattr(self, name), new_rows[name]
-            setattr(self, name, _cat_rows(old, new))
+            setattr(self, name, _cat_rows(getattr(self, name), new_rows[name]))
+        self.draft_q = _cat_rows(self.draft_q, self.draft_q.new_zeros(n, 0, 0))
         if self.kv is not None:
             self.kv.add_rows(n)
         self.request_ids.extend(request_ids)
-        self.generators.extend(_generator(s.seed, dev) for s in settings)
+        self.generators.extend(_generator(s.seed, self.device) for s in settings)
 
     def set_tau(self, request_ids, tau: float) -> None:
         """Change tau for running rows; it applies from the next step (no restart, no reload)."""
         wanted = set(request_ids)
         rows = [i for i, rid in enumerate(self.request_ids) if rid in wanted]
-        if rows:
-            self.tau[torch.tensor(rows, device=self.device)] = tau
+        self.tau[rows] = tau
 
     def new_tokens(self) -> dict:
         """Tokens each running row accepted in the last step (for streaming); finished rows are
         reported by :meth:`step` itself."""
-        counts = self.last_accept.tolist()
-        ends = self.seq_len.tolist()
         return {
-            rid: self.tokens[i, ends[i] - n : ends[i]].tolist()
-            for i, (rid, n) in enumerate(zip(self.request_ids, counts))
-            if n
+            self.request_ids[i]: self.tokens[i, self.seq_len[i] - self.last_accept[i] : self.seq_len[i]].tolist()
+            for i in np.flatnonzero(self.last_accept)
         }
 
     def cancel(self, request_ids) -> None:
@@ -238,42 +230,47 @@ class DecodeBatch:
         drop = set(request_ids)
         keep = [i for i, rid in enumerate(self.request_ids) if rid not in drop]
         if len(keep) != len(self.request_ids):
-            self._keep(torch.tensor(keep, dtype=torch.long, device=self.device))
+            self._keep(np.array(keep, np.int64))
 
     def stop(self, request_ids) -> list[FinishedRow]:
         """End rows now, as stopped (a stop string matched): their tokens so far, and free places."""
         ending = set(request_ids)
-        rows = torch.tensor([rid in ending for rid in self.request_ids], dtype=torch.bool, device=self.device)
-        if not bool(rows.any()):
+        rows = np.array([rid in ending for rid in self.request_ids], bool)
+        if not rows.any():
             return []
-        return self._pop(rows, torch.zeros_like(rows))
+        return self._pop(rows, np.zeros_like(rows))
 
-    def _keep(self, keep: torch.Tensor) -> None:
+    def _keep(self, keep: np.ndarray) -> None:
         for name in self.ROW_STATE:
             setattr(self, name, getattr(self, name)[keep])
-        kept = keep.tolist()
-        self.request_ids = [self.request_ids[i] for i in kept]
-        self.generators = [self.generators[i] for i in kept]
-        if not kept:  # an empty batch starts afresh: no stale cache width
+        on_device = self._to_device(keep)
+        self.draft_q = self.draft_q[on_device]
+        self.request_ids = [self.request_ids[i] for i in keep]
+        self.generators = [self.generators[i] for i in keep]
+        if not len(keep):  # an empty batch starts afresh: no stale cache width
             self.kv = None
-            self.slot_valid = self.slot_valid.new_zeros(0, 0)
+            self.slot_valid = np.zeros((0, 0), bool)
         elif self.kv is not None:
-            self.kv.select_rows(keep)
+            self.kv.select_rows(on_device)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ one forward
     def step(self) -> list[FinishedRow]:
         """Run one forward for every row; return the rows that finished."""
         if not len(self):
             return []
+        self._prefill_joining()
         step, input_ids, position_ids, mask, read = self._inputs()
         with torch.no_grad():
             logits = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=for_attention(mask, self.model),
+                input_ids=self._to_device(input_ids),
+                position_ids=self._to_device(position_ids),
+                attention_mask=for_attention(self._to_device(mask), self.model),
                 cache=self.kv,
                 use_cache=self.kv is not None,
-                logits_to_keep=read,
+                logits_to_keep=self._to_device(read),
             ).logits
         self.stats.forwards += 1
         candidates, accept, stopped, verified, mask_tokens, probs = self._accept(step, logits)
@@ -281,56 +278,91 @@ class DecodeBatch:
         self._record(step, candidates, accept, verified, mask_tokens, probs)
         self._commit(step, seq_len_before, verified)
         finished = stopped | (self.seq_len >= self.max_len)
-        if not bool(finished.any()):
+        if not finished.any():
             return []
         return self._pop(finished, stopped)
+
+    def _prefill_joining(self) -> None:
+        """Rows that join running ones cache their prompts in a forward of their own.
+
+        Fed in the step instead, a joining prompt would widen every row of that step to its length.
+        The prompt's last token stays pending, so the joining row's first step is like any other.
+        """
+        joining = (self.cached_len == 0) & (self.prompt_len > 1)
+        if self.kv is None or not joining.any() or not (self.cached_len > 0).any():
+            return
+        rows = np.flatnonzero(joining)
+        lengths = self.prompt_len[rows] - 1
+        width = int(lengths.max())
+        valid = np.arange(width) < lengths[:, None]
+        input_ids = np.where(valid, self.tokens[rows, :width], self.pad_id)
+        positions = np.repeat(np.arange(width)[None], len(rows), axis=0)
+        mask = causal_step_mask(np.zeros((len(rows), 0), bool), valid)
+        cache = SlotCache(capacity=width)
+        with torch.no_grad():
+            self.model(
+                input_ids=self._to_device(input_ids),
+                position_ids=self._to_device(positions),
+                attention_mask=for_attention(self._to_device(mask), self.model),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self.stats.forwards += 1
+        self.kv.write_rows(self._to_device(rows), cache)
+        grow = width - self.slot_valid.shape[1]
+        if grow > 0:
+            self.slot_valid = np.concatenate([self.slot_valid, np.zeros((len(self), grow), bool)], axis=1)
+        self.slot_valid[rows] = False
+        self.slot_valid[rows, :width] = valid
+        self.cached_len[rows] = lengths
 
     def _inputs(self):
         """Phase 1: the fed block ``[pending | draft | groups x masks]``, its positions and mask, and
         the output columns to read (AR at the last pending token and at each draft, then every mask)."""
-        rows, dev = len(self), self.device
+        rows = len(self)
         pending_len = self.seq_len - self.cached_len
         # Threshold rows in one-token mode read no masks: a batch of only those is plain AR.
-        reads = torch.where(self.lossless | ~one_token_rows(self.tau, self.metric), self.width, 0)
-        width_pending, n_masks = (int(x) for x in torch.stack([pending_len.max(), reads.max()]).tolist())
+        reads = np.where(self.lossless | ~one_token_rows(self.tau, self.metric), self.width, 0)
+        width_pending, n_masks = int(pending_len.max()), int(reads.max())
         draft_width = self.draft.shape[1]
         groups = draft_width + 1 if self.draft_groups else 1
 
-        cols = torch.arange(max(width_pending, draft_width, n_masks), device=dev)
+        cols = np.arange(max(width_pending, draft_width, n_masks))
         pending_cols, draft_cols, mask_cols = cols[:width_pending], cols[:draft_width], cols[:n_masks]
         pending_valid = pending_cols < pending_len[:, None]
-        at = (self.cached_len[:, None] + pending_cols).clamp(max=self.tokens.shape[1] - 1)
-        pending = self.tokens.gather(1, at).masked_fill(~pending_valid, self.pad_id)
+        at = np.minimum(self.cached_len[:, None] + pending_cols, self.tokens.shape[1] - 1)
+        pending = np.where(pending_valid, self.tokens[np.arange(rows)[:, None], at], self.pad_id)
         draft_valid = draft_cols < self.draft_len[:, None]
         if self.draft_groups:
-            group_sees = torch.arange(groups, device=dev).expand(rows, -1)
+            group_sees = np.broadcast_to(np.arange(groups), (rows, groups))
             group_valid = group_sees <= self.draft_len[:, None]
         else:
-            group_sees, group_valid = self.draft_len[:, None], torch.ones(rows, 1, dtype=torch.bool, device=dev)
-        input_ids = torch.cat(
+            group_sees, group_valid = self.draft_len[:, None], np.ones((rows, 1), bool)
+        input_ids = np.concatenate(
             [
                 pending,
-                self.draft.masked_fill(~draft_valid, self.pad_id),
-                torch.full((rows, groups * n_masks), self.mask_token_id, device=dev),
+                np.where(draft_valid, self.draft, self.pad_id),
+                np.full((rows, groups * n_masks), self.mask_token_id),
             ],
-            dim=1,
+            axis=1,
         )
-        position_ids = torch.cat(
+        position_ids = np.concatenate(
             [
                 self.cached_len[:, None] + pending_cols,
                 self.seq_len[:, None] + draft_cols,
-                (self.seq_len[:, None, None] + group_sees[:, :, None] + mask_cols).flatten(1),
+                (self.seq_len[:, None, None] + group_sees[:, :, None] + mask_cols).reshape(rows, -1),
             ],
-            dim=1,
+            axis=1,
         )
         mask = decode_step_mask(self.slot_valid, pending_valid, draft_valid, group_sees, group_valid, n_masks)
-        read = torch.cat(
+        read = np.concatenate(
             [
                 (pending_len - 1)[:, None],
-                width_pending + draft_cols.expand(rows, -1),
-                width_pending + draft_width + torch.arange(groups * n_masks, device=dev).expand(rows, -1),
+                np.broadcast_to(width_pending + draft_cols, (rows, draft_width)),
+                np.broadcast_to(width_pending + draft_width + np.arange(groups * n_masks), (rows, groups * n_masks)),
             ],
-            dim=1,
+            axis=1,
         )
         if self.kv is None and self.cache_mode != "none":
             self.kv = SlotCache(capacity=2 * (int(self.seq_len.max()) + input_ids.shape[1]))
@@ -343,51 +375,60 @@ class DecodeBatch:
         )
 
     def _accept(self, step: _Step, logits: torch.Tensor):
-        """Phase 2: each row's candidates and how many of them it accepts."""
-        rows, dev = len(self), self.device
+        """Phase 2: each row's candidates and how many of them it accepts.
+
+        The device computes each read column's greedy token and confidence; the rest is host
+        bookkeeping over ``[rows, candidates]`` (one transfer, where a GPU would sync anyway).
+        """
+        rows = len(self)
         draft_width, n_masks, groups = self.draft.shape[1], step.n_masks, step.groups
-        predicted, conf = confidence(logits, self.metric)
+        metric = self._to_device(self.metric)
+        predicted, conf = (t.cpu().numpy() for t in confidence(logits, metric, set(self.metric.tolist())))
         ar_tokens = predicted[:, : draft_width + 1]
         mask_tokens = predicted[:, draft_width + 1 :].reshape(rows, groups, n_masks)
         mask_conf = conf[:, draft_width + 1 :].reshape(rows, groups, n_masks)
         sampling = self.temperature > 0
-        probs = sampling_probs(logits, self.temperature, self.top_p, self.top_k) if bool(sampling.any()) else None
+        probs = None
+        if sampling.any():
+            settings = map(self._to_device, (self.temperature, self.top_p, self.top_k))
+            probs = sampling_probs(logits, *settings)
 
         # threshold rows: [AR token, first group's masks] under the confidence rule; sampling, the
         # AR token is drawn and the masks keep the rule
         first = ar_tokens[:, 0]
-        if probs is not None and bool((sampling & ~self.lossless).any()):
-            first = torch.where(sampling, self._draw(probs[:, 0], sampling & ~self.lossless), first)
-        threshold_candidates = torch.cat([first[:, None], mask_tokens[:, 0]], dim=1)
-        threshold_conf = torch.cat([conf[:, :1], mask_conf[:, 0]], dim=1)
+        if probs is not None and (sampling & ~self.lossless).any():
+            first = np.where(sampling, self._draw(probs[:, 0], sampling & ~self.lossless), first)
+        threshold_candidates = np.concatenate([first[:, None], mask_tokens[:, 0]], axis=1)
+        threshold_conf = np.concatenate([conf[:, :1], mask_conf[:, 0]], axis=1)
         threshold_accept = accept_length(threshold_conf, self.tau, self.metric, step.reads + 1)
 
         # lossless rows: the drafts the AR outputs confirm, then the AR token after them
         matches = (ar_tokens[:, :draft_width] == self.draft) & step.draft_valid
-        verified = matches.long().cumprod(dim=1).sum(dim=1)
-        correction = ar_tokens.gather(1, verified[:, None])[:, 0]
+        verified = np.cumprod(matches, axis=1).sum(axis=1)
+        correction = ar_tokens[np.arange(rows), verified]
         speculative = sampling & self.lossless
-        if probs is not None and bool(speculative.any()):
+        if probs is not None and speculative.any():
             q = self.draft_q
             if q.shape[1] != draft_width:  # no row drew its draft by sampling: nothing reads q
                 q = probs.new_zeros(rows, draft_width, probs.shape[-1])
             uniform = self._uniform(speculative, self.draft_len, draft_width)
-            kept, next_probs = speculative_accept(probs[:, : draft_width + 1], q, self.draft, self.draft_len, uniform)
-            verified = torch.where(speculative, kept, verified)
-            correction = torch.where(speculative, self._draw(next_probs, speculative), correction)
-        cand_cols = torch.arange(max(draft_width, n_masks) + 1, device=dev)
-        lossless_candidates = torch.where(
+            draft, draft_len = self._to_device(self.draft), self._to_device(self.draft_len)
+            kept, next_probs = speculative_accept(probs[:, : draft_width + 1], q, draft, draft_len, uniform)
+            verified = np.where(speculative, kept.cpu().numpy(), verified)
+            correction = np.where(speculative, self._draw(next_probs, speculative), correction)
+        cand_cols = np.arange(max(draft_width, n_masks) + 1)
+        lossless_candidates = np.where(
             cand_cols == verified[:, None], correction[:, None], _pad_cols(self.draft, len(cand_cols))
         )
-        candidates = torch.where(
+        candidates = np.where(
             self.lossless[:, None], lossless_candidates, _pad_cols(threshold_candidates, len(cand_cols))
         )
-        accept = torch.where(self.lossless, verified + 1, threshold_accept)
+        accept = np.where(self.lossless, verified + 1, threshold_accept)
 
-        accept = torch.minimum(accept, self.max_len - self.seq_len)
-        is_stop = torch.isin(candidates, self.stop_ids) & (cand_cols < accept[:, None])
-        stopped = is_stop.any(dim=1)
-        accept = torch.where(stopped, is_stop.long().argmax(dim=1) + 1, accept)
+        accept = np.minimum(accept, self.max_len - self.seq_len)
+        is_stop = (candidates[:, :, None] == self.stop_ids).any(axis=2) & (cand_cols < accept[:, None])
+        stopped = is_stop.any(axis=1)
+        accept = np.where(stopped, is_stop.argmax(axis=1) + 1, accept)
         return candidates, accept, stopped, verified, mask_tokens, probs
 
     def _record(self, step: _Step, candidates, accept, verified, mask_tokens, probs) -> None:
@@ -396,18 +437,18 @@ class DecodeBatch:
         Writing every candidate is harmless: only tokens below seq_len are read, and accepted ones
         always land below max_len, inside the row's room.
         """
-        cand_cols = torch.arange(candidates.shape[1], device=self.device)
-        write_at = (self.seq_len[:, None] + cand_cols).clamp(max=self.tokens.shape[1] - 1)
-        self.tokens.scatter_(1, write_at, candidates)
-        self.accept_log.scatter_(1, self.forwards[:, None], accept[:, None])
-        self.forwards += (accept > 0).long()
+        rows = np.arange(len(self))
+        write_at = np.minimum(self.seq_len[:, None] + np.arange(candidates.shape[1]), self.tokens.shape[1] - 1)
+        self.tokens[rows[:, None], write_at] = candidates
+        self.accept_log[rows, self.forwards] = accept
+        self.forwards = self.forwards + (accept > 0)
         self.last_accept = accept
         self.seq_len = self.seq_len + accept
         if self.adaptive_width:
-            used = torch.where(self.lossless, verified, accept - 1)
-            had = torch.where(self.lossless, self.draft_len, step.reads)
-            grown = torch.where(used >= had, 2 * self.width, used + 1)
-            self.width = torch.where(step.reads > 0, grown.clamp(min=1), self.width).minimum(self.n_masks)
+            used = np.where(self.lossless, verified, accept - 1)
+            had = np.where(self.lossless, self.draft_len, step.reads)
+            grown = np.where(used >= had, 2 * self.width, used + 1)
+            self.width = np.minimum(np.where(step.reads > 0, np.maximum(grown, 1), self.width), self.n_masks)
         self._next_draft(step, mask_tokens, verified, probs)
 
     def _next_draft(self, step: _Step, mask_tokens, verified, probs) -> None:
@@ -419,24 +460,25 @@ class DecodeBatch:
         """
         rows, groups, n_masks = mask_tokens.shape
         if self.draft_groups:
-            group = verified.clamp(max=groups - 1)
+            group = np.minimum(verified, groups - 1)
             usable = self.lossless
         else:
-            group = torch.zeros_like(verified)
+            group = np.zeros_like(verified)
             usable = self.lossless & (verified == self.draft_len)
-        chosen = mask_tokens.gather(1, group[:, None, None].expand(-1, 1, n_masks))[:, 0]
-        self.draft_len = torch.where(usable, torch.minimum(step.reads, self.width), 0).clamp(max=n_masks)
+        chosen = mask_tokens[np.arange(rows), group]
+        self.draft_len = np.minimum(np.where(usable, np.minimum(step.reads, self.width), 0), n_masks)
         speculative = self.lossless & (self.temperature > 0)
-        if probs is not None and bool(speculative.any()):
-            draft_width = self.draft.shape[1]
-            mask_probs = probs[:, draft_width + 1 :].reshape(rows, groups, n_masks, -1)
-            q = mask_probs.gather(1, group[:, None, None, None].expand(-1, 1, n_masks, mask_probs.shape[-1]))[:, 0]
+        if probs is not None and speculative.any():
+            draft_width, vocab = self.draft.shape[1], probs.shape[-1]
+            mask_probs = probs[:, draft_width + 1 :].reshape(rows, groups, n_masks, vocab)
+            at = self._to_device(group)[:, None, None, None].expand(-1, 1, n_masks, vocab)
+            q = mask_probs.gather(1, at)[:, 0]
             # each sampling row draws exactly its own draft's tokens: its samples do not depend on the batch
-            wanted = speculative[:, None] & (torch.arange(n_masks, device=self.device) < self.draft_len[:, None])
-            drawn = self._draw(q.reshape(rows * n_masks, -1), wanted.flatten())
-            chosen = torch.where(speculative[:, None], drawn.reshape(rows, n_masks), chosen)
+            wanted = speculative[:, None] & (np.arange(n_masks) < self.draft_len[:, None])
+            drawn = self._draw(q.reshape(rows * n_masks, vocab), wanted.reshape(-1))
+            chosen = np.where(speculative[:, None], drawn.reshape(rows, n_masks), chosen)
             self.draft_q = q
-        else:
+        elif self.draft_q.numel():
             self.draft_q = self.draft_q.new_zeros(rows, 0, 0)
         self.draft = chosen
 
@@ -446,45 +488,40 @@ class DecodeBatch:
             return
         draft_width = step.draft_valid.shape[1]
         self.kv.crop(-step.groups * step.n_masks)
-        draft_cols = torch.arange(draft_width, device=self.device)
-        kept_drafts = (draft_cols < torch.where(self.lossless, verified, 0)[:, None]) & step.draft_valid
-        self.slot_valid = torch.cat([self.slot_valid, step.pending_valid, kept_drafts], dim=1)
-        self.cached_len = seq_len_before + kept_drafts.sum(dim=1)
+        kept_drafts = (np.arange(draft_width) < np.where(self.lossless, verified, 0)[:, None]) & step.draft_valid
+        self.slot_valid = np.concatenate([self.slot_valid, step.pending_valid, kept_drafts], axis=1)
+        self.cached_len = seq_len_before + kept_drafts.sum(axis=1)
         self._maybe_compact()
 
     # ------------------------------------------------------------------ sampling
-    def _draw(self, probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, rows: np.ndarray) -> np.ndarray:
         """One token per selected row from ``probs`` ``[n, vocab]`` (n = len(rows)), each with its
         own generator; unselected rows get 0. ``rows`` may repeat a request's row (several masks)."""
-        out = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        out = np.zeros(len(rows), np.int64)
         per_row = len(rows) // len(self)
-        for i in rows.nonzero().flatten().tolist():
+        for i in np.flatnonzero(rows):
             generator = self.generators[i // per_row] or self.generator
-            out[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
+            out[i] = int(torch.multinomial(probs[i], 1, generator=generator)[0])
         return out
 
-    def _uniform(self, rows: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-        """``[rows, width]`` uniforms; a selected row draws ``counts[row]`` of them from its generator."""
+    def _uniform(self, rows: np.ndarray, counts: np.ndarray, width: int) -> torch.Tensor:
+        """``[rows, width]`` uniforms on the device; a selected row draws ``counts[row]`` of them from its generator."""
         out = torch.ones(len(self), width, device=self.device)
-        for i in rows.nonzero().flatten().tolist():
+        for i in np.flatnonzero(rows):
             n = int(counts[i])
             out[i, :n] = torch.rand(n, generator=self.generators[i] or self.generator, device=self.device)
         return out
 
     # ------------------------------------------------------------------ rows finishing
-    def _pop(self, finished: torch.Tensor, stopped: torch.Tensor) -> list[FinishedRow]:
+    def _pop(self, finished: np.ndarray, stopped: np.ndarray) -> list[FinishedRow]:
         done = []
-        for i in finished.nonzero().flatten().tolist():  # once per finished request
-            start, end = int(self.prompt_len[i]), int(self.seq_len[i])
-            ids = self.tokens[i, start:end].tolist()
-            if bool(stopped[i]):
+        for i in np.flatnonzero(finished):  # once per finished request
+            ids = self.tokens[i, self.prompt_len[i] : self.seq_len[i]].tolist()
+            if stopped[i]:
                 ids = ids[:-1]
-            done.append(
-                FinishedRow(
-                    self.request_ids[i], ids, bool(stopped[i]), self.accept_log[i, : int(self.forwards[i])].tolist()
-                )
-            )
-        self._keep((~finished).nonzero().flatten())
+            steps = self.accept_log[i, : self.forwards[i]].tolist()
+            done.append(FinishedRow(self.request_ids[i], ids, bool(stopped[i]), steps))
+        self._keep(np.flatnonzero(~finished))
         return done
 
     # ------------------------------------------------------------------ cache holes
@@ -497,12 +534,12 @@ class DecodeBatch:
         """
         slots = self.slot_valid.shape[1]
         self.stats.peak_cache_slots = max(self.stats.peak_cache_slots, slots)
-        widest = int(self.slot_valid.sum(dim=1).max())
+        widest = int(self.slot_valid.sum(axis=1).max())
         if slots <= 2 * widest + 8:
             return
-        order = (~self.slot_valid).long().argsort(dim=1, stable=True)[:, :widest]
-        self.kv.gather_slots(order)
-        self.slot_valid = self.slot_valid.gather(1, order)
+        order = np.argsort(~self.slot_valid, axis=1, kind="stable")[:, :widest]
+        self.kv.gather_slots(self._to_device(np.ascontiguousarray(order)))
+        self.slot_valid = np.take_along_axis(self.slot_valid, order, axis=1)
 
 
 def _generator(seed: int | None, device) -> torch.Generator | None:
@@ -513,17 +550,30 @@ def _generator(seed: int | None, device) -> torch.Generator | None:
     return generator
 
 
-def _pad_cols(t: torch.Tensor, width: int, value: int = 0) -> torch.Tensor:
-    """Right-pad (or keep) ``t`` to at least ``width`` columns."""
-    return torch.nn.functional.pad(t, (0, max(0, width - t.shape[1])), value=value)
+def _pad_cols(t: np.ndarray, width: int) -> np.ndarray:
+    """Right-pad (or keep) ``t`` to at least ``width`` columns with zeros."""
+    if t.shape[1] >= width:
+        return t
+    return np.concatenate([t, np.zeros((len(t), width - t.shape[1]), t.dtype)], axis=1)
 
 
-def _cat_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Stack ``new`` rows under ``old``, zero-padding trailing dimensions to the wider of the two."""
+def _cat_rows(old, new):
+    """Stack ``new`` rows under ``old`` (numpy arrays or tensors), zero-padding trailing dimensions
+    to the wider of the two."""
     shape = [max(a, b) for a, b in zip(old.shape[1:], new.shape[1:])]
+    if isinstance(old, np.ndarray):
 
-    def pad(t):
+        def pad(a):
+            if list(a.shape[1:]) == shape:
+                return a
+            out = np.zeros((len(a), *shape), a.dtype)
+            out[(slice(None), *(slice(0, size) for size in a.shape[1:]))] = a
+            return out
+
+        return np.concatenate([pad(old), pad(new)])
+
+    def pad_tensor(t):
         widths = [w for size, want in zip(reversed(t.shape[1:]), reversed(shape)) for w in (0, want - size)]
         return torch.nn.functional.pad(t, widths) if any(widths) else t
 
-    return torch.cat([pad(old), pad(new)], dim=0)
+    return torch.cat([pad_tensor(old), pad_tensor(new)], dim=0)

@@ -103,7 +103,7 @@ class BlockCachedBatch:
         valid = torch.arange(width, device=dev) >= (width - lengths)[:, None]
         positions = (torch.arange(width, device=dev) - (width - lengths)[:, None]).clamp(min=0)
         empty = torch.zeros(len(prompts), 0, dtype=torch.bool, device=dev)
-        logits = self._call(ids, positions, causal_step_mask(empty, valid), logits_to_keep=1)
+        logits = self._call(ids, positions, self._mask(empty, valid), logits_to_keep=1)
         held = logits[:, -1].argmax(dim=-1)
         return held, valid, lengths
 
@@ -112,12 +112,14 @@ class BlockCachedBatch:
         rows, size = block.shape
         positions = committed[:, None] + torch.arange(size, device=self.device)
         fed_valid = torch.ones(rows, size, dtype=torch.bool, device=self.device)
-        logits = self._call(
-            block, positions, causal_step_mask(slot_valid, fed_valid), logits_to_keep=1 if commit else 0
-        )
+        logits = self._call(block, positions, self._mask(slot_valid, fed_valid), logits_to_keep=1 if commit else 0)
         if not commit:
             self.kv.crop(-size)
         return logits
+
+    def _mask(self, slot_valid: torch.Tensor, fed_valid: torch.Tensor) -> torch.Tensor:
+        mask = causal_step_mask(slot_valid.cpu().numpy(), fed_valid.cpu().numpy())
+        return torch.from_numpy(mask).to(self.device)
 
     def _call(self, ids, positions, mask, logits_to_keep: int) -> torch.Tensor:
         self.stats.forwards += 1

@@ -60,9 +60,10 @@ def run_to_completion(
             batch.add([prompt_ids[i] for i in joining], [params[i] for i in joining], joining)
         for row in batch.step():
             done(row)
-        hit = [rid for rid, ids in batch.new_tokens().items() if rid in streams and _push(streams[rid], ids)]
-        for row in batch.stop(hit):
-            done(row)
+        if streams:
+            hit = [rid for rid, ids in batch.new_tokens().items() if rid in streams and _push(streams[rid], ids)]
+            for row in batch.stop(hit):
+                done(row)
     return [finished[i] for i in range(len(prompt_ids))]
 
 

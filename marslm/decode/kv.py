@@ -70,6 +70,16 @@ class SlotLayer(DynamicLayer):
             self.keys = torch.cat([self.keys, self.keys.new_zeros(count, *self.keys.shape[1:])])
             self.values = torch.cat([self.values, self.values.new_zeros(count, *self.values.shape[1:])])
 
+    def write_rows(self, rows: torch.Tensor, other: SlotLayer) -> None:
+        """Copy ``other``'s slots into the first slots of ``rows``; the used slots grow to cover them."""
+        width = other.length
+        if width > self.length:
+            if width > self.keys.shape[-2]:
+                self._grow(width)
+            self.length = width
+        self.keys[rows, :, :width] = other.keys[:, :, :width]
+        self.values[rows, :, :width] = other.values[:, :, :width]
+
     def gather_slots(self, order: torch.Tensor) -> None:
         """Keep, per row, the slots ``order[row]`` (``[rows, n]``), moved to the front."""
         n = order.shape[1]
@@ -102,6 +112,11 @@ class SlotCache(Cache):
     def gather_slots(self, order: torch.Tensor) -> None:
         for layer in self.layers:
             layer.gather_slots(order)
+
+    def write_rows(self, rows: torch.Tensor, other: SlotCache) -> None:
+        """Put ``other``'s keys/values (one cache per joining row) into ``rows`` of this one."""
+        for layer, source in zip(self.layers, other.layers):
+            layer.write_rows(rows, source)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length if len(self.layers) > layer_idx else 0

@@ -8,8 +8,10 @@ run in float64: batch shape then cannot flip a near-tie, so any mismatch is a re
 import pytest
 
 from marslm import generate
-from marslm.chat import encode_prompt
+from marslm.chat import encode_prompt, stop_token_ids
 from marslm.data import toy
+from marslm.decode import DecodeBatch, DecodingParams
+from marslm.modeling import checkpoint_facts
 from tests.helpers import hf_greedy
 from tests.trained import TRAIN_N
 
@@ -127,6 +129,42 @@ def test_continuous_refill_equals_one_batch(trained_checkpoints, prompts):
     all_at_once = generate(model, tokenizer, prompts, tau=0.9, max_new_tokens=40)
     two_at_a_time = generate(model, tokenizer, prompts, tau=0.9, max_new_tokens=40, batch_size=2)
     assert two_at_a_time.token_ids == all_at_once.token_ids
+
+
+@pytest.mark.parametrize("mode", ["threshold", "lossless"])
+def test_a_joining_prompt_is_prefilled_apart(trained_checkpoints, prompts, mode):
+    """A prompt that joins running rows caches in a forward of its own, so the step that follows
+    stays as narrow as a decoding step, and the answers are those of each prompt decoded alone."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    by_length = sorted(prompts, key=len)
+    short, middle, long_ = by_length[0], by_length[len(by_length) // 2], by_length[-1]
+    assert len(short) < len(middle) < len(long_)
+    params = DecodingParams(tau=0.9, mode=mode, block_size=4, max_new_tokens=24).verify()
+    facts = checkpoint_facts(model, tokenizer)
+    batch = DecodeBatch(
+        model, mask_token_id=facts.mask_token_id, stop_ids=stop_token_ids(tokenizer), pad_id=facts.pad_id
+    )
+    fed = []
+    handle = model.register_forward_pre_hook(
+        lambda _, args, kwargs: fed.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    try:
+        batch.add([short], [params], ["short"])
+        batch.step()
+        fed.clear()
+        batch.add([middle, long_], [params, params], ["middle", "long"])
+        rows = batch.step()
+        assert fed[0] == (2, len(long_) - 1)  # the joining prompts, less their last token
+        assert fed[1][0] == 3 and fed[1][1] <= 2 * 4 + 1  # then an ordinary step: pending, drafts, masks
+        while len(batch):
+            rows += batch.step()
+    finally:
+        handle.remove()
+    alone = {
+        name: generate(model, tokenizer, [p], tau=0.9, mode=mode, block_size=4, max_new_tokens=24).token_ids[0]
+        for name, p in (("short", short), ("middle", middle), ("long", long_))
+    }
+    assert {r.request_id: r.token_ids for r in rows} == alone
 
 
 def test_cursor_cache_holes_are_bounded(trained_checkpoints, prompts):
