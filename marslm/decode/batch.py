@@ -34,10 +34,15 @@ Keys and values live in a :class:`SlotCache` (kv.py): a step appends the same nu
 every row, a row that fed less leaves holes that ``slot_valid`` masks out, and :meth:`_compact`
 squeezes the holes out once they are more than half of the cache. Rows join (:meth:`add`) and
 leave (finished rows are dropped after each step) between steps: that is all continuous batching
-needs.
+needs. A prompt that joins running rows is cached by a forward of its own first, so that it does
+not widen every row of the next step to its length.
 
-No Python loop runs over rows, positions or vocabulary per step, except to draw samples from
-per-request random generators; two host syncs read the step's widths, one whether a row finished.
+Row state lives on the host, in numpy arrays, as in vLLM's input batch: on a small model a step is
+a few dozen tiny array operations, each several times cheaper in numpy than as a torch op, and a
+GPU would sync once per step anyway to learn what was accepted. The device runs the forward and
+turns each read column into a token and a confidence (sampling rows: probabilities too); one copy
+brings those back, and the step's inputs and mask go out in one copy each. No Python loop runs
+over rows, positions or vocabulary per step, except to draw samples from per-request generators.
 """
 
 from __future__ import annotations
