@@ -21,6 +21,8 @@ model's attention back-end expects, because back-ends disagree on what a mask *m
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -100,7 +102,7 @@ def decode_step_mask(
     if draft_width == 0 and groups == 1:
         # Threshold mode: one mask group right after the pending tokens, so the whole fed block
         # is plain causal attention. The common case, and a hot path on small models.
-        masks_valid = np.broadcast_to(group_valid, (batch, n_masks))
+        masks_valid = group_valid.repeat(n_masks, axis=1)
         return causal_step_mask(slot_valid, np.concatenate([pending_valid, masks_valid], axis=1))
 
     seg = np.repeat([0, 1, 2], [width_pending, draft_width, groups * n_masks])
@@ -128,11 +130,21 @@ def decode_step_mask(
 def causal_step_mask(slot_valid: np.ndarray, fed_valid: np.ndarray) -> np.ndarray:
     """``[batch, 1, W, S + W]``: fed tokens see the valid cached slots and, causally, the valid fed
     tokens; each also sees itself, so no query row is fully masked."""
-    batch, width = fed_valid.shape
-    fed = np.tri(width, dtype=bool) & fed_valid[:, None, :]
-    fed |= np.eye(width, dtype=bool)
-    cached = np.broadcast_to(slot_valid[:, None, :], (batch, width, slot_valid.shape[1]))
+    width = fed_valid.shape[1]
+    fed = _lower_triangle(width) & (fed_valid[:, None, :] | _identity(width))
+    cached = slot_valid[:, None, :].repeat(width, axis=1)
     return np.concatenate([cached, fed], axis=-1)[:, None]
+
+
+# The decoding step calls these at every forward with a handful of widths.
+@functools.lru_cache(maxsize=256)
+def _lower_triangle(width: int) -> np.ndarray:
+    return np.tri(width, dtype=bool)
+
+
+@functools.lru_cache(maxsize=256)
+def _identity(width: int) -> np.ndarray:
+    return np.eye(width, dtype=bool)
 
 
 def for_attention(mask: torch.Tensor, model, dtype: torch.dtype | None = None) -> torch.Tensor:

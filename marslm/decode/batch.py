@@ -258,6 +258,15 @@ class DecodeBatch:
         elif self.kv is not None:
             self.kv.select_rows(on_device)
 
+    def _attention_mask(self, mask: np.ndarray) -> torch.Tensor | None:
+        """The step's mask for the model, or None where it is plain causal attention over the
+        whole cache (no holes, no padding, no draft groups): transformers then builds its own, and
+        a one-token step skips the mask altogether, as HF ``generate`` does."""
+        queries, keys = mask.shape[-2:]
+        if self.kv is not None and (mask == np.tri(queries, keys, keys - queries, dtype=bool)).all():
+            return None
+        return for_attention(self._to_device(mask), self.model)
+
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
@@ -272,7 +281,7 @@ class DecodeBatch:
             logits = self.model(
                 input_ids=self._to_device(input_ids),
                 position_ids=self._to_device(position_ids),
-                attention_mask=for_attention(self._to_device(mask), self.model),
+                attention_mask=self._attention_mask(mask),
                 cache=self.kv,
                 use_cache=self.kv is not None,
                 logits_to_keep=self._to_device(read),
@@ -364,8 +373,8 @@ class DecodeBatch:
         read = np.concatenate(
             [
                 (pending_len - 1)[:, None],
-                np.broadcast_to(width_pending + draft_cols, (rows, draft_width)),
-                np.broadcast_to(width_pending + draft_width + np.arange(groups * n_masks), (rows, groups * n_masks)),
+                (width_pending + draft_cols)[None].repeat(rows, axis=0),
+                (width_pending + draft_width + np.arange(groups * n_masks))[None].repeat(rows, axis=0),
             ],
             axis=1,
         )
