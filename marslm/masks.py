@@ -99,11 +99,12 @@ def decode_step_mask(
     """
     batch, width_pending = pending_valid.shape
     draft_width, groups = draft_valid.shape[1], group_sees.shape[1]
-    if draft_width == 0 and groups == 1:
-        # Threshold mode: one mask group right after the pending tokens, so the whole fed block
-        # is plain causal attention. The common case, and a hot path on small models.
+    if groups == 1 and np.array_equal(draft_valid, np.arange(draft_width) < group_sees):
+        # One mask group that sees every valid draft (threshold mode has none): the whole fed
+        # block is plain causal attention over its valid tokens. The common case, and a hot path
+        # on small models.
         masks_valid = group_valid.repeat(n_masks, axis=1)
-        return causal_step_mask(slot_valid, np.concatenate([pending_valid, masks_valid], axis=1))
+        return causal_step_mask(slot_valid, np.concatenate([pending_valid, draft_valid, masks_valid], axis=1))
 
     seg = np.repeat([0, 1, 2], [width_pending, draft_width, groups * n_masks])
     idx = np.concatenate([np.arange(width_pending), np.arange(draft_width), np.tile(np.arange(n_masks), groups)])

@@ -226,6 +226,31 @@ def test_decode_step_mask_draft_groups():
     assert np.array_equal(mask[0, 0], want)
 
 
+def test_decode_step_mask_one_group_after_its_drafts():
+    """Lossless without draft groups: the masks see exactly the valid drafts, so the block is
+    causal over its valid tokens; row 1's second draft is padding and nobody sees it."""
+    mask = decode_step_mask(
+        bools([[1], [1]]),
+        bools([[1], [1]]),
+        draft_valid=bools([[1, 1], [1, 0]]),
+        group_sees=np.array([[2], [1]]),
+        group_valid=bools([[1], [1]]),
+        n_masks=2,
+    )
+    #               cache p  d0 d1 m0 m1
+    row1 = bools(
+        [
+            [1, 1, 0, 0, 0, 0],  # pending
+            [1, 1, 1, 0, 0, 0],  # draft 0
+            [1, 1, 1, 1, 0, 0],  # padding draft: itself only extra
+            [1, 1, 1, 0, 1, 0],  # masks skip the padding draft
+            [1, 1, 1, 0, 1, 1],
+        ]
+    )
+    assert np.array_equal(mask[0, 0], np.tri(5, 6, 1, dtype=bool))
+    assert np.array_equal(mask[1, 0], row1)
+
+
 # ------------------------------------------------------------------ for_attention
 
 
