@@ -396,8 +396,12 @@ class DecodeBatch:
         """
         rows = len(self)
         draft_width, n_masks, groups = self.draft.shape[1], step.n_masks, step.groups
-        metric = self._to_device(self.metric)
-        predicted, conf = (t.cpu().numpy() for t in confidence(logits, metric, set(self.metric.tolist())))
+        if logits.shape[1] == 1:  # only AR tokens, which are accepted whatever their confidence
+            predicted = logits.argmax(dim=-1).cpu().numpy()
+            conf = np.ones(predicted.shape, np.float32)
+        else:
+            metric = self._to_device(self.metric)
+            predicted, conf = (t.cpu().numpy() for t in confidence(logits, metric, set(self.metric.tolist())))
         ar_tokens = predicted[:, : draft_width + 1]
         mask_tokens = predicted[:, draft_width + 1 :].reshape(rows, groups, n_masks)
         mask_conf = conf[:, draft_width + 1 :].reshape(rows, groups, n_masks)
