@@ -1,19 +1,20 @@
 """Where a decoding step's time goes: the model's forward against the rest, for marslm and HF ``generate``.
 
-    python scripts/step_budget.py CHECKPOINT [toy|reworded] [--json OUT]
+    python scripts/step_budget.py CHECKPOINT [toy|reworded] [--repeats 5] [--json OUT]
 
 Wraps ``model.forward`` with a timer, then decodes the same prompts with ``marslm.generate``
 (tau 1; tau 0.95 with adaptive and with fixed width; lossless) and with HF ``generate`` (KV cache,
 greedy) at batch 1 (8 prompts) and at batch 8 and 32 (32 prompts, rows refilled), 128 new tokens.
 Per setting: milliseconds per step, the forward's share and the rest (host work), tokens fed per
-step (prompts included) and tokens per second. A timing: run it alone, and compare settings
-within one run.
+step (prompts included) and tokens per second, each the median of interleaved repeats. A timing:
+run it alone, and compare settings within one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from marslm.chat import encode_prompt
@@ -52,7 +53,6 @@ class ForwardTimer:
 
 
 def measure(timer, decode) -> dict:
-    decode()  # warm-up
     timer.reset()
     started = time.perf_counter()
     tokens, tokens_per_forward = decode()
@@ -69,10 +69,16 @@ def measure(timer, decode) -> dict:
     }
 
 
+def median_row(runs: list[dict]) -> dict:
+    """Each field's median over the repeats (a slow repeat on a shared machine moves no median)."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint")
     parser.add_argument("data", nargs="?", default="toy", choices=("toy", "reworded"))
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats; medians are reported")
     parser.add_argument("--json", help="write the rows as JSON to this file")
     args = parser.parse_args()
 
@@ -82,22 +88,26 @@ def main() -> None:
     rows = []
     for batch in (1, 8, 32):
         prompts = messages[:8] if batch == 1 else messages[:32]
-
-        def mars(settings=None, prompts=prompts, batch=batch):
-            out = generate(
-                model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=batch, **(settings or {})
-            )
-            return sum(map(len, out.token_ids)), out.tokens_per_forward
-
-        for name, settings in MARS_SETTINGS.items():
-            rows.append({"batch": batch, "setting": name, **measure(timer, lambda s=settings: mars(s))})
         prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+
+        def mars(settings, ids=prompt_ids, batch=batch):
+            out = generate(model, tokenizer, ids, max_new_tokens=MAX_NEW_TOKENS, batch_size=batch, **settings)
+            return sum(map(len, out.token_ids)), out.tokens_per_forward
 
         def hf_decode(ids=prompt_ids, b=batch):
             return _run_hf(model, tokenizer, ids, b, MAX_NEW_TOKENS, {})["tokens"], 1.0
 
-        rows.append({"batch": batch, "setting": "HF generate", **measure(timer, hf_decode)})
-        for row in rows[-len(MARS_SETTINGS) - 1 :]:
+        decoders = {name: (lambda s=settings: mars(s)) for name, settings in MARS_SETTINGS.items()}
+        decoders["HF generate"] = hf_decode
+        for decode in decoders.values():  # warm-up
+            decode()
+        runs = {name: [] for name in decoders}
+        for _ in range(args.repeats):  # interleaved, so a slow spell slows every decoder alike
+            for name, decode in decoders.items():
+                runs[name].append(measure(timer, decode))
+        for name in decoders:
+            row = {"batch": batch, "setting": name, **median_row(runs[name])}
+            rows.append(row)
             print(
                 f"batch {row['batch']:2d} {row['setting']:18s} {row['ms_per_step']:6.2f} ms/step "
                 f"(forward {row['forward_ms']:.2f}, rest {row['other_ms']:.2f}), fed {row['fed_per_step']:.0f} "
