@@ -78,7 +78,8 @@ def decode_step_mask(
     group_sees: np.ndarray,
     group_valid: np.ndarray,
     n_masks: int,
-) -> np.ndarray:
+    causal_as_none: bool = False,
+) -> np.ndarray | None:
     """Mask for one decoding forward over a (possibly empty) KV cache, built on the host.
 
     A step feeds, per row, ``[pending | draft | group_0 | ... | group_{G-1}]``:
@@ -95,7 +96,10 @@ def decode_step_mask(
     on the host (as vLLM's input batch does) and ships the finished mask in one copy.
 
     Returns ``[batch, 1, W, S + W]``. Each query also sees itself, so no row is fully masked
-    (sdpa would return NaN there); outputs of padding columns are ignored.
+    (sdpa would return NaN there); outputs of padding columns are ignored. With ``causal_as_none``,
+    returns None where the mask is plain causal attention over every cached slot and fed token (no
+    holes, no padding): the model's own causal mask is then the same, and transformers skips it
+    for a one-token step, as in HF ``generate``.
     """
     batch, width_pending = pending_valid.shape
     draft_width, groups = draft_valid.shape[1], group_sees.shape[1]
@@ -103,8 +107,10 @@ def decode_step_mask(
         # One mask group that sees every valid draft (threshold mode has none): the whole fed
         # block is plain causal attention over its valid tokens. The common case, and a hot path
         # on small models.
-        masks_valid = group_valid.repeat(n_masks, axis=1)
-        return causal_step_mask(slot_valid, np.concatenate([pending_valid, draft_valid, masks_valid], axis=1))
+        fed_valid = np.concatenate([pending_valid, draft_valid, group_valid.repeat(n_masks, axis=1)], axis=1)
+        if causal_as_none and slot_valid.all() and fed_valid.all():
+            return None
+        return causal_step_mask(slot_valid, fed_valid)
 
     seg = np.repeat([0, 1, 2], [width_pending, draft_width, groups * n_masks])
     idx = np.concatenate([np.arange(width_pending), np.arange(draft_width), np.tile(np.arange(n_masks), groups)])

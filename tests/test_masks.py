@@ -251,6 +251,17 @@ def test_decode_step_mask_one_group_after_its_drafts():
     assert np.array_equal(mask[1, 0], row1)
 
 
+def test_decode_step_mask_plain_causal_can_be_left_to_the_model():
+    full = threshold_step_mask(bools([[1, 1]]), bools([[1, 1]]), n_masks=2)
+    assert np.array_equal(full[0, 0], np.tri(4, 6, 2, dtype=bool))
+    args = dict(draft_valid=np.zeros((1, 0), bool), group_sees=np.zeros((1, 1), np.int64), n_masks=2)
+    ones = bools([[1]])
+    assert decode_step_mask(bools([[1, 1]]), bools([[1, 1]]), group_valid=ones, causal_as_none=True, **args) is None
+    # a hole in the cache, or a padding column, needs the explicit mask
+    assert decode_step_mask(bools([[1, 0]]), bools([[1, 1]]), group_valid=ones, causal_as_none=True, **args) is not None
+    assert decode_step_mask(bools([[1, 1]]), bools([[1, 0]]), group_valid=ones, causal_as_none=True, **args) is not None
+
+
 # ------------------------------------------------------------------ for_attention
 
 

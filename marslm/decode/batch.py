@@ -18,10 +18,14 @@ draft for the next step.
 
 Adaptive width (``adaptive_width``): a row feeds at most as many masks as its recent steps could
 use. After a step that accepted every mask it read, its width doubles (up to B - 1, or B with the
-last mask); otherwise it becomes one more than the masks it accepted. Under causal attention a
+last mask); otherwise it becomes one more than the masks it accepted. A row whose masks were all
+refused in two steps running rests: it reads no masks for 1 step, then, after each further refused
+try, for 2, 4, 8 and at most 16 steps; one accepted mask ends the streak. Under causal attention a
 mask never sees the masks after it, so a narrower step predicts the same tokens and only reaches
 less far; it costs nothing where a wide step is as cheap as a narrow one, and saves the unused
-masks' compute where it is not (a CPU, a large batch). Rows in one-token mode read no masks.
+masks' compute where it is not (a CPU, a large batch). Off the training distribution, where masks
+are rarely confident, resting rows decode one token per step at the cost of a plain AR step.
+Rows in one-token mode read no masks.
 
 Two cache policies:
 
@@ -59,6 +63,8 @@ from .params import DecodingParams
 from .sampling import sampling_probs, speculative_accept
 
 CACHE_MODES = ("none", "cursor")
+REST_AFTER = 2  # adaptive width: refused tries in a row before a row rests from masks
+MAX_PAUSE_DOUBLINGS = 4  # and it rests at most 2**4 = 16 steps between tries
 
 
 @dataclass
@@ -113,6 +119,8 @@ class DecodeBatch:
         "forwards",
         "slot_valid",
         "last_accept",
+        "misses",
+        "pause",
     )
 
     def __init__(
@@ -166,6 +174,8 @@ class DecodeBatch:
         self.forwards = np.zeros(0, long)
         self.slot_valid = np.zeros((0, 0), bool)  # [rows, slots]
         self.last_accept = np.zeros(0, long)  # tokens each row accepted last step
+        self.misses = np.zeros(0, long)  # adaptive width: steps in a row whose masks were all refused
+        self.pause = np.zeros(0, long)  # steps left that read no masks
         # lossless sampling: the distributions the drafts were drawn from, on the device
         self.draft_q = torch.zeros(0, 0, 0, device=dev)
 
@@ -207,6 +217,8 @@ class DecodeBatch:
             "forwards": zeros,
             "slot_valid": np.zeros((n, self.slot_valid.shape[1]), bool),
             "last_accept": zeros,
+            "misses": zeros,
+            "pause": zeros,
         }
         for name in self.ROW_STATE:
             setattr(self, name, _cat_rows(getattr(self, name), new_rows[name]))
@@ -258,15 +270,6 @@ class DecodeBatch:
         elif self.kv is not None:
             self.kv.select_rows(on_device)
 
-    def _attention_mask(self, mask: np.ndarray) -> torch.Tensor | None:
-        """The step's mask for the model, or None where it is plain causal attention over the
-        whole cache (no holes, no padding, no draft groups): transformers then builds its own, and
-        a one-token step skips the mask altogether, as HF ``generate`` does."""
-        queries, keys = mask.shape[-2:]
-        if self.kv is not None and (mask == np.tri(queries, keys, keys - queries, dtype=bool)).all():
-            return None
-        return for_attention(self._to_device(mask), self.model)
-
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
@@ -281,7 +284,7 @@ class DecodeBatch:
             logits = self.model(
                 input_ids=self._to_device(input_ids),
                 position_ids=self._to_device(position_ids),
-                attention_mask=self._attention_mask(mask),
+                attention_mask=None if mask is None else for_attention(self._to_device(mask), self.model),
                 cache=self.kv,
                 use_cache=self.kv is not None,
                 logits_to_keep=self._to_device(read),
@@ -337,7 +340,7 @@ class DecodeBatch:
         rows = len(self)
         pending_len = self.seq_len - self.cached_len
         # Threshold rows in one-token mode read no masks: a batch of only those is plain AR.
-        reads = np.where(self.lossless | ~one_token_rows(self.tau, self.metric), self.width, 0)
+        reads = np.where((self.lossless | ~one_token_rows(self.tau, self.metric)) & (self.pause == 0), self.width, 0)
         width_pending, n_masks = int(pending_len.max()), int(reads.max())
         draft_width = self.draft.shape[1]
         groups = draft_width + 1 if self.draft_groups else 1
@@ -369,7 +372,9 @@ class DecodeBatch:
             ],
             axis=1,
         )
-        mask = decode_step_mask(self.slot_valid, pending_valid, draft_valid, group_sees, group_valid, n_masks)
+        mask = decode_step_mask(
+            self.slot_valid, pending_valid, draft_valid, group_sees, group_valid, n_masks, causal_as_none=True
+        )
         read = np.concatenate(
             [
                 (pending_len - 1)[:, None],
@@ -467,6 +472,10 @@ class DecodeBatch:
             had = np.where(self.lossless, self.draft_len, step.reads)
             grown = np.where(used >= had, 2 * self.width, used + 1)
             self.width = np.minimum(np.where(step.reads > 0, np.maximum(grown, 1), self.width), self.n_masks)
+            missed = (had > 0) & (used == 0)
+            self.misses = np.where(had > 0, np.where(missed, self.misses + 1, 0), self.misses)
+            backoff = 2 ** np.clip(self.misses - REST_AFTER, 0, MAX_PAUSE_DOUBLINGS)
+            self.pause = np.where(missed & (self.misses >= REST_AFTER), backoff, np.maximum(self.pause - 1, 0))
         self._next_draft(step, mask_tokens, verified, probs)
 
     def _next_draft(self, step: _Step, mask_tokens, verified, probs) -> None:

@@ -39,7 +39,7 @@ def test_ragged_batch_equals_each_prompt_alone(trained_checkpoints, prompts):
     alone = [generate(model, tokenizer, [p], tau=0.7, max_new_tokens=48) for p in prompts]
     assert together.token_ids == [a.token_ids[0] for a in alone]
     assert together.forwards == [a.forwards[0] for a in alone]
-    assert together.tokens_per_forward > 1.2
+    assert together.tokens_per_forward > 1.1
 
 
 TAUS = {"prob": [1.0, 0.95, 0.8], "margin": [1.0, 0.95, 0.8], "entropy": [0.0, 0.2, 0.6]}
