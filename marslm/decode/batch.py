@@ -16,16 +16,15 @@ per possible number of accepted drafts (each group sees only that many drafts: t
 composition with speculative decoding, section 4.6), so a partial rejection still leaves a valid
 draft for the next step.
 
-Adaptive width (``adaptive_width``): a row feeds at most as many masks as its recent steps could
-use. After a step that accepted every mask it read, its width doubles (up to B - 1, or B with the
-last mask); otherwise it becomes one more than the masks it accepted. A row whose masks were all
-refused in two steps running rests: it reads no masks for 1 step, then, after each further refused
-try, for 2, 4, 8 and at most 16 steps; one accepted mask ends the streak. Under causal attention a
-mask never sees the masks after it, so a narrower step predicts the same tokens and only reaches
-less far; it costs nothing where a wide step is as cheap as a narrow one, and saves the unused
-masks' compute where it is not (a CPU, a large batch). Off the training distribution, where masks
-are rarely confident, resting rows decode one token per step at the cost of a plain AR step.
-Rows in one-token mode read no masks.
+Adaptive width (``adaptive_width``, on by default): a row whose masks were all refused in two
+steps running rests: it reads no masks for 1 step, then, after each further refused try, for 2,
+4, 8 and at most 16 steps; one accepted mask ends the streak. A resting row decodes one token per
+step at the cost of a plain AR step, so off the training distribution, where masks are rarely
+confident, MARS costs about what AR does. The policy is all or nothing on purpose: the first mask
+a step feeds costs far more than the next ones where a forward is overhead-bound (a CPU at small
+batch: 1.24x a one-token step for one mask, 1.32x for four), so narrowing a step saves little
+and loses reach. Under causal attention a mask never sees the masks after it, so resting changes
+how far a row reaches, never what it predicts. Rows in one-token mode read no masks.
 
 Two cache policies:
 
@@ -63,7 +62,7 @@ from .params import DecodingParams
 from .sampling import sampling_probs, speculative_accept
 
 CACHE_MODES = ("none", "cursor")
-REST_AFTER = 2  # adaptive width: refused tries in a row before a row rests from masks
+REST_AFTER = 2  # adaptive width: refused steps in a row before a row rests from masks
 MAX_PAUSE_DOUBLINGS = 4  # and it rests at most 2**4 = 16 steps between tries
 
 
@@ -111,7 +110,6 @@ class DecodeBatch:
         "top_p",
         "top_k",
         "n_masks",
-        "width",
         "lossless",
         "draft",
         "draft_len",
@@ -166,7 +164,6 @@ class DecodeBatch:
         self.top_p = np.zeros(0, np.float32)
         self.top_k = np.zeros(0, long)
         self.n_masks = np.zeros(0, long)  # most masks this row may read per step
-        self.width = np.zeros(0, long)  # masks it reads now (adaptive width)
         self.lossless = np.zeros(0, bool)
         self.draft = np.zeros((0, 0), long)  # lossless: tokens to verify
         self.draft_len = np.zeros(0, long)
@@ -209,7 +206,6 @@ class DecodeBatch:
             "top_p": np.array([s.top_p for s in settings], np.float32),
             "top_k": np.array([s.top_k for s in settings], long),
             "n_masks": n_masks,
-            "width": n_masks.copy(),
             "lossless": np.array([s.mode == "lossless" for s in settings], bool),
             "draft": np.zeros((n, 0), long),
             "draft_len": zeros,
@@ -340,7 +336,7 @@ class DecodeBatch:
         rows = len(self)
         pending_len = self.seq_len - self.cached_len
         # Threshold rows in one-token mode read no masks: a batch of only those is plain AR.
-        reads = np.where((self.lossless | ~one_token_rows(self.tau, self.metric)) & (self.pause == 0), self.width, 0)
+        reads = np.where((self.lossless | ~one_token_rows(self.tau, self.metric)) & (self.pause == 0), self.n_masks, 0)
         width_pending, n_masks = int(pending_len.max()), int(reads.max())
         draft_width = self.draft.shape[1]
         groups = draft_width + 1 if self.draft_groups else 1
@@ -455,7 +451,7 @@ class DecodeBatch:
         return candidates, accept, stopped, verified, mask_tokens, probs
 
     def _record(self, step: _Step, candidates, accept, verified, mask_tokens, probs) -> None:
-        """Phase 3: append the accepted tokens, adapt each row's width, take the next drafts.
+        """Phase 3: append the accepted tokens, decide which rows rest from masks, take the next drafts.
 
         Writing every candidate is harmless: only tokens below seq_len are read, and accepted ones
         always land below max_len, inside the row's room.
@@ -470,8 +466,6 @@ class DecodeBatch:
         if self.adaptive_width:
             used = np.where(self.lossless, verified, accept - 1)
             had = np.where(self.lossless, self.draft_len, step.reads)
-            grown = np.where(used >= had, 2 * self.width, used + 1)
-            self.width = np.minimum(np.where(step.reads > 0, np.maximum(grown, 1), self.width), self.n_masks)
             missed = (had > 0) & (used == 0)
             self.misses = np.where(had > 0, np.where(missed, self.misses + 1, 0), self.misses)
             backoff = 2 ** np.clip(self.misses - REST_AFTER, 0, MAX_PAUSE_DOUBLINGS)
@@ -493,7 +487,7 @@ class DecodeBatch:
             group = np.zeros_like(verified)
             usable = self.lossless & (verified == self.draft_len)
         chosen = mask_tokens[np.arange(rows), group]
-        self.draft_len = np.minimum(np.where(usable, np.minimum(step.reads, self.width), 0), n_masks)
+        self.draft_len = np.where(usable, step.reads, 0)
         speculative = self.lossless & (self.temperature > 0)
         if probs is not None and speculative.any():
             draft_width, vocab = self.draft.shape[1], probs.shape[-1]

@@ -10,11 +10,9 @@ Two windows:
 
     sliding   every step appends ``block_size`` masks after the last accepted token; candidates are
               the output at the last real token (AR) and at the first ``block_size - 1`` masks;
-              ``adaptive`` reads only the first ``width`` of those masks, with the width rule of
-              marslm's adaptive width restated here: start at ``block_size - 1``; after a step that
-              accepted every mask it read, double (at most ``block_size - 1``), else one more than
-              the masks it accepted; after the second step running that accepted none of the masks
-              it read, and each further one, read none for 1, 2, 4, 8, at most 16 steps
+              ``adaptive``: marslm's adaptive width restated: after the second step running that
+              accepted none of the masks it read, and after each further one, read no masks for
+              1, 2, 4, 8, at most 16 steps
     block     the paper's block-level cache (section 4.5): generation is cut into blocks of
               ``block_cache_size`` positions; each step feeds the block so far (accepted tokens, then
               masks up to the block's end) and accepts from its first unfilled position on; a
@@ -83,14 +81,13 @@ def reference_generate(
     """``(new tokens without the stop token, tokens accepted per forward)`` for one prompt."""
     generated: list[int] = []
     steps: list[int] = []
-    width = block_size - 1
     misses = pause = 0
     while True:
         seq = prompt + generated
         if window == "sliding":
             logits = _logits(model, seq + [mask_id] * block_size)
             # output i predicts position i + 1: the last real token's output, then the masks'
-            reads = (0 if pause else width) if adaptive else block_size - 1
+            reads = 0 if adaptive and pause else block_size - 1
             candidates = [_confidence(logits[len(seq) - 1 + k], metric) for k in range(reads + 1)]
         else:
             filled = len(generated) % block_cache_size
@@ -107,7 +104,6 @@ def reference_generate(
         if adaptive and not _one_token_mode(tau, metric):
             used = len(accepted) - 1
             if reads:
-                width = min(block_size - 1, 2 * width) if used >= width else max(1, used + 1)
                 misses = misses + 1 if used == 0 else 0
                 pause = min(2 ** (misses - 2), 16) if misses >= 2 else 0
             else:

@@ -85,8 +85,9 @@ def test_decoding_equals_the_reference_sampler(setup, cache, metric):
 @pytest.mark.parametrize("cache", ["none", "cursor"])
 @pytest.mark.parametrize("metric", METRICS)
 def test_adaptive_width_only_shortens_the_reach(setup, cache, metric):
-    """A row that reads fewer masks accepts what the reference accepts from that many candidates:
-    narrowing a step never changes a prediction (causal attention), only how far it can reach."""
+    """A resting row (adaptive width: no masks after refused steps) accepts what the reference
+    accepts from its AR candidate alone: resting never changes a prediction (causal attention),
+    only how far a step can reach."""
     model, tokenizer, prompts, reference = setup
     narrowed = 0
     for tau in TAUS:
@@ -104,4 +105,4 @@ def test_adaptive_width_only_shortens_the_reach(setup, cache, metric):
         for i, (ids, steps) in enumerate(zip(out.token_ids, out.accepted_per_step)):
             assert (ids, steps) == reference(i, tau, metric, "sliding", adaptive=True), (tau, i)
             narrowed += ids != reference(i, tau, metric, "sliding")[0]
-    assert narrowed  # the adaptive widths did change some answers' path, so the check had teeth
+    assert narrowed  # the rests did change some answers' path, so the check had teeth
