@@ -501,7 +501,10 @@ class DecodeBatch:
             self.draft_q = q
         elif self.draft_q.numel():
             self.draft_q = self.draft_q.new_zeros(rows, 0, 0)
-        self.draft = chosen
+        # only as wide as the longest usable draft: a column no row drafts would be fed as padding
+        width = int(self.draft_len.max())
+        self.draft = chosen[:, :width]
+        self.draft_q = self.draft_q[:, :width]
 
     def _commit(self, step: _Step, seq_len_before, verified) -> None:
         """Phase 4: keep the fed real tokens whose context was right; drop the masks' entries."""

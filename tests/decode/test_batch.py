@@ -167,6 +167,22 @@ def test_a_joining_prompt_is_prefilled_apart(trained_checkpoints, prompts, mode)
     assert {r.request_id: r.token_ids for r in rows} == alone
 
 
+def test_threshold_rows_feed_no_draft_columns(trained_checkpoints, prompts):
+    """Drafts are lossless mode's: a threshold row feeds its pending tokens and masks only, so at
+    batch 1 the cache never has holes and every step is plain causal (no explicit mask)."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    masks = []
+    handle = model.register_forward_pre_hook(
+        lambda _, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
+    )
+    try:
+        out = generate(model, tokenizer, prompts[:1], tau=0.7, max_new_tokens=48, adaptive_width=False)
+    finally:
+        handle.remove()
+    assert out.tokens_per_forward > 1.2
+    assert all(mask is None for mask in masks)
+
+
 def test_cursor_cache_holes_are_bounded(trained_checkpoints, prompts):
     model, tokenizer = trained_checkpoints["mars64"]
     out = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=64, use_last_mask=True)
