@@ -43,8 +43,8 @@ not widen every row of the next step to its length.
 Row state lives on the host, in numpy arrays, as in vLLM's input batch: on a small model a step is
 a few dozen tiny array operations, each several times cheaper in numpy than as a torch op, and a
 GPU would sync once per step anyway to learn what was accepted. The device runs the forward and
-turns each read column into a token and a confidence (sampling rows: probabilities too); one copy
-brings those back, and the step's inputs and mask go out in one copy each. No Python loop runs
+turns each read column into a token and a confidence (sampling rows: probabilities too), which
+come back to the host; the step's inputs and mask go out in one copy each. No Python loop runs
 over rows, positions or vocabulary per step, except to draw samples from per-request generators.
 """
 
