@@ -129,7 +129,7 @@ def decode_step_mask(
     # A group sees the drafts it was placed after; that depends on the row.
     group_to_draft = (q_seg == 2)[None] & (k_seg == 1)[None] & (idx[None, None, :] < sees[:, :, None])
     width = len(seg)
-    fed = ((fed | group_to_draft) & fed_valid[:, None, :]) | np.eye(width, dtype=bool)
+    fed = ((fed | group_to_draft) & fed_valid[:, None, :]) | _identity(width)
     cached = np.broadcast_to(slot_valid[:, None, :], (batch, width, slot_valid.shape[1]))
     return np.concatenate([cached, fed], axis=-1)[:, None]
 

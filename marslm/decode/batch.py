@@ -276,16 +276,7 @@ class DecodeBatch:
             return []
         self._prefill_joining()
         step, input_ids, position_ids, mask, read = self._inputs()
-        with torch.no_grad():
-            logits = self.model(
-                input_ids=self._to_device(input_ids),
-                position_ids=self._to_device(position_ids),
-                attention_mask=None if mask is None else for_attention(self._to_device(mask), self.model),
-                cache=self.kv,
-                use_cache=self.kv is not None,
-                logits_to_keep=self._to_device(read),
-            ).logits
-        self.stats.forwards += 1
+        logits = self._call(input_ids, position_ids, mask, self.kv, self._to_device(read))
         candidates, accept, stopped, verified, mask_tokens, probs = self._accept(step, logits)
         seq_len_before = self.seq_len
         self._record(step, candidates, accept, verified, mask_tokens, probs)
@@ -312,16 +303,7 @@ class DecodeBatch:
         positions = np.repeat(np.arange(width)[None], len(rows), axis=0)
         mask = causal_step_mask(np.zeros((len(rows), 0), bool), valid)
         cache = SlotCache(capacity=width)
-        with torch.no_grad():
-            self.model(
-                input_ids=self._to_device(input_ids),
-                position_ids=self._to_device(positions),
-                attention_mask=for_attention(self._to_device(mask), self.model),
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        self.stats.forwards += 1
+        self._call(input_ids, positions, mask, cache, logits_to_keep=1)
         self.kv.write_rows(self._to_device(rows), cache)
         grow = width - self.slot_valid.shape[1]
         if grow > 0:
@@ -329,6 +311,19 @@ class DecodeBatch:
         self.slot_valid[rows] = False
         self.slot_valid[rows, :width] = valid
         self.cached_len[rows] = lengths
+
+    def _call(self, input_ids, position_ids, mask, cache, logits_to_keep) -> torch.Tensor:
+        """One forward over host-built inputs (mask None: plain causal); returns the kept logits."""
+        self.stats.forwards += 1
+        with torch.no_grad():
+            return self.model(
+                input_ids=self._to_device(input_ids),
+                position_ids=self._to_device(position_ids),
+                attention_mask=None if mask is None else for_attention(self._to_device(mask), self.model),
+                cache=cache,
+                use_cache=cache is not None,
+                logits_to_keep=logits_to_keep,
+            ).logits
 
     def _inputs(self):
         """Phase 1: the fed block ``[pending | draft | groups x masks]``, its positions and mask, and
@@ -393,7 +388,8 @@ class DecodeBatch:
         """Phase 2: each row's candidates and how many of them it accepts.
 
         The device computes each read column's greedy token and confidence; the rest is host
-        bookkeeping over ``[rows, candidates]`` (one transfer, where a GPU would sync anyway).
+        bookkeeping over ``[rows, candidates]`` (those two small arrays are the step's only
+        device-to-host copies, unless rows sample).
         """
         rows = len(self)
         draft_width, n_masks, groups = self.draft.shape[1], step.n_masks, step.groups
@@ -488,6 +484,8 @@ class DecodeBatch:
             usable = self.lossless & (verified == self.draft_len)
         chosen = mask_tokens[np.arange(rows), group]
         self.draft_len = np.where(usable, step.reads, 0)
+        # only as wide as the longest usable draft: a column no row drafts would be fed as padding
+        width = int(self.draft_len.max())
         speculative = self.lossless & (self.temperature > 0)
         if probs is not None and speculative.any():
             draft_width, vocab = self.draft.shape[1], probs.shape[-1]
@@ -498,13 +496,10 @@ class DecodeBatch:
             wanted = speculative[:, None] & (np.arange(n_masks) < self.draft_len[:, None])
             drawn = self._draw(q.reshape(rows * n_masks, vocab), wanted.reshape(-1))
             chosen = np.where(speculative[:, None], drawn.reshape(rows, n_masks), chosen)
-            self.draft_q = q
+            self.draft_q = q[:, :width]
         elif self.draft_q.numel():
             self.draft_q = self.draft_q.new_zeros(rows, 0, 0)
-        # only as wide as the longest usable draft: a column no row drafts would be fed as padding
-        width = int(self.draft_len.max())
         self.draft = chosen[:, :width]
-        self.draft_q = self.draft_q[:, :width]
 
     def _commit(self, step: _Step, seq_len_before, verified) -> None:
         """Phase 4: keep the fed real tokens whose context was right; drop the masks' entries."""
