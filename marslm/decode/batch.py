@@ -292,8 +292,10 @@ class DecodeBatch:
         Fed in the step instead, a joining prompt would widen every row of that step to its length.
         The prompt's last token stays pending, so the joining row's first step is like any other.
         """
+        if self.kv is None:  # no running rows (or no cache): the step itself prefills
+            return
         joining = (self.cached_len == 0) & (self.prompt_len > 1)
-        if self.kv is None or not joining.any() or not (self.cached_len > 0).any():
+        if not joining.any():
             return
         rows = np.flatnonzero(joining)
         lengths = self.prompt_len[rows] - 1
@@ -389,39 +391,60 @@ class DecodeBatch:
 
         The device computes each read column's greedy token and confidence; the rest is host
         bookkeeping over ``[rows, candidates]`` (those two small arrays are the step's only
-        device-to-host copies, unless rows sample).
+        device-to-host copies, unless rows sample). Each mode's rule runs only if a row uses it.
         """
-        rows = len(self)
-        draft_width, n_masks, groups = self.draft.shape[1], step.n_masks, step.groups
+        rows, draft_width = len(self), self.draft.shape[1]
         if logits.shape[1] == 1:  # only AR tokens, which are accepted whatever their confidence
             predicted = logits.argmax(dim=-1).cpu().numpy()
             conf = np.ones(predicted.shape, np.float32)
         else:
             metric = self._to_device(self.metric)
             predicted, conf = (t.cpu().numpy() for t in confidence(logits, metric, set(self.metric.tolist())))
-        ar_tokens = predicted[:, : draft_width + 1]
-        mask_tokens = predicted[:, draft_width + 1 :].reshape(rows, groups, n_masks)
-        mask_conf = conf[:, draft_width + 1 :].reshape(rows, groups, n_masks)
-        sampling = self.temperature > 0
+        mask_tokens = predicted[:, draft_width + 1 :].reshape(rows, step.groups, step.n_masks)
         probs = None
-        if sampling.any():
+        if (self.temperature > 0).any():
             settings = map(self._to_device, (self.temperature, self.top_p, self.top_k))
             probs = sampling_probs(logits, *settings)
 
-        # threshold rows: [AR token, first group's masks] under the confidence rule; sampling, the
-        # AR token is drawn and the masks keep the rule
-        first = ar_tokens[:, 0]
-        if probs is not None and (sampling & ~self.lossless).any():
-            first = np.where(sampling, self._draw(probs[:, 0], sampling & ~self.lossless), first)
-        threshold_candidates = np.concatenate([first[:, None], mask_tokens[:, 0]], axis=1)
-        threshold_conf = np.concatenate([conf[:, :1], mask_conf[:, 0]], axis=1)
-        threshold_accept = accept_length(threshold_conf, self.tau, self.metric, step.reads + 1)
+        width = max(draft_width, step.n_masks) + 1
+        verified = np.zeros(rows, np.int64)
+        if not self.lossless.all():
+            candidates, accept = self._threshold_rule(step, predicted, conf, probs, width)
+        if self.lossless.any():
+            verified, lossless_candidates = self._lossless_rule(step, predicted, probs, width)
+            if self.lossless.all():
+                candidates, accept = lossless_candidates, verified + 1
+            else:
+                candidates = np.where(self.lossless[:, None], lossless_candidates, candidates)
+                accept = np.where(self.lossless, verified + 1, accept)
 
-        # lossless rows: the drafts the AR outputs confirm, then the AR token after them
+        accept = np.minimum(accept, self.max_len - self.seq_len)
+        is_stop = (candidates[:, :, None] == self.stop_ids).any(axis=2) & (np.arange(width) < accept[:, None])
+        stopped = is_stop.any(axis=1)
+        accept = np.where(stopped, is_stop.argmax(axis=1) + 1, accept)
+        return candidates, accept, stopped, verified, mask_tokens, probs
+
+    def _threshold_rule(self, step: _Step, predicted, conf, probs, width):
+        """``[AR token, first group's masks]`` under the confidence rule; a sampling row draws its AR
+        token and its masks keep the rule. Returns the candidates (``width`` columns) and accept lengths."""
+        # column 0 is the AR output at the last pending token; the first mask group follows the drafts
+        masks = self.draft.shape[1] + 1
+        columns = np.r_[0, masks : masks + step.n_masks]
+        tokens, conf = predicted[:, columns], conf[:, columns]
+        sampling = (self.temperature > 0) & ~self.lossless
+        if probs is not None and sampling.any():
+            tokens[:, 0] = np.where(sampling, self._draw(probs[:, 0], sampling), tokens[:, 0])
+        return _pad_cols(tokens, width), accept_length(conf, self.tau, self.metric, step.reads + 1)
+
+    def _lossless_rule(self, step: _Step, predicted, probs, width):
+        """The drafts the AR outputs confirm (greedy: equal to; sampling: speculative sampling),
+        then the AR token after them. Returns how many drafts each row verified, and the candidates."""
+        rows, draft_width = len(self), self.draft.shape[1]
+        ar_tokens = predicted[:, : draft_width + 1]
         matches = (ar_tokens[:, :draft_width] == self.draft) & step.draft_valid
         verified = np.cumprod(matches, axis=1).sum(axis=1)
         correction = ar_tokens[np.arange(rows), verified]
-        speculative = sampling & self.lossless
+        speculative = (self.temperature > 0) & self.lossless
         if probs is not None and speculative.any():
             q = self.draft_q
             if q.shape[1] != draft_width:  # no row drew its draft by sampling: nothing reads q
@@ -431,20 +454,8 @@ class DecodeBatch:
             kept, next_probs = speculative_accept(probs[:, : draft_width + 1], q, draft, draft_len, uniform)
             verified = np.where(speculative, kept.cpu().numpy(), verified)
             correction = np.where(speculative, self._draw(next_probs, speculative), correction)
-        cand_cols = np.arange(max(draft_width, n_masks) + 1)
-        lossless_candidates = np.where(
-            cand_cols == verified[:, None], correction[:, None], _pad_cols(self.draft, len(cand_cols))
-        )
-        candidates = np.where(
-            self.lossless[:, None], lossless_candidates, _pad_cols(threshold_candidates, len(cand_cols))
-        )
-        accept = np.where(self.lossless, verified + 1, threshold_accept)
-
-        accept = np.minimum(accept, self.max_len - self.seq_len)
-        is_stop = (candidates[:, :, None] == self.stop_ids).any(axis=2) & (cand_cols < accept[:, None])
-        stopped = is_stop.any(axis=1)
-        accept = np.where(stopped, is_stop.argmax(axis=1) + 1, accept)
-        return candidates, accept, stopped, verified, mask_tokens, probs
+        candidates = np.where(np.arange(width) == verified[:, None], correction[:, None], _pad_cols(self.draft, width))
+        return verified, candidates
 
     def _record(self, step: _Step, candidates, accept, verified, mask_tokens, probs) -> None:
         """Phase 3: append the accepted tokens, decide which rows rest from masks, take the next drafts.
@@ -506,7 +517,8 @@ class DecodeBatch:
         if self.kv is None:
             return
         draft_width = step.draft_valid.shape[1]
-        self.kv.crop(-step.groups * step.n_masks)
+        if step.n_masks:
+            self.kv.crop(-step.groups * step.n_masks)
         kept_drafts = (np.arange(draft_width) < np.where(self.lossless, verified, 0)[:, None]) & step.draft_valid
         self.slot_valid = np.concatenate([self.slot_valid, step.pending_valid, kept_drafts], axis=1)
         self.cached_len = seq_len_before + kept_drafts.sum(axis=1)
@@ -553,7 +565,7 @@ class DecodeBatch:
         """
         slots = self.slot_valid.shape[1]
         self.stats.peak_cache_slots = max(self.stats.peak_cache_slots, slots)
-        widest = int(self.slot_valid.sum(axis=1).max())
+        widest = int(self.cached_len.max())  # a row's valid slots are its cached tokens
         if slots <= 2 * widest + 8:
             return
         order = np.argsort(~self.slot_valid, axis=1, kind="stable")[:, :widest]
