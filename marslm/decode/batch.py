@@ -37,8 +37,10 @@ Keys and values live in a :class:`SlotCache` (kv.py): a step appends the same nu
 every row, a row that fed less leaves holes that ``slot_valid`` masks out, and :meth:`_compact`
 squeezes the holes out once they are more than half of the cache. Rows join (:meth:`add`) and
 leave (finished rows are dropped after each step) between steps: that is all continuous batching
-needs. A prompt that joins running rows is cached by a forward of its own first, so that it does
-not widen every row of the next step to its length.
+needs. Rows persist in the cache's buffer, as in vLLM's input batch: a leaving row's place goes
+to the last row and a joining row takes a free one, so neither copies the whole cache. A prompt
+that joins running rows is cached by a forward of its own first, so that it does not widen every
+row of the next step to its length.
 
 Row state lives on the host, in numpy arrays, as in vLLM's input batch: on a small model a step is
 a few dozen tiny array operations, each several times cheaper in numpy than as a torch op, and a
@@ -254,6 +256,13 @@ class DecodeBatch:
         return self._pop(rows, np.zeros_like(rows))
 
     def _keep(self, keep: np.ndarray) -> None:
+        """Keep the rows ``keep`` (ascending). Kept rows move only to fill the places of rows
+        that leave, from the end, so that the cache copies the fewest rows (kv.py)."""
+        n = len(keep)
+        holes = np.setdiff1d(np.arange(n), keep[keep < n], assume_unique=True)  # as many as kept rows >= n
+        order = np.arange(n)
+        order[holes] = keep[keep >= n]
+        keep = order
         for name in self.ROW_STATE:
             setattr(self, name, getattr(self, name)[keep])
         on_device = self._to_device(keep)

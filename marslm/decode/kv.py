@@ -10,6 +10,12 @@ end back. The buffer doubles when it fills, so the copies amortise to nothing.
 Slots are shared by all rows (a step appends the same number of slots to every row; a row that fed
 less leaves holes that ``DecodeBatch.slot_valid`` masks out), so rows can join, leave and be
 compacted with one indexing operation per layer.
+
+Rows are persistent, as in vLLM's input batch: the buffer has room for more rows than run, a
+joining row takes a free one and a leaving row's place is taken by a row from the end, so a
+request that joins or leaves copies one row's used slots, not the whole cache. A free row keeps
+whatever an earlier request left there; its slots are invalid to the row that takes it
+(``slot_valid``), so attention never reads them.
 """
 
 from __future__ import annotations
@@ -19,18 +25,21 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class SlotLayer(DynamicLayer):
-    """One layer's keys and values in a buffer that grows by doubling; ``length`` slots are in use."""
+    """One layer's keys and values in a buffer that grows by doubling, in slots and in rows; the
+    first ``rows`` rows and ``length`` slots are in use."""
 
     def __init__(self, capacity: int):
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.rows = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         rows, heads, _, dim = key_states.shape
         self.keys = key_states.new_zeros(rows, heads, self.capacity, dim)
         self.values = value_states.new_zeros(rows, heads, self.capacity, value_states.shape[-1])
+        self.rows = rows
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -38,19 +47,15 @@ class SlotLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self.keys.shape[-2]:
-            self._grow(end)
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
+            self._grow_slots(end)
+        rows = self.rows
+        self.keys[:rows, :, self.length : end] = key_states
+        self.values[:rows, :, self.length : end] = value_states
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.keys[:rows, :, :end], self.values[:rows, :, :end]
 
-    def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self.keys.shape[-2])
-        grow = capacity - self.keys.shape[-2]
-        self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:2], grow, self.keys.shape[3])], dim=2)
-        self.values = torch.cat(
-            [self.values, self.values.new_zeros(*self.values.shape[:2], grow, self.values.shape[3])], dim=2
-        )
+    def _grow_slots(self, needed: int) -> None:
+        self.keys, self.values = (_grown(t, 2, max(needed, 2 * t.shape[2])) for t in (self.keys, self.values))
 
     def get_seq_length(self) -> int:
         return self.length
@@ -62,20 +67,32 @@ class SlotLayer(DynamicLayer):
         self.length -= abs(tokens_to_remove)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.keys, self.values = self.keys[indices], self.values[indices]
+        """Keep rows ``indices`` (``[n]``), in that order, as rows ``0..n-1``; only rows whose place
+        changes are copied, and only their used slots."""
+        if not self.is_initialized:
+            return
+        n = len(indices)
+        moved = torch.nonzero(indices != torch.arange(n, device=indices.device)).flatten()
+        if len(moved):
+            for buffer in (self.keys, self.values):
+                buffer[moved, :, : self.length] = buffer[indices[moved], :, : self.length]
+        self.rows = n
 
     def add_rows(self, count: int) -> None:
-        if self.is_initialized:
-            self.keys = torch.cat([self.keys, self.keys.new_zeros(count, *self.keys.shape[1:])])
-            self.values = torch.cat([self.values, self.values.new_zeros(count, *self.values.shape[1:])])
+        """``count`` more rows at the end, in free rows of the buffer (it doubles when there are none)."""
+        if not self.is_initialized:
+            return
+        needed = self.rows + count
+        if needed > self.keys.shape[0]:
+            self.keys, self.values = (_grown(t, 0, max(needed, 2 * t.shape[0])) for t in (self.keys, self.values))
+        self.rows = needed
 
     def write_rows(self, rows: torch.Tensor, other: SlotLayer) -> None:
         """Copy ``other``'s slots into the first slots of ``rows``; the used slots grow to cover them."""
         width = other.length
         if width > self.length:
             if width > self.keys.shape[-2]:
-                self._grow(width)
+                self._grow_slots(width)
             self.length = width
         self.keys[rows, :, :width] = other.keys[:, :, :width]
         self.values[rows, :, :width] = other.values[:, :, :width]
@@ -84,11 +101,17 @@ class SlotLayer(DynamicLayer):
         """Keep, per row, the slots ``order[row]`` (``[rows, n]``), moved to the front."""
         n = order.shape[1]
         if self.is_initialized:
-            for name in ("keys", "values"):
-                buffer = getattr(self, name)
+            for buffer in (self.keys[: self.rows], self.values[: self.rows]):
                 index = order[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
-                buffer[:, :, :n] = buffer.gather(2, index)
+                buffer[:, :, :n] = buffer[:, :, : self.length].gather(2, index)
         self.length = n
+
+
+def _grown(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to ``size``."""
+    shape = list(t.shape)
+    shape[dim] = size - shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 class SlotCache(Cache):

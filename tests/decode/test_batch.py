@@ -188,3 +188,24 @@ def test_cursor_cache_holes_are_bounded(trained_checkpoints, prompts):
     out = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=64, use_last_mask=True)
     longest = max(len(p) for p in prompts) + 64 + 5
     assert out.stats.peak_cache_slots <= 2 * longest + 8
+
+
+def test_leaving_rows_are_replaced_from_the_end(trained_checkpoints, prompts):
+    """A leaving row's place goes to the last row (the cache copies one row, not all of them), and
+    a row that joins into a place another request used decodes as if alone."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    params = DecodingParams(tau=0.9, block_size=4, max_new_tokens=24).verify()
+    facts = checkpoint_facts(model, tokenizer)
+    batch = DecodeBatch(
+        model, mask_token_id=facts.mask_token_id, stop_ids=stop_token_ids(tokenizer), pad_id=facts.pad_id
+    )
+    names = ["a", "b", "c", "d"]
+    batch.add(prompts[:4], [params] * 4, names)
+    rows = batch.step() + batch.step()
+    batch.cancel(["b"])
+    assert batch.request_ids == ["a", "d", "c"]
+    batch.add([prompts[4]], [params], ["e"])
+    while len(batch):
+        rows += batch.step()
+    alone = generate(model, tokenizer, [prompts[i] for i in (0, 2, 3, 4)], tau=0.9, block_size=4, max_new_tokens=24)
+    assert {r.request_id: r.token_ids for r in rows} == dict(zip("acde", alone.token_ids))
