@@ -346,6 +346,7 @@ class Engine:
             pad_id=facts.pad_id,
             stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
             cache="cursor",
+            mask_batch_limit=config.mask_batch_limit,
             seed=config.seed,
         )
         self._batch = DecodeBatch(model, **self._batch_args)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .decode.params import check_tau
+from .decode.params import check_mask_batch_limit, check_tau
 from .errors import UserError
 from .settings import flag_of, setting
 
@@ -36,6 +36,12 @@ class ServeConfig:
     )
     log_level: str = setting("info", "server log level", choices=LOG_LEVELS)
     max_batch: int = setting(16, "requests decoded together")
+    mask_batch_limit: int | None = setting(
+        None,
+        "read masks only while at most this many requests decode together, above it plain AR steps "
+        "(where a forward is compute-bound, as on a CPU at a large batch, masks cost more than they "
+        "buy; `marslm bench --cost-curve` tells; default: no limit)",
+    )
     max_queue: int = setting(256, "requests that may wait for a batch row; beyond it: 429 with Retry-After")
     max_tokens: int = setting(256, "max_tokens of a request that names none")
     max_tokens_limit: int = setting(4096, "largest max_tokens accepted")
@@ -88,6 +94,7 @@ class ServeConfig:
                 raise UserError(
                     f"{flag(name)} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value}"
                 )
+        check_mask_batch_limit(self.mask_batch_limit, flag("mask_batch_limit"))
         if self.slo_ms is not None and not (math.isfinite(self.slo_ms) and self.slo_ms > 0):
             raise UserError(f"{flag('slo_ms')} must be a finite number > 0, got {self.slo_ms}")
         for name, allowed in (

@@ -1,6 +1,6 @@
 """Where a decoding step's time goes: the model's forward against the rest, for marslm and HF ``generate``.
 
-    python scripts/step_budget.py CHECKPOINT [toy|reworded] [--repeats 5] [--json OUT]
+    python scripts/step_budget.py CHECKPOINT [toy|reworded] [--repeats 5] [--batch-sizes 1,8,32] [--json OUT]
 
 Wraps ``model.forward`` with a timer, then decodes the same prompts with ``marslm.generate``
 (tau 1; tau 0.95 with adaptive and with fixed width; lossless) and with HF ``generate`` (KV cache,
@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("checkpoint")
     parser.add_argument("data", nargs="?", default="toy", choices=("toy", "reworded"))
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats; medians are reported")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated, from 1, 8, 32 (default all)")
     parser.add_argument("--json", help="write the rows as JSON to this file")
     args = parser.parse_args()
 
@@ -86,7 +87,7 @@ def main() -> None:
     timer = ForwardTimer(model)
     messages = [e.messages for e in load_eval_set(args.data, 64).examples]
     rows = []
-    for batch in (1, 8, 32):
+    for batch in sorted({int(b) for b in args.batch_sizes.split(",")}):
         prompts = messages[:8] if batch == 1 else messages[:32]
         prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
 

@@ -227,3 +227,11 @@ def test_tau_controller_honours_exact_bounds_and_refuses_non_finite():
         with pytest.raises(UserError):
             controller.configure(slo_ms=bad)
     assert controller.state() == before  # nothing applied
+
+
+def test_the_mask_batch_limit_reaches_the_batch(mars64):
+    model, tokenizer = mars64
+    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit=8).validate())  # not started
+    assert engine._batch.mask_batch_limit == 8
+    with pytest.raises(UserError, match="--mask-batch-limit"):
+        ServeConfig(mask_batch_limit=0).validate()

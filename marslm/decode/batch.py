@@ -26,6 +26,12 @@ batch: 1.24x a one-token step for one mask, 1.32x for four), so narrowing a step
 and loses reach. Under causal attention a mask never sees the masks after it, so resting changes
 how far a row reaches, never what it predicts. Rows in one-token mode read no masks.
 
+Batch limit (``mask_batch_limit``, off by default): while more rows run than this, no row reads
+masks, and every row decodes one token per step, as AR. Where a forward is compute-bound (a CPU
+at a large batch) a mask costs about what a token does, so masks that buy 1.5-2 tokens per
+forward can make a step slower than they make it productive; vLLM's speculative decoding has the
+same switch (``disable_by_batch_size``). ``marslm bench --cost-curve`` tells where it pays.
+
 Two cache policies:
 
     none    no cache; every step re-feeds the whole sequence (a plain baseline, and an oracle)
@@ -96,6 +102,7 @@ class _Step:
     reads: np.ndarray  # [rows] masks each row reads this step
     n_masks: int  # masks per group fed
     groups: int
+    sampling: bool  # some row samples
 
 
 class DecodeBatch:
@@ -134,6 +141,7 @@ class DecodeBatch:
         use_last_mask: bool = True,
         draft_groups: bool = False,
         adaptive_width: bool = True,
+        mask_batch_limit: int | None = None,
         seed: int | None = None,
     ):
         if cache not in CACHE_MODES:
@@ -147,6 +155,7 @@ class DecodeBatch:
         self.use_last_mask = use_last_mask
         self.draft_groups = draft_groups
         self.adaptive_width = adaptive_width
+        self.mask_batch_limit = mask_batch_limit
         self.stats = BatchStats()
         self.generator = torch.Generator(device=dev)  # for requests that name no seed
         if seed is not None:
@@ -343,6 +352,8 @@ class DecodeBatch:
         pending_len = self.seq_len - self.cached_len
         # Threshold rows in one-token mode read no masks: a batch of only those is plain AR.
         reads = np.where((self.lossless | ~one_token_rows(self.tau, self.metric)) & (self.pause == 0), self.n_masks, 0)
+        if self.mask_batch_limit is not None and rows > self.mask_batch_limit:
+            reads = np.zeros_like(reads)
         width_pending, n_masks = int(pending_len.max()), int(reads.max())
         draft_width = self.draft.shape[1]
         groups = draft_width + 1 if self.draft_groups else 1
@@ -388,7 +399,7 @@ class DecodeBatch:
         if self.kv is None and self.cache_mode != "none":
             self.kv = SlotCache(capacity=2 * (int(self.seq_len.max()) + input_ids.shape[1]))
         return (
-            _Step(pending_len, pending_valid, draft_valid, reads, n_masks, groups),
+            _Step(pending_len, pending_valid, draft_valid, reads, n_masks, groups, bool((self.temperature > 0).any())),
             input_ids,
             position_ids,
             mask,
@@ -404,14 +415,13 @@ class DecodeBatch:
         """
         rows, draft_width = len(self), self.draft.shape[1]
         if logits.shape[1] == 1:  # only AR tokens, which are accepted whatever their confidence
-            predicted = logits.argmax(dim=-1).cpu().numpy()
-            conf = np.ones(predicted.shape, np.float32)
+            predicted, conf = logits.argmax(dim=-1).cpu().numpy(), None
         else:
             metric = self._to_device(self.metric)
             predicted, conf = (t.cpu().numpy() for t in confidence(logits, metric, set(self.metric.tolist())))
         mask_tokens = predicted[:, draft_width + 1 :].reshape(rows, step.groups, step.n_masks)
         probs = None
-        if (self.temperature > 0).any():
+        if step.sampling:
             settings = map(self._to_device, (self.temperature, self.top_p, self.top_k))
             probs = sampling_probs(logits, *settings)
 
@@ -437,13 +447,17 @@ class DecodeBatch:
         """``[AR token, first group's masks]`` under the confidence rule; a sampling row draws its AR
         token and its masks keep the rule. Returns the candidates (``width`` columns) and accept lengths."""
         # column 0 is the AR output at the last pending token; the first mask group follows the drafts
-        masks = self.draft.shape[1] + 1
-        columns = np.r_[0, masks : masks + step.n_masks]
-        tokens, conf = predicted[:, columns], conf[:, columns]
+        if step.n_masks == 0:  # the AR token alone, always accepted
+            tokens, accept = predicted[:, :1].copy(), np.ones(len(self), np.int64)
+        else:
+            masks = self.draft.shape[1] + 1
+            columns = np.concatenate([[0], np.arange(masks, masks + step.n_masks)])
+            tokens = predicted[:, columns]
+            accept = accept_length(conf[:, columns], self.tau, self.metric, step.reads + 1)
         sampling = (self.temperature > 0) & ~self.lossless
         if probs is not None and sampling.any():
             tokens[:, 0] = np.where(sampling, self._draw(probs[:, 0], sampling), tokens[:, 0])
-        return _pad_cols(tokens, width), accept_length(conf, self.tau, self.metric, step.reads + 1)
+        return _pad_cols(tokens, width), accept
 
     def _lossless_rule(self, step: _Step, predicted, probs, width):
         """The drafts the AR outputs confirm (greedy: equal to; sampling: speculative sampling),
@@ -480,13 +494,20 @@ class DecodeBatch:
         self.last_accept = accept
         self.seq_len = self.seq_len + accept
         if self.adaptive_width:
-            used = np.where(self.lossless, verified, accept - 1)
-            had = np.where(self.lossless, self.draft_len, step.reads)
-            missed = (had > 0) & (used == 0)
-            self.misses = np.where(had > 0, np.where(missed, self.misses + 1, 0), self.misses)
-            backoff = 2 ** np.clip(self.misses - REST_AFTER, 0, MAX_PAUSE_DOUBLINGS)
-            self.pause = np.where(missed & (self.misses >= REST_AFTER), backoff, np.maximum(self.pause - 1, 0))
+            self._rest(step, accept, verified)
         self._next_draft(step, mask_tokens, verified, probs)
+
+    def _rest(self, step: _Step, accept, verified) -> None:
+        """Adaptive width: count each row's steps running whose masks (lossless: drafts) were all
+        refused; from ``REST_AFTER`` of them on, the row rests, for twice as long after each miss."""
+        had = np.where(self.lossless, self.draft_len, step.reads)
+        if not had.any() and not self.pause.any():  # no row read masks or drafts, none rests
+            return
+        used = np.where(self.lossless, verified, accept - 1)
+        missed = (had > 0) & (used == 0)
+        self.misses = np.where(had > 0, np.where(missed, self.misses + 1, 0), self.misses)
+        backoff = 2 ** np.minimum(np.maximum(self.misses - REST_AFTER, 0), MAX_PAUSE_DOUBLINGS)
+        self.pause = np.where(missed & (self.misses >= REST_AFTER), backoff, np.maximum(self.pause - 1, 0))
 
     def _next_draft(self, step: _Step, mask_tokens, verified, probs) -> None:
         """Lossless rows draft from the mask group that saw exactly the drafts that were accepted.
@@ -496,6 +517,11 @@ class DecodeBatch:
         drafts from the masks' distributions and keep those for the next step's verification.
         """
         rows, groups, n_masks = mask_tokens.shape
+        if not self.lossless.any():  # threshold rows never draft
+            if self.draft.shape[1] or self.draft_q.numel():
+                self.draft, self.draft_len = np.zeros((rows, 0), np.int64), np.zeros(rows, np.int64)
+                self.draft_q = self.draft_q.new_zeros(rows, 0, 0)
+            return
         if self.draft_groups:
             group = np.minimum(verified, groups - 1)
             usable = self.lossless

@@ -8,7 +8,7 @@ from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
 from .batch import BatchStats, DecodeBatch, FinishedRow
 from .block_cache import BlockCachedBatch
-from .params import CACHE_MODES, DecodingParams
+from .params import CACHE_MODES, DecodingParams, check_mask_batch_limit
 from .text import TextStream
 
 
@@ -107,6 +107,7 @@ def generate(
     use_last_mask: bool = True,
     draft_groups: bool = False,
     adaptive_width: bool = True,
+    mask_batch_limit: int | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -129,7 +130,8 @@ def generate(
     distribution (speculative sampling). ``draft_groups`` adds one mask group per possible
     accepted-draft count. ``use_last_mask`` (default) also reads the last mask, whose prediction is
     B+1 tokens ahead: training teaches exactly that case. ``adaptive_width`` (default) feeds a row
-    fewer masks while its recent steps accepted few (batch.py).
+    fewer masks while its recent steps accepted few (batch.py). ``mask_batch_limit``: while more
+    rows than this decode together, none reads masks (plain AR steps; batch.py says when it pays).
 
     ``temperature``, ``top_p``, ``top_k``: sampling (threshold mode samples the AR token of each
     step; the masks keep the tau rule). ``seed``: prompt i samples with seed ``seed + i``, so its
@@ -167,6 +169,7 @@ def generate(
         raise UserError("the block cache decodes greedily in threshold mode, without stop strings; use cache='cursor'")
     if block_cache_size < 1:
         raise UserError(f"block_cache_size must be >= 1, got {block_cache_size}")
+    check_mask_batch_limit(mask_batch_limit, "mask_batch_limit")
 
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompts))]
@@ -186,6 +189,7 @@ def generate(
             use_last_mask=use_last_mask,
             draft_groups=draft_groups,
             adaptive_width=adaptive_width,
+            mask_batch_limit=mask_batch_limit,
             **common,
         )
         rows = run_to_completion(

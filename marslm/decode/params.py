@@ -107,3 +107,9 @@ def check_tau(tau: float, metric: str) -> None:
             raise ParamError(f"tau for the entropy metric must be >= 0, got {tau}", "tau", "invalid_tau")
     elif not 0 < tau <= 1:
         raise ParamError(f"tau for the {metric} metric must be in (0, 1], got {tau}", "tau", "invalid_tau")
+
+
+def check_mask_batch_limit(limit, name: str) -> None:
+    """None (no limit) or an integer >= 1; ``name`` is how the caller spells the option."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise UserError(f"{name} must be an integer >= 1 (or unset: no limit), got {limit!r}")

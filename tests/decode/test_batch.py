@@ -11,6 +11,7 @@ from marslm import generate
 from marslm.chat import encode_prompt, stop_token_ids
 from marslm.data import toy
 from marslm.decode import DecodeBatch, DecodingParams
+from marslm.errors import UserError
 from marslm.modeling import checkpoint_facts
 from tests.helpers import hf_greedy
 from tests.trained import TRAIN_N
@@ -209,3 +210,37 @@ def test_leaving_rows_are_replaced_from_the_end(trained_checkpoints, prompts):
         rows += batch.step()
     alone = generate(model, tokenizer, [prompts[i] for i in (0, 2, 3, 4)], tau=0.9, block_size=4, max_new_tokens=24)
     assert {r.request_id: r.token_ids for r in rows} == dict(zip("acde", alone.token_ids))
+
+
+def test_no_masks_above_the_batch_limit(trained_checkpoints, prompts):
+    """While more rows run than ``mask_batch_limit``, a step feeds no mask; at or below it, masks
+    come back."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    facts = checkpoint_facts(model, tokenizer)
+    params = DecodingParams(tau=0.7, block_size=4, max_new_tokens=40).verify()
+    batch = DecodeBatch(
+        model,
+        mask_token_id=facts.mask_token_id,
+        stop_ids=stop_token_ids(tokenizer),
+        pad_id=facts.pad_id,
+        mask_batch_limit=2,
+    )
+    fed = []
+    handle = model.register_forward_pre_hook(lambda _, args, kwargs: fed.append(kwargs["input_ids"]), with_kwargs=True)
+    try:
+        batch.add(prompts[:4], [params] * 4, list("abcd"))
+        batch.step(), batch.step()
+        above = len(fed)
+        batch.cancel(["b", "c"])
+        batch.step(), batch.step()
+    finally:
+        handle.remove()
+    assert not any((ids == facts.mask_token_id).any() for ids in fed[:above])
+    assert all((ids == facts.mask_token_id).any() for ids in fed[above:])
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True])
+def test_the_batch_limit_is_checked(trained_checkpoints, prompts, limit):
+    model, tokenizer = trained_checkpoints["mars64"]
+    with pytest.raises(UserError, match="mask_batch_limit"):
+        generate(model, tokenizer, prompts[:1], tau=0.9, max_new_tokens=4, mask_batch_limit=limit)
