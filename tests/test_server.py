@@ -466,6 +466,8 @@ def test_loadtest_cli_reports_every_policy(main_url, tmp_path):
             "1,4",
             "--requests",
             "4",
+            "--repeats",
+            "2",
             "--max-tokens",
             "32",
             "--api-key",
@@ -487,8 +489,10 @@ def test_loadtest_cli_reports_every_policy(main_url, tmp_path):
     report = json.loads(out.read_text())
     runs = [(r["policy"], r["concurrency"]) for r in report["results"]]
     assert runs == [(p, c) for p in ("fixed-1.0", "fixed-0.95", "adaptive") for c in (1, 4)]
+    assert report["repeats"] == 2
     for r in report["results"]:
-        assert r["ok"] == 4 and r["errors"] == 0
+        assert r["ok"] == 8 and r["errors"] == 0 and len(r["tokens_per_s_rounds"]) == 2
+        assert r["speedup_vs_tau1"] > 0
         assert 0 <= r["accuracy"] <= 1 and "accuracy_delta_points" in r
         assert r["tokens_per_s"] > 0 and r["latency_s"]["p50"] > 0 and r["tokens_per_forward"] >= 1
     after = httpx.get(main_url + "/admin/policy", headers=AUTH, timeout=10).json()

@@ -48,7 +48,13 @@ def add_parser(sub) -> None:
     )
     lt.add_argument("--checkpoint", default=None, metavar="DIR", help="with --engine vllm: the checkpoint to serve")
     lt.add_argument("--taus", type=floats, default=[0.95], help="with --engine vllm: MARS taus (default 0.95)")
-    lt.add_argument("--repeats", type=int, default=3, help="with --engine vllm: interleaved repeats (default 3)")
+    lt.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved rounds: each runs every level and every policy (vLLM: every server) once, "
+        "side by side, so a shared machine's drift slows them alike (default 3)",
+    )
     lt.add_argument(
         "vllm_args",
         nargs="*",
@@ -65,8 +71,8 @@ def run(args) -> int:
     if args.engine == "vllm":
         return _loadtest_vllm(args)
     no_extra_args(args)
-    if args.requests < 1 or not args.concurrency or min(args.concurrency) < 1:
-        raise UserError("--requests and every --concurrency value must be >= 1")
+    if args.requests < 1 or args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
+        raise UserError("--requests, --repeats and every --concurrency value must be >= 1")
     if not args.policies:
         raise UserError("--policies is empty")
     for name in args.policies:
@@ -85,6 +91,7 @@ def run(args) -> int:
         timeout=args.timeout,
         deadline=args.deadline,
         seed=args.seed,
+        repeats=args.repeats,
         log=lambda line: print(line, file=sys.stderr),
     )
     print(format_table(report))

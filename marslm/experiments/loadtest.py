@@ -13,6 +13,10 @@ sets ``fixed`` at tau 1.0 / 0.95, or ``adaptive`` between ``--adaptive-tau`` (th
 production traffic would. The server's own policy is read first and restored at the end.
 Use ``--api-key`` if the server has one.
 
+Runs are interleaved: each of ``repeats`` rounds runs every level and, side by side, every
+policy once, so a slow spell of a shared machine slows every policy alike; a cell reports its
+rounds pooled (tokens over summed wall time) and each round's tokens per second.
+
 Everything is bounded: ``requests`` per run, ``--timeout`` per request, and a wall-clock
 ``--deadline`` after which the remaining runs are skipped.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -184,6 +189,7 @@ async def run_loadtest_async(
     timeout: float = 300.0,
     deadline: float = 3600.0,
     seed: int = 0,
+    repeats: int = 1,
     log=print,
 ) -> dict:
     import httpx
@@ -209,24 +215,40 @@ async def run_loadtest_async(
         try:
             # one unmeasured request: first-call costs (allocator, kernels) stay out of the numbers
             await _one_request(client, url, headers, model, examples[0].messages, 8, timeout)
+            runs: dict[tuple, list] = {}  # (policy, concurrency) -> [(samples, wall)] per round
+            for round_ in range(repeats):
+                for concurrency in concurrencies:
+                    for name in policies:
+                        if time.perf_counter() - started > deadline:
+                            break
+                        # re-applied before every run: an adaptive tau starts each run at its ceiling
+                        await _admin(client, url + "/admin/policy", headers, settings[name])
+                        samples, wall = await _run_level(
+                            client, url, headers, model, examples, concurrency, max_tokens, timeout
+                        )
+                        runs.setdefault((name, concurrency), []).append((samples, wall))
+                        tokens = sum(s.completion_tokens for s in samples if s.ok)
+                        log(f"loadtest: {round_ + 1}/{repeats} {name:>10} x{concurrency:<3} {tokens / wall:.0f} tok/s")
+            if time.perf_counter() - started > deadline:
+                log(f"loadtest: deadline of {deadline:.0f} s reached; the remaining runs were skipped")
             for name in policies:
                 for concurrency in concurrencies:
-                    if time.perf_counter() - started > deadline:
-                        log(f"loadtest: deadline of {deadline:.0f} s reached; skipping the remaining runs")
-                        break
-                    # re-applied before every run: an adaptive tau starts each run at its ceiling
-                    await _admin(client, url + "/admin/policy", headers, settings[name])
-                    samples, wall = await _run_level(
-                        client, url, headers, model, examples, concurrency, max_tokens, timeout
-                    )
+                    if (name, concurrency) not in runs:
+                        continue
+                    rounds = runs[name, concurrency]
+                    samples = [s for round_samples, _ in rounds for s in round_samples]
+                    wall = sum(w for _, w in rounds)
                     correct = await asyncio.to_thread(
-                        toy.score_many, examples, [s.text if s.ok else None for s in samples]
+                        toy.score_many, examples * len(rounds), [s.text if s.ok else None for s in samples]
                     )
                     entry = {
                         "policy": name,
                         "concurrency": concurrency,
-                        "requests": len(examples),
+                        "requests": len(samples),
                         **_summarise(samples, wall, correct),
+                        "tokens_per_s_rounds": [
+                            round(sum(s.completion_tokens for s in r if s.ok) / w, 2) if w else None for r, w in rounds
+                        ],
                     }
                     results.append(entry)
                     log(
@@ -245,14 +267,21 @@ async def run_loadtest_async(
                     "slo_ms": original["slo_ms"],
                 },
             )
-    baseline = {r["concurrency"]: r["accuracy"] for r in results if r["policy"] == "fixed-1.0"}
+    baseline = {r["concurrency"]: r for r in results if r["policy"] == "fixed-1.0"}
     for r in results:
-        if r["concurrency"] in baseline and r["accuracy"] is not None and baseline[r["concurrency"]] is not None:
-            r["accuracy_delta_points"] = round(100 * (r["accuracy"] - baseline[r["concurrency"]]), 2)
+        base = baseline.get(r["concurrency"])
+        if base is None:
+            continue
+        if r["accuracy"] is not None and base["accuracy"] is not None:
+            r["accuracy_delta_points"] = round(100 * (r["accuracy"] - base["accuracy"]), 2)
+        # each round against fixed tau 1 in the same round: the machine's drift cancels
+        ratios = [a / b for a, b in zip(r["tokens_per_s_rounds"], base["tokens_per_s_rounds"]) if a and b]
+        r["speedup_vs_tau1"] = round(statistics.median(ratios), 3) if ratios else None
     return {
         "url": url,
         "model": model,
         "requests": len(examples),
+        "repeats": repeats,
         "max_tokens": max_tokens,
         "data": "toy test split",
         "concurrency": list(concurrencies),
@@ -279,14 +308,15 @@ def run_loadtest(url: str, **kwargs) -> dict:
 
 def format_table(report: dict) -> str:
     rows = [
-        "| policy | concurrency | req/s | tok/s | latency p50 / p90 / p99 (s) | TTFT p50 (s) | tok/fwd "
+        "| policy | concurrency | req/s | tok/s | vs tau 1 | latency p50 / p90 / p99 (s) | TTFT p50 (s) | tok/fwd "
         "| accuracy | Δ vs tau 1 (pts) | errors |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         lat = r["latency_s"]
         rows.append(
             f"| {r['policy']} | {r['concurrency']} | {_fmt(r['requests_per_s'])} | {_fmt(r['tokens_per_s'])} "
+            f"| {_fmt(r.get('speedup_vs_tau1'))} "
             f"| {_fmt(lat['p50'])} / {_fmt(lat['p90'])} / {_fmt(lat['p99'])} | {_fmt(r['ttft_s']['p50'])} "
             f"| {_fmt(r['tokens_per_forward'])} | {_fmt(r['accuracy'])} "
             f"| {_fmt(r.get('accuracy_delta_points'))} | {r['errors']} |"
