@@ -365,10 +365,13 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, config: ServeConfig | None = None) -> Engine:
-        from .modeling import load_model, resolve_device
+        from .modeling import cpu_threads, load_model, resolve_device
 
         config = (config or ServeConfig()).validate()
         model, tokenizer, _ = load_model(path, dtype=DTYPES[config.dtype], device=resolve_device(config.device))
+        if model.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(config.threads))
+            log.info("model on the CPU with %d torch threads", torch.get_num_threads())
         # The served name: a hub id as given, a local directory by its name (not its path).
         name = config.served_model_name or (Path(path).resolve().name if Path(path).exists() else path)
         return cls(model, tokenizer, config, model_name=name)

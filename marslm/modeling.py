@@ -96,6 +96,17 @@ def check_tokenizer(tokenizer, name_or_path: str) -> None:
         )
 
 
+def cpu_threads(requested: int | None = None) -> int:
+    """Intra-op threads for a model that serves requests on the CPU: ``requested``, or the cores
+    this process may use less one (at least 1). A server's HTTP front end, tokenizer and clients
+    need a core too; given every core, the forward's threads wait on each other whenever one of
+    them is preempted, and a step with several tokens (a parallel matrix multiply) suffers most."""
+    if requested is not None:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
 def resolve_device(device: str | None) -> str | None:
     """``auto``: the GPU when there is one, else the CPU (None); otherwise a device this machine has."""
     if device == "auto":

@@ -25,6 +25,9 @@ class ServeConfig:
         "auto", "weights dtype (auto: as saved); float64 makes batching unable to flip near-ties", choices=DTYPE_NAMES
     )
     device: str = setting("auto", "torch device (auto: cuda if available, else cpu)")
+    threads: int | None = setting(
+        None, "torch threads for a model on the CPU (default: the cores less one, so the HTTP front end keeps one)"
+    )
     served_model_name: str | None = setting(
         None, "model name clients send (default: the model directory's name, or the hub id)"
     )
@@ -81,8 +84,11 @@ class ServeConfig:
             "max_tokens_limit",
             "max_request_bytes",
             "max_connections",
+            "threads",
         ):
             value = getattr(self, name)
+            if value is None and name == "threads":  # unset: the default
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"{flag(name)} must be an integer >= 1, got {value}")
         if not 0 <= self.port <= 65535:

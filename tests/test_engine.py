@@ -235,3 +235,16 @@ def test_the_mask_batch_limit_reaches_the_batch(mars64):
     assert engine._batch.mask_batch_limit == 8
     with pytest.raises(UserError, match="--mask-batch-limit"):
         ServeConfig(mask_batch_limit=0).validate()
+
+
+def test_cpu_threads_leave_a_core_for_the_front_end(monkeypatch):
+    import os
+
+    from marslm.modeling import cpu_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert cpu_threads() == 3 and cpu_threads(4) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert cpu_threads() == 1
+    with pytest.raises(UserError, match="--threads"):
+        ServeConfig(threads=0).validate()
