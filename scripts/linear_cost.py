@@ -1,12 +1,14 @@
 """Why the first extra token of a step costs far more than the next ones on a CPU.
 
-    python scripts/linear_cost.py CHECKPOINT [--rows 1,2,3,5,8,16,40] [--repeats 2000]
+    python scripts/linear_cost.py CHECKPOINT [--rows 1,2,3,5,8,16,40] [--repeats 2000] [--profile]
 
 Times one ``F.linear`` of each of the checkpoint's projection shapes (attention q/o, MLP up and
 down, the LM head) with a batch of M rows, M the tokens a step feeds, and prints microseconds and
-the ratio to M = 1 per shape, then the sum over one forward's linears. A decoding step's linears
-are most of a small model's forward, and the BLAS answers M = 1 with a matrix-vector kernel and
-M >= 2 with a general matrix multiply whose fixed cost is higher. A timing: run it alone.
+the ratio to M = 1 per shape, then the sum over one forward's linears: the BLAS answers M = 1
+with a matrix-vector kernel and M >= 2 with a general matrix multiply whose fixed cost is higher.
+``--profile`` also runs the checkpoint's cached forward with one and with two fed tokens under
+``torch.profiler`` and prints the self CPU time per forward, in all and in the matrix multiplies.
+A timing: run it alone.
 """
 
 from __future__ import annotations
@@ -30,11 +32,45 @@ def time_linear(rows: int, in_features: int, out_features: int, repeats: int) ->
     return (time.perf_counter() - started) / repeats * 1e6
 
 
+def profile_forward(checkpoint: str, context: int = 128, forwards: int = 100) -> None:
+    """Self CPU time per cached forward feeding one and two tokens, in all and in mm / addmm."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from marslm.decode.kv import SlotCache
+    from marslm.modeling import load_model
+
+    model, _, _ = load_model(checkpoint)
+    cache = SlotCache(capacity=2 * context)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 100, (1, context)), cache=cache, use_cache=True, logits_to_keep=1)
+        for width in (1, 2):
+            inputs = {
+                "input_ids": torch.randint(0, 100, (1, width)),
+                "position_ids": (context + torch.arange(width))[None],
+                "cache": cache,
+                "use_cache": True,
+                "logits_to_keep": width,
+            }
+            for _ in range(forwards // 5):  # warm-up
+                model(**inputs)
+                cache.crop(-width)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(forwards):
+                    model(**inputs)
+                    cache.crop(-width)
+            events = prof.key_averages()
+            total = sum(e.self_cpu_time_total for e in events) / forwards / 1000
+            matmul = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm"))
+            matmul_ms = matmul / forwards / 1000
+            print(f"{width} fed token(s): {total:.2f} ms per forward, of which mm / addmm {matmul_ms:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint")
     parser.add_argument("--rows", default="1,2,3,5,8,16,40", help="comma-separated row counts M")
     parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--profile", action="store_true", help="also profile the forward at 1 and 2 fed tokens")
     args = parser.parse_args()
     cfg = AutoConfig.from_pretrained(args.checkpoint)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -59,6 +95,8 @@ def main() -> None:
         print(f"| {name} ({n_in} x {n_out}) | {calls} | {cells} |")
     cells = " | ".join(f"{t / 1000:.2f} ms ({t / total[0]:.2f}x)" for t in total)
     print(f"| one forward's linears | | {cells} |")
+    if args.profile:
+        profile_forward(args.checkpoint)
 
 
 if __name__ == "__main__":
