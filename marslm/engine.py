@@ -41,6 +41,7 @@ import torch
 
 from .chat import stop_token_ids
 from .decode import METRICS, DecodeBatch, DecodingParams, ParamError, TextStream, check_tau
+from .decode.costs import MaskBatchLimit, masked_step_costs
 from .errors import UserError
 from .serve_config import POLICIES, ServeConfig
 
@@ -346,10 +347,12 @@ class Engine:
             pad_id=facts.pad_id,
             stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
             cache="cursor",
-            mask_batch_limit=config.mask_batch_limit,
+            mask_batch_limit=None if config.mask_batch_limit == "auto" else config.mask_batch_limit,
             seed=config.seed,
         )
         self._batch = DecodeBatch(model, **self._batch_args)
+        self._auto_mask_limit = config.mask_batch_limit == "auto"
+        self.mask_limit: MaskBatchLimit | None = None  # set at start() when auto
         self._lock = threading.Lock()  # guards the waiting queue, cancellations, metrics
         self._wake = threading.Condition(self._lock)
         self._waiting: deque[_Request] = deque()
@@ -390,6 +393,18 @@ class Engine:
             batch.add([[self._batch_args["pad_id"]] * 4], [warm], ["warmup"])
             while len(batch):
                 batch.step()
+        if self._auto_mask_limit and self.mask_limit is None:
+            sizes = sorted(
+                {*(2**i for i in range(self.max_batch.bit_length()) if 2**i <= self.max_batch), self.max_batch}
+            )
+            costs = masked_step_costs(self.model, self.trained_block_size, sizes)
+            self.mask_limit = MaskBatchLimit(costs)
+            self._batch.mask_batch_limit = self.mask_limit.limit
+            log.info(
+                "mask batch limit auto: masked step cost %s; limit %d",
+                ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
+                self.mask_limit.limit,
+            )
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="marslm-engine", daemon=True)
         self._thread.start()
@@ -560,7 +575,14 @@ class Engine:
             self.controller.observe(time.perf_counter(), len(self._waiting), None)
             return
         started = time.perf_counter()
+        stats = self._batch.stats
+        masked_before = stats.masked_row_steps, stats.masked_row_tokens
         finished = self._batch.step()
+        if self.mask_limit is not None:
+            self.mask_limit.observe(
+                stats.masked_row_steps - masked_before[0], stats.masked_row_tokens - masked_before[1]
+            )
+            self._batch.mask_batch_limit = self.mask_limit.limit
         new_tokens = self._batch.new_tokens()
         # rows whose text now holds a stop string end here; their tokens go out with their result
         hit = [rid for rid, ids in new_tokens.items() if _hits_stop(self._running[rid].text, ids)]
@@ -696,6 +718,8 @@ class Engine:
         failed = list(self._running.values())
         self._running.clear()
         self._batch = DecodeBatch(self.model, **self._batch_args)  # its cache may be half-updated
+        if self.mask_limit is not None:
+            self._batch.mask_batch_limit = self.mask_limit.limit
         with self._lock:
             self._active = 0
         for r in failed:

@@ -3,6 +3,7 @@ HTTP server's settings are its fields (settings.py), so each default is written 
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,15 @@ POLICIES = ("fixed", "adaptive")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 ENGINES = ("marslm", "vllm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
 @dataclass
@@ -39,11 +49,14 @@ class ServeConfig:
     )
     log_level: str = setting("info", "server log level", choices=LOG_LEVELS)
     max_batch: int = setting(16, "requests decoded together")
-    mask_batch_limit: int | None = setting(
+    mask_batch_limit: int | str | None = setting(
         None,
         "read masks only while at most this many requests decode together, above it plain AR steps "
         "(where a forward is compute-bound, as on a CPU at a large batch, masks cost more than they "
-        "buy; `marslm bench --cost-curve` tells; default: no limit)",
+        "buy); auto: time the forward at start-up and keep masks where the tokens they buy exceed "
+        "what they cost (default: no limit)",
+        parse=_int_or_auto,
+        metavar="N|auto",
     )
     max_queue: int = setting(256, "requests that may wait for a batch row; beyond it: 429 with Retry-After")
     max_tokens: int = setting(256, "max_tokens of a request that names none")
@@ -100,7 +113,7 @@ class ServeConfig:
                 raise UserError(
                     f"{flag(name)} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value}"
                 )
-        check_mask_batch_limit(self.mask_batch_limit, flag("mask_batch_limit"))
+        check_mask_batch_limit(self.mask_batch_limit, flag("mask_batch_limit"), auto=True)
         if self.slo_ms is not None and not (math.isfinite(self.slo_ms) and self.slo_ms > 0):
             raise UserError(f"{flag('slo_ms')} must be a finite number > 0, got {self.slo_ms}")
         for name, allowed in (

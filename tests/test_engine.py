@@ -248,3 +248,17 @@ def test_cpu_threads_leave_a_core_for_the_front_end(monkeypatch):
     assert cpu_threads() == 1
     with pytest.raises(UserError, match="--threads"):
         ServeConfig(threads=0).validate()
+
+
+def test_an_auto_mask_batch_limit_is_measured_at_start(mars64):
+    model, tokenizer = mars64
+    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit="auto", max_batch=6).validate())
+    engine.start(warmup=False)
+    try:
+        assert sorted(engine.mask_limit.step_cost) == [1, 2, 4, 6]
+        assert all(cost > 0 for cost in engine.mask_limit.step_cost.values())
+        assert engine._batch.mask_batch_limit == engine.mask_limit.limit >= 1
+    finally:
+        engine.stop()
+    with pytest.raises(UserError, match="auto"):
+        ServeConfig(mask_batch_limit="sometimes").validate()

@@ -97,7 +97,8 @@ def run(args) -> int:
 
 
 def _cost_curve(args) -> int:
-    from ..experiments.bench import cost_curve, format_cost_curve
+    from ..decode.costs import cost_curve
+    from ..experiments.bench import format_cost_curve
     from ..modeling import check_model_source, checkpoint_facts, load_model, resolve_device
 
     if not args.contexts or min(args.contexts) < 1 or (args.block_size is not None and args.block_size < 1):

@@ -90,6 +90,8 @@ class FinishedRow:
 class BatchStats:
     forwards: int = 0  # model calls
     peak_cache_slots: int = 0  # widest the cache got, holes included
+    masked_row_steps: int = 0  # rows that took part in steps that fed masks, summed over those steps
+    masked_row_tokens: int = 0  # and the tokens they accepted there
 
 
 @dataclass
@@ -296,6 +298,9 @@ class DecodeBatch:
         step, input_ids, position_ids, mask, read = self._inputs()
         logits = self._call(input_ids, position_ids, mask, self.kv, self._to_device(read))
         candidates, accept, stopped, verified, mask_tokens, probs = self._accept(step, logits)
+        if step.n_masks:
+            self.stats.masked_row_steps += len(self)
+            self.stats.masked_row_tokens += int(accept.sum())
         seq_len_before = self.seq_len
         self._record(step, candidates, accept, verified, mask_tokens, probs)
         self._commit(step, seq_len_before, verified)

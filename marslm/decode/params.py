@@ -109,7 +109,11 @@ def check_tau(tau: float, metric: str) -> None:
         raise ParamError(f"tau for the {metric} metric must be in (0, 1], got {tau}", "tau", "invalid_tau")
 
 
-def check_mask_batch_limit(limit, name: str) -> None:
-    """None (no limit) or an integer >= 1; ``name`` is how the caller spells the option."""
+def check_mask_batch_limit(limit, name: str, auto: bool = False) -> None:
+    """None (no limit) or an integer >= 1, or with ``auto`` the word auto; ``name`` is how the
+    caller spells the option."""
+    if auto and limit == "auto":
+        return
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise UserError(f"{name} must be an integer >= 1 (or unset: no limit), got {limit!r}")
+        also = ", auto" if auto else ""
+        raise UserError(f"{name} must be an integer >= 1{also} (or unset: no limit), got {limit!r}")

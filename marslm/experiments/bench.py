@@ -358,68 +358,6 @@ def load_bench_models(mars_dir: str, ar_dir: str | None, device: str = "auto"):
     return models
 
 
-# ---------------------------------------------------------------------------- the cost curve
-
-
-def cost_curve(
-    model, *, widths, contexts=(128, 512), batch_sizes=(1,), repeats: int = 5, seed: int = 0, progress: bool = True
-) -> dict:
-    """Time of one cached forward against the number of tokens it feeds, as ratios to one token.
-
-    A MARS step feeds the tokens accepted last step plus the masks (up to 2B + 2 columns with
-    draft groups), where AR decoding feeds one; what that costs decides whether multi-token
-    acceptance pays on a given machine. For each batch size and context length a cache is
-    prefilled with ``context`` random tokens, then every width is fed on top of it and the cache
-    is cropped back, the widths in turn within each repeat (interleaved), after a warm-up round.
-    Logits are computed for every fed column, as a MARS step reads them.
-    """
-    from tqdm.auto import tqdm
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    rows = []
-    bar = tqdm(
-        total=len(batch_sizes) * len(contexts) * (repeats + 1) * len(widths), desc="cost curve", disable=not progress
-    )
-    for batch in batch_sizes:
-        for context in contexts:
-            cache = DynamicCache(config=model.config)
-            prefix = torch.randint(vocab, (batch, context), generator=generator).to(device)
-            with torch.no_grad():
-                model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
-            times = {w: [] for w in widths}
-            for round_ in range(repeats + 1):  # round 0: warm-up
-                for w in widths:
-                    fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
-                    positions = (context + torch.arange(w, device=device)).expand(batch, -1)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    started = time.perf_counter()
-                    with torch.no_grad():
-                        model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    if round_:
-                        times[w].append(time.perf_counter() - started)
-                    cache.crop(-w)
-                    bar.update(1)
-            base = statistics.median(times[widths[0]])
-            for w in widths:
-                ms = statistics.median(times[w])
-                rows.append({"batch_size": batch, "context": context, "width": w, "ms": 1000 * ms, "ratio": ms / base})
-    bar.close()
-    return {
-        "model": getattr(model, "name_or_path", ""),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "repeats": repeats,
-        "widths": list(widths),
-        "rows": rows,
-    }
-
-
 def format_cost_curve(report: dict) -> str:
     widths = report["widths"]
     head = ["batch", "context"] + [f"w={w}" for w in widths]

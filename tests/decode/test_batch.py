@@ -244,3 +244,13 @@ def test_the_batch_limit_is_checked(trained_checkpoints, prompts, limit):
     model, tokenizer = trained_checkpoints["mars64"]
     with pytest.raises(UserError, match="mask_batch_limit"):
         generate(model, tokenizer, prompts[:1], tau=0.9, max_new_tokens=4, mask_batch_limit=limit)
+
+
+def test_stats_count_what_masked_steps_bought(trained_checkpoints, prompts):
+    model, tokenizer = trained_checkpoints["mars64"]
+    out = generate(model, tokenizer, prompts[:3], tau=0.7, max_new_tokens=32)
+    stats = out.stats
+    assert stats.masked_row_steps > 0 and stats.masked_row_tokens > stats.masked_row_steps
+    assert stats.masked_row_tokens <= sum(map(len, out.token_ids)) + len(prompts[:3])  # stop tokens count
+    plain = generate(model, tokenizer, prompts[:3], tau=1.0, max_new_tokens=32).stats
+    assert plain.masked_row_steps == plain.masked_row_tokens == 0

@@ -1,0 +1,108 @@
+"""What a forward costs against the tokens it feeds: whether a step with masks pays on this machine.
+
+``cost_curve`` times one cached forward per width, batch size and context (``marslm bench
+--cost-curve`` prints it); ``MaskBatchLimit`` turns it into ``marslm serve --mask-batch-limit
+auto``: masks are read at a batch size while the tokens per row a masked step has been buying
+exceed what such a step costs there, as a ratio to a one-token step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def cost_curve(
+    model, *, widths, contexts=(128, 512), batch_sizes=(1,), repeats: int = 5, seed: int = 0, progress: bool = True
+) -> dict:
+    """Time of one cached forward against the number of tokens it feeds, as ratios to one token.
+
+    A MARS step feeds the tokens accepted last step plus the masks (up to 2B + 2 columns with
+    draft groups), where AR decoding feeds one; what that costs decides whether multi-token
+    acceptance pays on a given machine. For each batch size and context length a cache is
+    prefilled with ``context`` random tokens, then every width is fed on top of it and the cache
+    is cropped back, the widths in turn within each repeat (interleaved), after a warm-up round.
+    Logits are computed for every fed column, as a MARS step reads them.
+    """
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    rows = []
+    bar = tqdm(
+        total=len(batch_sizes) * len(contexts) * (repeats + 1) * len(widths), desc="cost curve", disable=not progress
+    )
+    for batch in batch_sizes:
+        for context in contexts:
+            cache = DynamicCache(config=model.config)
+            prefix = torch.randint(vocab, (batch, context), generator=generator).to(device)
+            with torch.no_grad():
+                model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+            times = {w: [] for w in widths}
+            for round_ in range(repeats + 1):  # round 0: warm-up
+                for w in widths:
+                    fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
+                    positions = (context + torch.arange(w, device=device)).expand(batch, -1)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    with torch.no_grad():
+                        model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if round_:
+                        times[w].append(time.perf_counter() - started)
+                    cache.crop(-w)
+                    bar.update(1)
+            base = statistics.median(times[widths[0]])
+            for w in widths:
+                ms = statistics.median(times[w])
+                rows.append({"batch_size": batch, "context": context, "width": w, "ms": 1000 * ms, "ratio": ms / base})
+    bar.close()
+    return {
+        "model": getattr(model, "name_or_path", ""),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "widths": list(widths),
+        "rows": rows,
+    }
+
+
+def masked_step_costs(model, n_masks: int, batch_sizes, context: int = 64, repeats: int = 3) -> dict[int, float]:
+    """Per batch size, a masked step's forward time as a ratio to a one-token step's: a row feeds
+    its last accepted tokens (about two) and ``n_masks`` masks where AR feeds one token."""
+    report = cost_curve(
+        model, widths=(1, n_masks + 2), contexts=(context,), batch_sizes=batch_sizes, repeats=repeats, progress=False
+    )
+    return {r["batch_size"]: r["ratio"] for r in report["rows"] if r["width"] != 1}
+
+
+class MaskBatchLimit:
+    """The largest batch size at which masks pay, from measured step costs and what masks buy.
+
+    ``step_cost[b]``: a masked step's cost at batch size b, as a ratio to a one-token step. A
+    masked step gives each row ``bought`` tokens on average (resting rows included: they pay the
+    step's width too), a running mean over recent masked steps, starting at ``prior``. Masks pay
+    at b while ``bought > step_cost[b]``; the limit is the largest measured b where they do, and
+    never below 1, so that what masks buy keeps being observed.
+    """
+
+    def __init__(self, step_cost: dict[int, float], prior: float = 1.5, weight: float = 0.05):
+        self.step_cost = dict(sorted(step_cost.items()))
+        self.bought = prior
+        self.weight = weight
+
+    def observe(self, rows: int, tokens: int) -> None:
+        """A step that fed masks: ``rows`` rows accepted ``tokens`` tokens."""
+        if rows:
+            self.bought += self.weight * (tokens / rows - self.bought)
+
+    @property
+    def limit(self) -> int:
+        paying = [b for b, cost in self.step_cost.items() if cost < self.bought]
+        return max(paying, default=1)
