@@ -351,7 +351,6 @@ class Engine:
             seed=config.seed,
         )
         self._batch = DecodeBatch(model, **self._batch_args)
-        self._auto_mask_limit = config.mask_batch_limit == "auto"
         self.mask_limit: MaskBatchLimit | None = None  # set at start() when auto
         self._lock = threading.Lock()  # guards the waiting queue, cancellations, metrics
         self._wake = threading.Condition(self._lock)
@@ -393,10 +392,8 @@ class Engine:
             batch.add([[self._batch_args["pad_id"]] * 4], [warm], ["warmup"])
             while len(batch):
                 batch.step()
-        if self._auto_mask_limit and self.mask_limit is None:
-            sizes = sorted(
-                {*(2**i for i in range(self.max_batch.bit_length()) if 2**i <= self.max_batch), self.max_batch}
-            )
+        if self.config.mask_batch_limit == "auto" and self.mask_limit is None:
+            sizes = sorted({*(2**i for i in range(self.max_batch.bit_length())), self.max_batch})
             costs = masked_step_costs(self.model, self.trained_block_size, sizes)
             self.mask_limit = MaskBatchLimit(costs)
             self._batch.mask_batch_limit = self.mask_limit.limit
@@ -577,12 +574,13 @@ class Engine:
         started = time.perf_counter()
         stats = self._batch.stats
         masked_before = stats.masked_row_steps, stats.masked_row_tokens
+        if self.mask_limit is not None:
+            self._batch.mask_batch_limit = self.mask_limit.limit
         finished = self._batch.step()
         if self.mask_limit is not None:
             self.mask_limit.observe(
                 stats.masked_row_steps - masked_before[0], stats.masked_row_tokens - masked_before[1]
             )
-            self._batch.mask_batch_limit = self.mask_limit.limit
         new_tokens = self._batch.new_tokens()
         # rows whose text now holds a stop string end here; their tokens go out with their result
         hit = [rid for rid, ids in new_tokens.items() if _hits_stop(self._running[rid].text, ids)]
@@ -718,8 +716,6 @@ class Engine:
         failed = list(self._running.values())
         self._running.clear()
         self._batch = DecodeBatch(self.model, **self._batch_args)  # its cache may be half-updated
-        if self.mask_limit is not None:
-            self._batch.mask_batch_limit = self.mask_limit.limit
         with self._lock:
             self._active = 0
         for r in failed:

@@ -150,7 +150,6 @@ def _summarise(samples: list[Sample], wall: float, correct: list[bool]) -> dict:
     ok = [s for s in samples if s.ok]
     latencies = [s.latency for s in ok]
     ttfts = [s.ttft for s in ok if s.ttft is not None]
-    tokens = sum(s.completion_tokens for s in ok)
     forwards = sum(s.forwards for s in ok)
 
     def pct(values):
@@ -162,13 +161,18 @@ def _summarise(samples: list[Sample], wall: float, correct: list[bool]) -> dict:
         "first_error": next((s.error for s in samples if not s.ok), None),
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(ok) / wall, 3) if wall else None,
-        "tokens_per_s": round(tokens / wall, 2) if wall else None,
-        "completion_tokens": tokens,
+        "tokens_per_s": _tokens_per_s(samples, wall),
+        "completion_tokens": sum(s.completion_tokens for s in ok),
         "tokens_per_forward": round(sum(s.accepted for s in ok) / forwards, 4) if forwards else None,
         "latency_s": pct(latencies) | {"mean": _round(sum(latencies) / len(latencies)) if latencies else None},
         "ttft_s": pct(ttfts),
         "accuracy": round(sum(correct) / len(correct), 4) if correct else None,
     }
+
+
+def _tokens_per_s(samples: list[Sample], wall: float) -> float | None:
+    """Completion tokens of the successful samples per second of ``wall``."""
+    return round(sum(s.completion_tokens for s in samples if s.ok) / wall, 2) if wall else None
 
 
 def _round(value, digits: int = 4):
@@ -227,8 +231,10 @@ async def run_loadtest_async(
                             client, url, headers, model, examples, concurrency, max_tokens, timeout
                         )
                         runs.setdefault((name, concurrency), []).append((samples, wall))
-                        tokens = sum(s.completion_tokens for s in samples if s.ok)
-                        log(f"loadtest: {round_ + 1}/{repeats} {name:>10} x{concurrency:<3} {tokens / wall:.0f} tok/s")
+                        log(
+                            f"loadtest: {round_ + 1}/{repeats} {name:>10} x{concurrency:<3} "
+                            f"{_tokens_per_s(samples, wall):.0f} tok/s"
+                        )
             if time.perf_counter() - started > deadline:
                 log(f"loadtest: deadline of {deadline:.0f} s reached; the remaining runs were skipped")
             for name in policies:
@@ -246,9 +252,7 @@ async def run_loadtest_async(
                         "concurrency": concurrency,
                         "requests": len(samples),
                         **_summarise(samples, wall, correct),
-                        "tokens_per_s_rounds": [
-                            round(sum(s.completion_tokens for s in r if s.ok) / w, 2) if w else None for r, w in rounds
-                        ],
+                        "tokens_per_s_rounds": [_tokens_per_s(r, w) for r, w in rounds],
                     }
                     results.append(entry)
                     log(
