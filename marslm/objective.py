@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .chat import IGNORE
+from .head_loss import target_loss
 from .masks import for_attention, packed_causal_mask, packed_two_stream_mask
 
 
@@ -244,6 +245,13 @@ def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Ten
     return (ce * weights[:, 1:].reshape(-1)).sum()
 
 
+def _shifted_targets(labels: torch.Tensor, weights: torch.Tensor):
+    """``(rows, columns, labels, weights)`` of every target: the output at column t-1 predicts label t."""
+    target = labels[:, 1:] != IGNORE
+    rows, columns = target.nonzero(as_tuple=True)
+    return rows, columns, labels[:, 1:][target], weights[:, 1:][target]
+
+
 def ar_loss(
     model,
     input_ids: torch.Tensor,
@@ -252,22 +260,27 @@ def ar_loss(
     segment_ids: torch.Tensor | None = None,
     normalization: str = "sequence",
     denominator: float | None = None,
+    target_logits: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Plain SFT (stage 1). Returned in the same shape as :func:`mars_loss` for the trainer.
 
     ``denominator``: what the summed losses are divided by; by default this batch's own
     :func:`normalizer`. The trainer passes the count over every micro-batch of an optimizer step,
     so that gradient accumulation gives the loss and gradients of the whole batch.
+    ``target_logits``: run the output projection only at the targets (head_loss.py); False
+    computes the full-vocabulary logits at every column, as the model's own forward does.
     """
-    if segment_ids is None:
-        logits = model(input_ids=input_ids).logits
-    else:
-        mask = for_attention(packed_causal_mask(segment_ids), model)
-        logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask).logits
+    inputs = {"input_ids": input_ids}
+    if segment_ids is not None:
+        inputs.update(position_ids=position_ids, attention_mask=for_attention(packed_causal_mask(segment_ids), model))
     weights = target_weights(labels, segment_ids, normalization)
     if denominator is None:
         denominator = max(1.0, float(weights.sum()))
-    loss = weighted_loss(logits, labels, weights) / denominator
+    if target_logits:
+        rows, columns, targets, target_w = _shifted_targets(labels, weights)
+        loss, _ = target_loss(model, inputs, rows, columns, targets, target_w / denominator)
+    else:
+        loss = weighted_loss(model(**inputs).logits, labels, weights) / denominator
     return {"loss": loss, "clean_loss": loss.detach()}
 
 
@@ -283,20 +296,21 @@ def mars_loss(
     normalization: str = "sequence",
     masked_weighting: str = "uniform",
     denominator: float | None = None,
+    target_logits: bool = True,
 ) -> dict[str, torch.Tensor]:
     """``noisy + ar_weight * clean``, each normalised as :func:`target_weights` says.
 
     ``masked_weighting="inverse-t"`` multiplies each sequence's noisy-stream loss by 1/t, t drawn
-    per sequence: the reference's "w/o SFT loss" ablation. ``denominator`` as in :func:`ar_loss`.
+    per sequence: the reference's "w/o SFT loss" ablation. ``denominator`` and ``target_logits`` as
+    in :func:`ar_loss`.
     """
     batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids)
-    logits = model(
-        input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
-        attention_mask=for_attention(batch.attention_mask, model),
-    ).logits
+    inputs = {
+        "input_ids": batch.input_ids,
+        "position_ids": batch.position_ids,
+        "attention_mask": for_attention(batch.attention_mask, model),
+    }
     seq_len = input_ids.shape[1]
-    clean_logits, noisy_logits = logits[:, :seq_len], logits[:, seq_len:]
 
     weights = target_weights(labels, segment_ids, normalization)
     if denominator is None:
@@ -307,6 +321,21 @@ def mars_loss(
     # the noisy columns are copies of clean ones: their targets carry the same weights
     noisy_weights = torch.where(batch.noisy_columns >= 0, noisy_weights.gather(1, batch.noisy_columns.clamp(min=0)), 0)
 
+    if target_logits:
+        clean = _shifted_targets(labels, weights)
+        noisy = _shifted_targets(batch.noisy_labels, noisy_weights)
+        rows = torch.cat([clean[0], noisy[0]])
+        columns = torch.cat([clean[1], noisy[1] + seq_len])
+        targets = torch.cat([clean[2], noisy[2]])
+        loss_weights = torch.cat([ar_weight * clean[3], noisy[3]]) / denominator
+        loss, ce = target_loss(model, inputs, rows, columns, targets, loss_weights)
+        n_clean = len(clean[2])
+        clean_loss = (ce[:n_clean] * clean[3]).sum() / denominator
+        noisy_loss = (ce[n_clean:] * noisy[3]).sum() / denominator
+        return {"loss": loss, "noisy_loss": noisy_loss.detach(), "clean_loss": clean_loss.detach()}
+
+    logits = model(**inputs).logits
+    clean_logits, noisy_logits = logits[:, :seq_len], logits[:, seq_len:]
     noisy_loss = weighted_loss(noisy_logits, batch.noisy_labels, noisy_weights) / denominator
     clean_loss = weighted_loss(clean_logits, labels, weights) / denominator
     loss = noisy_loss + ar_weight * clean_loss if ar_weight else noisy_loss

@@ -44,6 +44,7 @@ def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0, normalizat
             mask_token_id=MASK_ID,
             ar_weight=ar_weight,
             normalization=normalization,
+            target_logits=False,
         )
     finally:
         handle.remove()

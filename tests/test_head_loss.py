@@ -1,0 +1,119 @@
+"""Target-only logits (head_loss.py): the loss and every gradient equal the full-logits path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from marslm.chat import encode_conversation
+from marslm.head_loss import fused_cross_entropy
+from marslm.objective import ar_loss, collate, collate_packed, mars_loss
+
+MASK_ID, EOS_ID, PAD_ID = 3, 2, 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_fused_cross_entropy_equals_the_literal_loss_in_small_chunks(bias, softcap):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=bias)
+    hidden = torch.randn(7, 8, requires_grad=True)
+    labels = torch.randint(0, 11, (7,))
+    weights = torch.rand(7)
+
+    loss, ce = fused_cross_entropy(head, hidden, labels, weights, softcap, rows_per_chunk=3)
+    loss.backward()
+    ours = [hidden.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if bias else [])
+    hidden.grad = None
+    head.zero_grad()
+
+    logits = head(hidden)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    literal_ce = F.cross_entropy(logits, labels, reduction="none")
+    (literal_ce * weights).sum().backward()
+    literal = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+
+    torch.testing.assert_close(ce, literal_ce.detach())
+    torch.testing.assert_close(loss.detach(), (literal_ce * weights).sum().detach())
+    for got, want in zip(ours, literal):
+        torch.testing.assert_close(got, want)
+
+
+def _examples(tokenizer, n=8):
+    from marslm.data import toy
+
+    out = []
+    for example in toy.make_split("train", n):
+        enc = encode_conversation(tokenizer, toy.to_chat_record(example)["messages"])
+        out.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+@pytest.mark.parametrize("stage", ["ar", "mars"])
+def test_target_only_logits_give_the_full_logits_loss_and_gradients(
+    tiny_tokenizer, make_tiny_model, stage, normalization, packed
+):
+    block_size = 4 if stage == "mars" else 1
+    collate_fn = collate_packed if packed else collate
+    batch = collate_fn(_examples(tiny_tokenizer), pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
+    extra = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+
+    def loss_and_grads(target_logits):
+        model = make_tiny_model(seed=4).train()
+        if stage == "mars":
+            terms = mars_loss(
+                model,
+                batch["input_ids"],
+                batch["labels"],
+                block_size=4,
+                mask_token_id=MASK_ID,
+                ar_weight=0.7,
+                normalization=normalization,
+                target_logits=target_logits,
+                **extra,
+            )
+        else:
+            terms = ar_loss(
+                model,
+                batch["input_ids"],
+                batch["labels"],
+                normalization=normalization,
+                target_logits=target_logits,
+                **extra,
+            )
+        terms["loss"].backward()
+        return terms, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    fused_terms, fused_grads = loss_and_grads(True)
+    full_terms, full_grads = loss_and_grads(False)
+    for key in full_terms:
+        torch.testing.assert_close(fused_terms[key], full_terms[key], rtol=1e-5, atol=1e-6)
+    assert fused_grads.keys() == full_grads.keys()
+    for name in full_grads:
+        torch.testing.assert_close(fused_grads[name], full_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_target_only_logits_under_cpu_bf16_autocast(tiny_tokenizer, make_tiny_model):
+    batch = collate(_examples(tiny_tokenizer, 4), pad_id=PAD_ID, block_size=4, eos_id=EOS_ID)
+    model = make_tiny_model(seed=2).train()
+    losses = []
+    for target_logits in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            terms = mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID, target_logits=target_logits)
+        terms["loss"].backward()
+        losses.append(terms["loss"].detach())
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        model.zero_grad()
+    torch.testing.assert_close(losses[0], losses[1], rtol=2e-2, atol=2e-2)
+
+
+def test_the_output_projection_is_restored_after_the_loss(tiny_tokenizer, make_tiny_model):
+    model = make_tiny_model()
+    batch = collate(_examples(tiny_tokenizer, 2), pad_id=PAD_ID, block_size=4, eos_id=EOS_ID)
+    mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID)
+    assert "forward" not in model.get_output_embeddings().__dict__
+    assert model(input_ids=batch["input_ids"]).logits.shape[-1] == model.config.vocab_size
