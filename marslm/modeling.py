@@ -175,6 +175,20 @@ def freeze_for_training(model, train_layers: int | None = None, freeze_embedding
     return _parameter_split(model)
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them.
+
+    Non-reentrant checkpointing needs no gradient on a layer's input. transformers still hooks the
+    input embeddings so that their output requires grad (what reentrant checkpointing and adapters
+    need), and that alone would run the backward through every frozen layer below
+    ``--train-layers``: the hook is removed again. A layer that does not require grad is then not
+    recomputed either, since nothing flows back through it.
+    """
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.disable_input_require_grads()
+    model.config.use_cache = False
+
+
 def _parameter_split(model) -> dict:
     seen, split = set(), {"trainable": 0, "frozen": 0}
     for p in model.parameters():

@@ -79,3 +79,41 @@ def test_a_grown_mask_row_is_the_mean_embedding_and_never_the_greedy_choice(make
     # tied: the row is also the output row, whose logit is the mean logit, below the top one
     logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits[0]
     assert (logits[:, mask_id] < logits.max(dim=-1).values).all()
+
+
+@pytest.mark.parametrize("train_layers", [None, 1])
+def test_activation_checkpointing_keeps_gradients_and_the_frozen_layers_out_of_the_backward(
+    make_tiny_model, tiny_tokenizer, train_layers
+):
+    """Same loss and gradients with checkpointing; a trained layer runs its forward twice (the
+    recompute), a frozen one once, and nothing below the trained layers gets a gradient."""
+    from marslm.modeling import enable_activation_checkpointing
+
+    def run(checkpointing):
+        model = make_tiny_model(seed=5).train()
+        mask_id = ensure_mask_token(model, tiny_tokenizer)
+        freeze_for_training(model, train_layers=train_layers)
+        if checkpointing:
+            enable_activation_checkpointing(model)
+        layers = model.get_decoder().layers
+        calls = [0] * len(layers)
+        for i, layer in enumerate(layers):  # the recompute replays the layer's forward, not its hooks
+            layer.mlp.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+        batch = _mars_batch(model, tiny_tokenizer)
+        loss = mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=mask_id)["loss"]
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        return loss.detach(), grads, calls
+
+    loss, grads, plain_calls = run(False)
+    ck_loss, ck_grads, ck_calls = run(True)
+    torch.testing.assert_close(ck_loss, loss)
+    for name, grad in grads.items():
+        if grad is None:
+            assert ck_grads[name] is None, name  # frozen stays frozen
+        else:
+            torch.testing.assert_close(ck_grads[name], grad, rtol=1e-5, atol=1e-7)
+    assert plain_calls == [1] * len(plain_calls)
+    n = len(ck_calls)
+    trained = n if train_layers is None else train_layers
+    assert ck_calls == [1] * (n - trained) + [2] * trained
