@@ -37,6 +37,16 @@ def two_stream_mask(seq_len: int, block_size: int, device: torch.device | str | 
     return packed_two_stream_mask(positions, torch.zeros_like(positions), noisy, block_size)[0, 0]
 
 
+def _visible(q_pos, k_pos, q_noisy, k_noisy, q_seg, k_seg, block_size: int):
+    """The rule above, elementwise over broadcastable query (q_*) and key (k_*) descriptors."""
+    causal = k_pos <= q_pos
+    q_blk, k_blk = q_pos // block_size, k_pos // block_size
+    clean_to_clean = ~q_noisy & ~k_noisy & causal
+    noisy_to_noisy = q_noisy & k_noisy & (k_blk == q_blk) & causal
+    noisy_to_clean = q_noisy & ~k_noisy & (k_blk < q_blk)
+    return (clean_to_clean | noisy_to_noisy | noisy_to_clean) & (q_seg == k_seg)
+
+
 def packed_two_stream_mask(
     position_ids: torch.Tensor, segment_ids: torch.Tensor, is_noisy: torch.Tensor, block_size: int
 ) -> torch.Tensor:
@@ -49,26 +59,54 @@ def packed_two_stream_mask(
     (objective.pad_to_block). Nothing here needs a stream to be complete or in order: the training
     batch leaves out the noisy copies no loss depends on (objective.two_stream_batch).
     """
+    _check_block_size(block_size)
+    q, k = (slice(None), slice(None), None), (slice(None), None, slice(None))
+    return _visible(
+        position_ids[q], position_ids[k], is_noisy[q], is_noisy[k], segment_ids[q], segment_ids[k], block_size
+    )[:, None]
+
+
+def two_stream_block_mask(
+    position_ids: torch.Tensor, segment_ids: torch.Tensor, is_noisy: torch.Tensor, block_size: int
+):
+    """The same mask as :func:`packed_two_stream_mask`, as a FlexAttention ``BlockMask``.
+
+    FlexAttention evaluates the rule per tile and skips the tiles where it is false everywhere (a
+    clean query never sees the noisy stream; a noisy one sees only its own block of it), and no
+    ``[W, W]`` tensor is ever built.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _check_block_size(block_size)
+
+    def mask_mod(b, h, q, k):
+        return _visible(
+            position_ids[b, q],
+            position_ids[b, k],
+            is_noisy[b, q],
+            is_noisy[b, k],
+            segment_ids[b, q],
+            segment_ids[b, k],
+            block_size,
+        )
+
+    rows, width = position_ids.shape
+    return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=width, KV_LEN=width, device=position_ids.device)
+
+
+def training_mask(
+    position_ids: torch.Tensor, segment_ids: torch.Tensor, is_noisy: torch.Tensor, block_size: int, model
+):
+    """The training mask in the form the model's attention back-end takes: a ``BlockMask`` for
+    FlexAttention, else the dense mask through :func:`for_attention`."""
+    if attention_implementation(model) == "flex_attention":
+        return two_stream_block_mask(position_ids, segment_ids, is_noisy, block_size)
+    return for_attention(packed_two_stream_mask(position_ids, segment_ids, is_noisy, block_size), model)
+
+
+def _check_block_size(block_size: int) -> None:
     if block_size < 1:
         raise UserError(f"block size must be >= 1, got {block_size}")
-    blk = position_ids // block_size
-    q_pos, k_pos = position_ids[:, :, None], position_ids[:, None, :]
-    q_blk, k_blk = blk[:, :, None], blk[:, None, :]
-    q_noisy, k_noisy = is_noisy[:, :, None], is_noisy[:, None, :]
-
-    causal = k_pos <= q_pos
-    clean_to_clean = ~q_noisy & ~k_noisy & causal
-    noisy_to_noisy = q_noisy & k_noisy & (k_blk == q_blk) & causal
-    noisy_to_clean = q_noisy & ~k_noisy & (k_blk < q_blk)
-    same_sequence = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return ((clean_to_clean | noisy_to_noisy | noisy_to_clean) & same_sequence)[:, None]
-
-
-def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """``[rows, 1, T, T]``: plain causal attention inside each packed sequence (AR training)."""
-    width = segment_ids.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
-    return (causal & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
 
 
 def decode_step_mask(

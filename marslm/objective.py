@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .chat import IGNORE
 from .head_loss import target_loss
-from .masks import for_attention, packed_causal_mask, packed_two_stream_mask
+from .masks import packed_two_stream_mask, training_mask
 
 
 def pad_to_block(input_ids: list[int], labels: list[int], block_size: int, eos_id: int):
@@ -115,10 +115,21 @@ def collate_packed(
 class TwoStreamBatch:
     input_ids: torch.Tensor  # [rows, T + N]: each row's clean tokens, then its noisy copies
     position_ids: torch.Tensor  # [rows, T + N]
-    attention_mask: torch.Tensor  # [rows, 1, T + N, T + N] bool
+    segment_ids: torch.Tensor  # [rows, T + N] the sequence of the row each column belongs to; -1 padding
+    is_noisy: torch.Tensor  # [rows, T + N] bool
+    block_size: int
     labels: torch.Tensor  # [rows, T] clean-stream targets, IGNORE where no loss
     noisy_labels: torch.Tensor  # [rows, N] noisy-stream targets (the same targets, in the noisy columns)
     noisy_columns: torch.Tensor  # [rows, N] the clean column each noisy column copies; -1 for padding
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """``[rows, 1, T + N, T + N]`` bool, True where a query may attend."""
+        return packed_two_stream_mask(self.position_ids, self.segment_ids, self.is_noisy, self.block_size)
+
+    def mask_for(self, model):
+        """The mask as the model's attention back-end takes it (masks.training_mask)."""
+        return training_mask(self.position_ids, self.segment_ids, self.is_noisy, self.block_size, model)
 
 
 def needed_noisy_columns(
@@ -181,11 +192,12 @@ def two_stream_batch(
     z_positions = torch.cat([position_ids, noisy_positions], dim=1)
     z_segments = torch.cat([segment_ids, noisy_segments], dim=1)
     is_noisy = (torch.arange(z_positions.shape[1], device=input_ids.device) >= width)[None].expand(rows, -1)
-    mask = packed_two_stream_mask(z_positions, z_segments, is_noisy, block_size)
     return TwoStreamBatch(
         torch.cat([input_ids, noisy_ids], dim=1),
         z_positions,
-        mask,
+        z_segments,
+        is_noisy,
+        block_size,
         labels,
         noisy_labels,
         torch.where(real, columns, -1),
@@ -272,7 +284,11 @@ def ar_loss(
     """
     inputs = {"input_ids": input_ids}
     if segment_ids is not None:
-        inputs.update(position_ids=position_ids, attention_mask=for_attention(packed_causal_mask(segment_ids), model))
+        # the two-stream rule without a noisy stream is causal attention inside each sequence
+        clean = torch.zeros_like(segment_ids, dtype=torch.bool)
+        inputs.update(
+            position_ids=position_ids, attention_mask=training_mask(position_ids, segment_ids, clean, 1, model)
+        )
     weights = target_weights(labels, segment_ids, normalization)
     if denominator is None:
         denominator = max(1.0, float(weights.sum()))
@@ -308,7 +324,7 @@ def mars_loss(
     inputs = {
         "input_ids": batch.input_ids,
         "position_ids": batch.position_ids,
-        "attention_mask": for_attention(batch.attention_mask, model),
+        "attention_mask": batch.mask_for(model),
     }
     seq_len = input_ids.shape[1]
 

@@ -11,7 +11,7 @@ import torch
 
 from marslm.chat import IGNORE
 from marslm.errors import UserError
-from marslm.masks import decode_step_mask, for_attention, packed_causal_mask, packed_two_stream_mask, two_stream_mask
+from marslm.masks import decode_step_mask, for_attention, packed_two_stream_mask, two_stream_mask
 from marslm.objective import two_stream_batch
 
 MASK_ID = 3
@@ -80,14 +80,29 @@ def test_packed_two_stream_mask_is_each_sequence_s_own_mask(B):
     assert mask[0, 0].any(dim=-1).all()  # no query row is left with nothing to attend
 
 
-def test_packed_causal_mask_keeps_sequences_apart():
+def test_the_rule_without_a_noisy_stream_is_causal_inside_each_packed_sequence():
+    """AR packing uses the two-stream rule with every column clean (objective.ar_loss)."""
     segment_ids = torch.tensor([[0, 0, 1, 1, 1, -1]])
-    mask = packed_causal_mask(segment_ids)[0, 0]
     clean_only = torch.zeros_like(segment_ids, dtype=torch.bool)
-    assert torch.equal(
-        mask, packed_two_stream_mask(torch.tensor([[0, 1, 0, 1, 2, 0]]), segment_ids, clean_only, 1)[0, 0]
-    )
+    mask = packed_two_stream_mask(torch.tensor([[0, 1, 0, 1, 2, 0]]), segment_ids, clean_only, 1)[0, 0]
+    literal = torch.ones(6, 6, dtype=torch.bool).tril() & (segment_ids[0, :, None] == segment_ids[0, None, :])
+    assert torch.equal(mask, literal)
     assert mask.tolist()[3] == [False, False, True, True, False, False]
+
+
+@pytest.mark.parametrize("B", [1, 3, 4])
+def test_the_flex_block_mask_is_the_dense_mask(B):
+    from torch.nn.attention.flex_attention import create_mask
+
+    from marslm.masks import two_stream_block_mask
+
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2], list(range(16))])
+    segment_ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1], [0] * 8 + [0] * 6 + [-1] * 2])
+    is_noisy = (torch.arange(16) >= 8)[None].expand(2, -1)
+    position_ids[1] = torch.cat([torch.arange(8), torch.arange(6), torch.zeros(2, dtype=torch.long)])
+    dense = packed_two_stream_mask(position_ids, segment_ids, is_noisy, B)
+    block = two_stream_block_mask(position_ids, segment_ids, is_noisy, B)
+    assert torch.equal(create_mask(block.mask_mod, 2, 1, 16, 16, device="cpu"), dense)
 
 
 def test_two_stream_mask_rejects_bad_block():

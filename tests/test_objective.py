@@ -500,3 +500,54 @@ def test_mars_loss_backprops(tiny_tokenizer, make_tiny_model, arch, attn):
     embed = model.get_input_embeddings().weight.grad
     assert embed[MASK_ID].abs().sum() > 0  # the mask token's embedding is trained
     assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("stage", ["ar", "mars"])
+def test_flex_attention_gives_the_sdpa_and_eager_loss(tiny_tokenizer, make_tiny_model, stage, packed, monkeypatch):
+    """FlexAttention's block mask (masks.two_stream_block_mask) against the dense mask under sdpa and
+    eager. torch has no FlexAttention backward on a CPU: there the loss is compared, and on a GPU
+    the gradients too (scripts/gpu_probe.py measures it there as well)."""
+    from marslm.data import toy
+
+    if not torch.cuda.is_available():
+        # transformers compiles flex_attention; inductor's CPU template fails to build a mask_mod
+        # that reads tensors, so the CPU check runs torch's uncompiled FlexAttention
+        from torch.nn.attention.flex_attention import flex_attention
+        from transformers.integrations import flex_attention as hf_flex
+
+        monkeypatch.setattr(
+            hf_flex,
+            "compile_friendly_flex_attention",
+            lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw),
+        )
+
+    examples = []
+    for example in toy.make_split("train", 6):
+        enc = encode_conversation(tiny_tokenizer, toy.to_chat_record(example)["messages"])
+        examples.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    block_size = 4 if stage == "mars" else 1
+    batch = (collate_packed if packed else collate)(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
+    extra = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = {k: v.to(device) for k, v in batch.items()}
+    extra = {k: v.to(device) for k, v in extra.items()}
+
+    def loss_and_grads(attn):
+        model = make_tiny_model("llama", attn, seed=3).to(device).train()
+        with torch.set_grad_enabled(device == "cuda"):
+            if stage == "mars":
+                loss = mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID, **extra)["loss"]
+            else:
+                loss = ar_loss(model, batch["input_ids"], batch["labels"], **extra)["loss"]
+        if device == "cpu":
+            return loss, {}
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    flex, flex_grads = loss_and_grads("flex_attention")
+    for attn in ("sdpa", "eager"):
+        loss, grads = loss_and_grads(attn)
+        torch.testing.assert_close(flex, loss, rtol=1e-5, atol=1e-5)
+        for name in grads:
+            torch.testing.assert_close(flex_grads[name], grads[name], rtol=1e-4, atol=1e-5)
