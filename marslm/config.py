@@ -22,6 +22,9 @@ LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")
 # Loss normalisations and masked-stream weightings (objective.py); here for the same reason.
 NORMALIZATIONS = ("sequence", "token")
 MASKED_WEIGHTINGS = ("uniform", "inverse-t")
+# Training precision (auto: bf16 on CUDA, float32 elsewhere) and attention back-ends (auto: flex on CUDA).
+PRECISIONS = ("auto", "bf16", "fp32")
+ATTENTIONS = ("auto", "sdpa", "eager", "flex")
 
 
 @dataclass

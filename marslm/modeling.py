@@ -124,24 +124,26 @@ def resolve_device(device: str | None) -> str | None:
     return device
 
 
-def ensure_mask_token(model, tokenizer, mask_token: str = MASK_TOKEN) -> int:
+def ensure_mask_token(model, tokenizer, mask_token: str = MASK_TOKEN, vocab_multiple: int = 1) -> int:
     """Id of the mask token, adding it if needed without growing the model when possible.
 
     Hub models often have spare embedding rows past the tokenizer's vocabulary (Qwen2.5: 151,936
     rows for 151,665 tokens); a new token takes the next id, which then lands on a spare row and
-    the parameter count stays the same. Only when no row is spare does the embedding grow by one.
+    the parameter count stays the same. Only when no row is spare does the embedding grow, to the
+    next multiple of ``vocab_multiple`` rows: an odd vocabulary misaligns the output projection's
+    matrix multiplies and does not divide across tensor-parallel ranks.
 
-    A grown row starts as the mean of the existing rows (input and output embedding alike). As an
-    input it is a neutral token; as an output row (tied embeddings make it one) its logit is the
-    mean of the others, so it can never be the greedy choice and one-token decoding is unchanged.
-    It also stays sensible when training freezes the embeddings (``freeze_for_training``).
+    Grown rows start as the mean of the existing rows (input and output embedding alike). As an
+    input the mask is a neutral token; as an output row (tied embeddings make it one) its logit is
+    the mean of the others, so it can never be the greedy choice and one-token decoding is
+    unchanged. It also stays sensible when training freezes the embeddings (``freeze_for_training``).
     """
     if mask_token not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"extra_special_tokens": [mask_token]}, replace_extra_special_tokens=False)
     mask_id = tokenizer.convert_tokens_to_ids(mask_token)
     rows = model.get_input_embeddings().weight.shape[0]
     if mask_id >= rows:
-        model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
+        model.resize_token_embeddings(mask_id + 1, pad_to_multiple_of=vocab_multiple, mean_resizing=False)
         with torch.no_grad():
             for embedding in {
                 id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
@@ -187,6 +189,51 @@ def enable_activation_checkpointing(model) -> None:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.disable_input_require_grads()
     model.config.use_cache = False
+
+
+def train_embedding_rows(model, rows: list[int]) -> torch.nn.Parameter:
+    """Make only ``rows`` of the input embedding trainable (the mask token's, say); returns the matrix.
+
+    The whole matrix requires grad, and a hook zeroes the gradient of every other row before any
+    optimizer sees it: with no weight decay on it (train.py gives it a group of its own), Adam
+    then leaves those rows exactly as they were. The backward has to reach the input, so it runs
+    through every layer, frozen ones included (their weights get no gradient).
+    """
+    weight = model.get_input_embeddings().weight
+    keep = torch.zeros(weight.shape[0], 1, dtype=weight.dtype, device=weight.device)
+    keep[list(rows)] = 1
+    weight.requires_grad_(True)
+    weight.register_hook(lambda grad: grad * keep.to(grad.dtype))
+    return weight
+
+
+def apply_lora(model, rank: int, alpha: float | None, train_layers: int | None):
+    """LoRA adapters (peft) on every linear layer of the top ``train_layers`` decoder layers (all by
+    default); every other weight is frozen. :func:`merge_lora` folds them back in before saving."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UserError("--lora-rank needs peft: pip install 'marslm[lora]'") from None
+    decoder_layers = model.get_decoder().layers
+    n_layers = len(decoder_layers)
+    layers = list(range(n_layers - train_layers, n_layers)) if train_layers else None
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in decoder_layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    )
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        target_modules=linear,
+        layers_to_transform=layers,
+        lora_dropout=0.0,
+        bias="none",
+    )
+    return get_peft_model(model, config)
+
+
+def merge_lora(model):
+    """The plain model with any LoRA adapters folded into its weights (the model itself if none)."""
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
 
 
 def _parameter_split(model) -> dict:

@@ -25,16 +25,29 @@ from pathlib import Path
 import torch
 
 from .chat import encode_conversation, end_of_turn_id, stop_token_ids
-from .config import LR_SCHEDULES, MASK_TOKEN, MASKED_WEIGHTINGS, NORMALIZATIONS, STAGES, MarsConfig
+from .config import (
+    ATTENTIONS,
+    LR_SCHEDULES,
+    MASK_TOKEN,
+    MASKED_WEIGHTINGS,
+    NORMALIZATIONS,
+    PRECISIONS,
+    STAGES,
+    MarsConfig,
+)
 from .data import check_mix, load_conversations
 from .errors import UserError
 from .modeling import (
+    apply_lora,
     check_model_source,
     check_tokenizer,
     count_parameters,
+    enable_activation_checkpointing,
     ensure_mask_token,
     freeze_for_training,
     loading_errors,
+    merge_lora,
+    train_embedding_rows,
 )
 from .objective import ar_loss, collate, collate_packed, mars_loss, normalizer
 from .settings import flag_of, setting
@@ -75,8 +88,22 @@ class TrainConfig:
     grad_accum: int = setting(1, "gradient accumulation steps")
     max_length: int = setting(1024, "truncate longer sequences (with a warning)")
     seed: int = setting(0, "training seed")
-    bf16: bool = setting(
-        False, "bf16 mixed precision (GPU; on a CPU, autocast: fast where the CPU has AMX or AVX-512 BF16)"
+    precision: str = setting(
+        "auto",
+        "bf16: mixed precision with float32 master weights (on a CPU, autocast: fast where the CPU "
+        "has AMX or AVX-512 BF16); fp32; auto: bf16 with TF32 matmuls on CUDA, fp32 elsewhere",
+        choices=PRECISIONS,
+    )
+    attention: str = setting(
+        "auto",
+        "attention back-end for the structured mask: flex (FlexAttention block masks: computes only "
+        "the tiles the mask keeps, needs CUDA), sdpa, eager; auto: flex on CUDA, sdpa elsewhere",
+        choices=ATTENTIONS,
+    )
+    gradient_checkpointing: bool = setting(
+        False,
+        "recompute each trained layer's activations in the backward instead of keeping them: "
+        "far less memory for about a third more compute; frozen layers (--train-layers) are not recomputed",
     )
     overwrite: bool = setting(False, "replace an output directory that holds something")
     resume: bool = setting(True, "ignore checkpoints left by an interrupted run (default: resume from them)")
@@ -121,6 +148,30 @@ class TrainConfig:
     freeze_embeddings: bool = setting(
         False, "keep the embedding matrix fixed (with tied embeddings, the output projection too)"
     )
+    mask_only: bool = setting(
+        False,
+        "train nothing but the mask token's embedding row: the clean (AR) path stays the original "
+        "model exactly, so tau 1 and lossless decoding give its output by construction",
+    )
+    mask_lr: float | None = setting(
+        None,
+        "train the mask token's embedding row with this learning rate while the embeddings are "
+        "frozen (--train-layers, --freeze-embeddings, --mask-only; the default there: frozen, "
+        "except under --mask-only, where it is --lr)",
+        metavar="LR",
+    )
+    lora_rank: int | None = setting(
+        None,
+        "train LoRA adapters of this rank (peft) on the linear layers of the trained layers instead "
+        "of their weights; merged into the weights at save, so the checkpoint stays a plain HF model",
+        metavar="R",
+    )
+    lora_alpha: float | None = setting(None, "LoRA scaling alpha (default: 2x the rank)")
+    vocab_multiple: int = setting(
+        64,
+        "when the mask token needs a new embedding row, grow the vocabulary to a multiple of this "
+        "(aligned GEMMs, divisible for tensor parallelism); 1 grows by one row",
+    )
     progress: bool = setting(True, "no progress bar", negative="--quiet")
     extra: dict = setting({}, cli=False)
 
@@ -138,7 +189,38 @@ class TrainConfig:
         _check_range(flag("weight_decay"), self.weight_decay, low=0)
         _check_range(flag("epochs"), self.epochs)
         _check_range(flag("max_grad_norm"), self.max_grad_norm, low=0)
-        for name in ("block_size", "batch_size", "grad_accum", "save_steps", "logging_steps", "data_n", "train_layers"):
+        if self.mask_lr is not None:
+            _check_range(flag("mask_lr"), self.mask_lr, low=0, low_open=True)
+            if not (self.mask_only or self.train_layers or self.freeze_embeddings):
+                raise UserError(
+                    f"{flag('mask_lr')} needs frozen embeddings ({flag('train_layers')}, "
+                    f"{flag('freeze_embeddings')} or {flag('mask_only')}): otherwise the mask row trains "
+                    f"with the embeddings at {flag('learning_rate')}"
+                )
+        if self.mask_only and (self.train_layers or self.lora_rank or self.freeze_embeddings):
+            raise UserError(
+                f"{flag('mask_only')} trains only the mask row: it takes no {flag('train_layers')}, "
+                f"{flag('lora_rank')} or {flag('freeze_embeddings')}"
+            )
+        if self.mask_only and self.stage != "mars":
+            raise UserError(f"{flag('mask_only')} is for stage mars (stage ar reads no mask token)")
+        if self.lora_alpha is not None:
+            _check_range(flag("lora_alpha"), self.lora_alpha, low=0, low_open=True)
+        if self.attention == "flex" and not torch.cuda.is_available():
+            raise UserError(
+                f"{flag('attention')} flex trains only on CUDA (torch has no FlexAttention backward on a CPU); use sdpa"
+            )
+        for name in (
+            "block_size",
+            "batch_size",
+            "grad_accum",
+            "save_steps",
+            "logging_steps",
+            "data_n",
+            "train_layers",
+            "lora_rank",
+            "vocab_multiple",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{flag(name)} must be >= 1, got {value}")
@@ -146,6 +228,8 @@ class TrainConfig:
             ("loss_normalization", NORMALIZATIONS),
             ("masked_weighting", MASKED_WEIGHTINGS),
             ("lr_schedule", LR_SCHEDULES),
+            ("precision", PRECISIONS),
+            ("attention", ATTENTIONS),
         ):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -174,6 +258,59 @@ def _check_range(
         raise UserError(f"{flag} must be {'>' if low_open else '>='} {low:g}, got {value:g}")
     if high is not None and (value > high or (high_open and value == high)):
         raise UserError(f"{flag} must be {'<' if high_open else '<='} {high:g}, got {value:g}")
+
+
+def _use_bf16(precision: str) -> bool:
+    """Whether to train in bf16 mixed precision; on CUDA, float32 matmuls may use TF32 either way."""
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return precision == "bf16" or (precision == "auto" and on_cuda)
+
+
+def _attn_implementation(attention: str) -> str:
+    """transformers' name of the attention back-end (``auto``: FlexAttention on CUDA, else sdpa)."""
+    if attention == "auto":
+        attention = "flex" if torch.cuda.is_available() else "sdpa"
+    return "flex_attention" if attention == "flex" else attention
+
+
+def _refuse_data_parallel() -> None:
+    """Trainer turns one process on several GPUs into ``DataParallel``: a single process driving
+    every GPU, slower than one GPU for a model this size and not what anyone launching it meant."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        raise UserError(
+            f"{gpus} GPUs are visible to one process: run `accelerate launch --num_processes {gpus} -m marslm.cli "
+            "train ...` (one process per GPU), or pick one GPU with CUDA_VISIBLE_DEVICES=0"
+        )
+
+
+def _trainable_part(model, cfg: TrainConfig, mask_id: int | None):
+    """Freeze what the config keeps fixed and wrap LoRA adapters; returns ``(model, mask row matrix)``,
+    the second the embedding matrix when only the mask token's row of it trains (else None)."""
+    mask_row = None
+    if cfg.mask_only:
+        model.requires_grad_(False)
+        mask_row = train_embedding_rows(model, [mask_id])
+        what = "the mask token's embedding row"
+    else:
+        freeze_for_training(model, cfg.train_layers, cfg.freeze_embeddings)
+        what = f"top {cfg.train_layers} layers" if cfg.train_layers else "all layers"
+        if cfg.freeze_embeddings and not cfg.train_layers:
+            what += ", embeddings frozen"
+        if cfg.lora_rank:
+            model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.train_layers)
+            what = f"LoRA rank {cfg.lora_rank} on the {what}"
+        if cfg.mask_lr is not None and mask_id is not None:
+            mask_row = train_embedding_rows(model, [mask_id])
+            what += f", and the mask token's embedding row at lr {cfg.mask_lr:g}"
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and p is not mask_row)
+    trainable += 0 if mask_row is None else mask_row.shape[1]
+    if what != "all layers":
+        log.warning("training %s of %s parameters (%s)", f"{trainable:,}", f"{count_parameters(model):,}", what)
+    return model, mask_row
 
 
 @dataclass
@@ -277,7 +414,9 @@ class MarsTrainer:
     """Builds a ``transformers.Trainer`` whose loss is the stage's objective (AR or MARS)."""
 
     @staticmethod
-    def build(model, tokenizer, dataset, args, loss_fn, collator, normalization: str, callbacks=()):
+    def build(model, tokenizer, dataset, args, loss_fn, collator, normalization: str, callbacks=(), own_lr=None):
+        """``own_lr``: ``{parameter: learning rate}`` for parameters that get an optimizer group of
+        their own, without weight decay (the mask token's row: train.train_embedding_rows)."""
         from transformers import Trainer
 
         class _Trainer(CrashSafeCheckpoints, Trainer):
@@ -297,6 +436,14 @@ class MarsTrainer:
                 super().__init__(*args, **kwargs)
                 self._sums: dict[str, float] = {}
                 self._window_start = 0  # the global step the per-term sums started at
+
+            def create_optimizer(self, model=None):
+                optimizer = super().create_optimizer(model)
+                for param, lr in (own_lr or {}).items():
+                    for group in optimizer.param_groups:
+                        group["params"] = [p for p in group["params"] if p is not param]
+                    optimizer.add_param_group({"params": [param], "lr": lr, "weight_decay": 0.0})
+                return optimizer
 
             def get_batch_samples(self, epoch_iterator, num_batches, device):
                 batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -365,6 +512,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     """Run one training stage end to end; returns a summary. ``model``/``tokenizer`` skip loading."""
     started = time.time()
     cfg.validate()
+    _refuse_data_parallel()
     if model is None:
         check_model_source(cfg.model)
     conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed, mix=cfg.data_mix)
@@ -372,11 +520,14 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
 
     set_seed(cfg.seed)
+    bf16 = _use_bf16(cfg.precision)
 
     if model is None:
         with loading_errors(cfg.model):
             tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model, dtype=torch.float32, attn_implementation=_attn_implementation(cfg.attention)
+            )
         check_tokenizer(tokenizer, cfg.model)
     parameters_before = count_parameters(model)
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
@@ -394,7 +545,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
 
     collate_fn = collate_packed if cfg.packing else collate
     if cfg.stage == "mars":
-        mask_id = ensure_mask_token(model, tokenizer)
+        mask_id = ensure_mask_token(model, tokenizer, vocab_multiple=cfg.vocab_multiple)
         loss_fn = partial(
             mars_loss,
             block_size=cfg.block_size,
@@ -410,14 +561,9 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         loss_fn = partial(ar_loss, normalization=cfg.loss_normalization)
         collator = partial(collate_fn, pad_id=pad_id)
         block_size = 1
-    split = freeze_for_training(model, cfg.train_layers, cfg.freeze_embeddings)
-    if split["frozen"]:
-        log.warning(
-            "training %s of %s parameters (%s)",
-            f"{split['trainable']:,}",
-            f"{count_parameters(model):,}",
-            f"top {cfg.train_layers} layers" if cfg.train_layers else "embeddings frozen",
-        )
+    model, mask_row = _trainable_part(model, cfg, mask_id)
+    if cfg.gradient_checkpointing:
+        enable_activation_checkpointing(model.get_base_model() if cfg.lora_rank else model)
 
     partial_dir = Path(str(Path(cfg.output)) + ".partial")
     args = TrainingArguments(
@@ -433,9 +579,9 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         gradient_accumulation_steps=cfg.grad_accum,
         seed=cfg.seed,
         data_seed=cfg.seed,
-        bf16=cfg.bf16,
+        bf16=bf16,
         # bf16 without a GPU is CPU autocast, which Trainer only allows when told the CPU is meant
-        use_cpu=cfg.bf16 and not torch.cuda.is_available(),
+        use_cpu=bf16 and not torch.cuda.is_available(),
         save_strategy="steps",
         save_steps=cfg.save_steps,
         save_total_limit=2,
@@ -446,7 +592,17 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
-    trainer = MarsTrainer.build(model, tokenizer, examples, args, loss_fn, collator, cfg.loss_normalization, callbacks)
+    trainer = MarsTrainer.build(
+        model,
+        tokenizer,
+        examples,
+        args,
+        loss_fn,
+        collator,
+        cfg.loss_normalization,
+        callbacks,
+        own_lr={mask_row: cfg.mask_lr or cfg.learning_rate} if mask_row is not None else None,
+    )
     resume_from = resume_point(partial_dir, cfg.resume) if trainer.is_world_process_zero() else None
     trainer.accelerator.wait_for_everyone()  # rank 0 has cleaned up before any rank looks
     if not trainer.is_world_process_zero():
@@ -512,10 +668,15 @@ def _save_atomically(trainer, mars_config: MarsConfig, output: Path, partial_dir
     """Write the final model next to ``output`` and rename it into place (process 0 only)."""
     staging = partial_dir / "final"
     require_finite_parameters(trainer.model, trainer.state.global_step)
-    trainer.save_model(str(staging))  # gathers sharded (FSDP/DeepSpeed) weights
+    model = merge_lora(trainer.model)
+    if model is trainer.model:
+        trainer.save_model(str(staging))  # gathers sharded (FSDP/DeepSpeed) weights
+    elif trainer.is_world_process_zero():  # LoRA: the merged weights, as a plain checkpoint
+        model.save_pretrained(str(staging))
+        trainer.processing_class.save_pretrained(str(staging))
     if not trainer.is_world_process_zero():
         return
-    trainer.model.generation_config.save_pretrained(str(staging))
+    model.generation_config.save_pretrained(str(staging))
     mars_config.save(staging)
     (staging / "training_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     if output.exists():

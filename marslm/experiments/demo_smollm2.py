@@ -45,7 +45,7 @@ class RealModelPreset:
     max_length: int
     block_size: int = 4
     ar_weight: float = 1.0
-    bf16: bool = True  # CPU autocast to bfloat16 (fast on CPUs with AMX / AVX-512 BF16)
+    precision: str = "bf16"  # on a CPU, autocast to bfloat16 (fast on CPUs with AMX / AVX-512 BF16)
     save_steps: int = 25
     taus: tuple = (1.0, 0.95, 0.9, 0.8)
     curve_points: int = 6
@@ -320,7 +320,7 @@ def train_stage(
             grad_accum=preset.grad_accum,
             max_length=preset.max_length,
             seed=preset.seed,
-            bf16=preset.bf16,
+            precision=preset.precision,
             save_steps=preset.save_steps,
             logging_steps=max(1, min(10, preset.steps // 10)),
             train_layers=preset.train_layers,

@@ -1,0 +1,133 @@
+"""The training options that decide what trains and how: mask-only, the mask row's own learning
+rate, LoRA merged at save, activation checkpointing, precision, attention and the vocabulary size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from marslm.errors import UserError
+from marslm.modeling import count_parameters
+from marslm.train import TrainConfig, _attn_implementation, _refuse_data_parallel, _use_bf16, train
+from tests.test_train import load, run_cli, tokenizer_without_mask
+
+
+def _train(base, data, out, callbacks=(), **options):
+    cfg = TrainConfig(
+        stage="mars",
+        model=str(base),
+        data=str(data),
+        output=str(out),
+        max_steps=3,
+        batch_size=2,
+        learning_rate=options.pop("learning_rate", 1e-2),
+        progress=False,
+        save_steps=100,
+        **options,
+    )
+    train(cfg, callbacks=callbacks)
+    return load(out)[0]
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.state_dict().items()}
+
+
+@pytest.fixture
+def base(tiny_model_dir):
+    return tiny_model_dir
+
+
+def _changed(before, after) -> set[str]:
+    return {name for name in before if not torch.equal(before[name], after[name])}
+
+
+def test_mask_only_trains_nothing_but_the_mask_row(base, write_chat_jsonl, tmp_path):
+    original, tokenizer = load(base)
+    mask_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    model = _train(base, write_chat_jsonl(tmp_path / "d.jsonl", 6), tmp_path / "out", mask_only=True)
+    before, after = _weights(original), _weights(model)
+    embed = "model.embed_tokens.weight"
+    assert _changed(before, after) <= {embed, "lm_head.weight"}  # tied: one matrix
+    rows = (before[embed] != after[embed]).any(dim=1).nonzero().flatten().tolist()
+    assert rows == [mask_id]
+
+
+def test_mask_lr_trains_the_mask_row_beside_the_top_layers(base, write_chat_jsonl, tmp_path):
+    original, tokenizer = load(base)
+    mask_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    from transformers import TrainerCallback
+
+    groups = []
+
+    class SeeOptimizer(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
+            embedding = model.get_input_embeddings().weight
+            groups.extend(
+                (g.get("initial_lr", g["lr"]), any(p is embedding for p in g["params"])) for g in optimizer.param_groups
+            )
+
+    model = _train(
+        base,
+        write_chat_jsonl(tmp_path / "d.jsonl", 6),
+        tmp_path / "out",
+        callbacks=[SeeOptimizer()],
+        train_layers=1,
+        mask_lr=5e-2,
+    )
+    assert (5e-2, True) in groups and (1e-2, True) not in groups
+    before, after = _weights(original), _weights(model)
+    changed = _changed(before, after)
+    n = original.config.num_hidden_layers
+    assert any(name.startswith(f"model.layers.{n - 1}.") for name in changed)
+    assert not any(name.startswith(f"model.layers.{i}.") for i in range(n - 1) for name in changed)
+    embed = "model.embed_tokens.weight"
+    assert (before[embed] != after[embed]).any(dim=1).nonzero().flatten().tolist() == [mask_id]
+
+
+def test_lora_is_merged_into_a_plain_checkpoint(base, write_chat_jsonl, tmp_path):
+    pytest.importorskip("peft")
+    original, _ = load(base)
+    out = tmp_path / "out"
+    model = _train(base, write_chat_jsonl(tmp_path / "d.jsonl", 6), out, lora_rank=4, train_layers=1)
+    assert not (out / "adapter_config.json").exists()
+    assert count_parameters(model) == count_parameters(original)
+    before, after = _weights(original), _weights(model)
+    assert before.keys() == after.keys()  # no lora_A / lora_B left
+    changed = _changed(before, after)
+    n = original.config.num_hidden_layers
+    assert changed and all(name.startswith(f"model.layers.{n - 1}.") for name in changed)
+
+
+def test_activation_checkpointing_trains(base, write_chat_jsonl, tmp_path):
+    _train(base, write_chat_jsonl(tmp_path / "d.jsonl", 4), tmp_path / "out", gradient_checkpointing=True)
+
+
+def test_a_grown_vocabulary_is_padded_to_a_multiple(make_tiny_model, save_model, write_chat_jsonl, tmp_path):
+    tok = tokenizer_without_mask()
+    base = save_model(make_tiny_model(vocab_size=len(tok), seed=4), tok, tmp_path / "base")
+    model = _train(base, write_chat_jsonl(tmp_path / "d.jsonl", 4), tmp_path / "out", vocab_multiple=64)
+    rows = model.get_input_embeddings().weight.shape[0]
+    assert rows % 64 == 0 and rows > len(tok)
+
+
+def test_cpu_defaults_and_refusals(monkeypatch, base, tmp_path):
+    if not torch.cuda.is_available():
+        assert _use_bf16("auto") is False and _attn_implementation("auto") == "sdpa"
+        rc, _ = run_cli("train", "mars", "--model", base, "--data", "toy", "-o", tmp_path / "o", "--attention", "flex")
+        assert rc == 2
+    assert _use_bf16("bf16") is True and _use_bf16("fp32") is False
+    with pytest.raises(UserError, match="mask-lr needs frozen embeddings"):
+        TrainConfig(stage="mars", model="m", data="toy", output=str(tmp_path / "x"), mask_lr=1e-3).validate()
+    with pytest.raises(UserError, match="mask-only"):
+        TrainConfig(
+            stage="mars", model="m", data="toy", output=str(tmp_path / "x"), mask_only=True, train_layers=2
+        ).validate()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(UserError, match="accelerate launch --num_processes 4"):
+        _refuse_data_parallel()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    _refuse_data_parallel()
