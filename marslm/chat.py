@@ -130,3 +130,26 @@ def encode_conversation(
     if truncated:
         input_ids, labels = input_ids[:max_length], labels[:max_length]
     return EncodedChat(input_ids, labels, truncated)
+
+
+def encode_generated(
+    tokenizer, messages: list[dict], answer_ids: list[int], finished: bool, eos_id: int, max_length: int | None = None
+) -> EncodedChat:
+    """A generated answer as a training example: the prompt as decoding encoded it, then the
+    answer's token ids exactly as they were generated.
+
+    Decoding the ids to text and encoding the text again can give other ids where the model chose
+    a non-canonical split; training on those would teach the clean stream tokens the model did
+    not say. A finished answer ends in ``eos_id``; a cut one (it reached the token limit) ends
+    where it was cut, with no end-of-turn token, so nothing teaches the model to stop there.
+    ``messages`` is the conversation up to the answer (a final assistant turn is ignored).
+    """
+    if messages and messages[-1].get("role") == "assistant":
+        messages = messages[:-1]
+    prompt = encode_prompt(tokenizer, messages)
+    answer = [int(t) for t in answer_ids] + ([eos_id] if finished else [])
+    input_ids, labels = prompt + answer, [IGNORE] * len(prompt) + answer
+    truncated = max_length is not None and len(input_ids) > max_length
+    if truncated:
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return EncodedChat(input_ids, labels, truncated)

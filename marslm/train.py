@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .chat import encode_conversation, end_of_turn_id, stop_token_ids
+from .chat import encode_conversation, encode_generated, end_of_turn_id, stop_token_ids
 from .config import (
     ATTENTIONS,
     LR_SCHEDULES,
@@ -109,6 +109,17 @@ class TrainConfig:
     resume: bool = setting(True, "ignore checkpoints left by an interrupted run (default: resume from them)")
     save_steps: int = setting(500, "checkpoint every N steps (for resuming)")
     logging_steps: int = setting(10, "log the losses every N steps")
+    answer_ids: bool = setting(
+        True,
+        "train on the token ids a `marslm distill` file records for each answer (default), not on its "
+        "text encoded again, which can split words differently from how the model generated them",
+        negative="--retokenize",
+    )
+    cut_answers: bool = setting(
+        False,
+        "also train on the answers `marslm distill` cut at its token limit (DATA's .unfinished.jsonl "
+        "beside it), as truncated examples that end without an end-of-turn token",
+    )
     data_n: int | None = setting(None, "examples to draw from a generated source (toy)")
     data_seed: int = setting(0, "seed of a generated source's examples")
     packing: bool = setting(
@@ -493,11 +504,37 @@ class MarsTrainer:
         )
 
 
-def encode_dataset(tokenizer, conversations, max_length: int, stop_ids):
-    """Encode every conversation; return (examples, truncated count, dropped count)."""
+def generated_answers(cfg: TrainConfig) -> list[dict] | None:
+    """The distill records of DATA (and of its cut answers with ``cut_answers``) when DATA is a
+    ``marslm distill`` file and ``answer_ids`` is on; None: train on the conversations' text."""
+    from .distill import read_answers, unfinished_path
+
+    path = Path(cfg.data)
+    if not cfg.answer_ids or not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as f:
+        first = f.readline()
+    try:
+        if "answer_ids" not in json.loads(first):
+            return None
+    except (ValueError, TypeError):
+        return None  # not a distill file: the chat reader says what is wrong with it
+    records = list(read_answers(path, include_unfinished=False).values())
+    if cfg.cut_answers:
+        records += list(read_answers(unfinished_path(path), include_unfinished=False).values())
+    return records[: cfg.data_n] if cfg.data_n else records
+
+
+def encode_dataset(tokenizer, conversations, max_length: int, stop_ids, eos_id: int, generated=None):
+    """Encode every conversation (or generated answer); return (examples, truncated count, dropped count)."""
     examples, truncated, dropped = [], 0, 0
-    for messages in conversations:
-        enc = encode_conversation(tokenizer, messages, max_length=max_length, stop_ids=stop_ids)
+    for item in generated if generated is not None else conversations:
+        if generated is not None:
+            enc = encode_generated(
+                tokenizer, item["messages"], item["answer_ids"], item.get("finished", True), eos_id, max_length
+            )
+        else:
+            enc = encode_conversation(tokenizer, item, max_length=max_length, stop_ids=stop_ids)
         truncated += enc.truncated
         if all(label < 0 for label in enc.labels[1:]):
             dropped += 1  # truncation left no target to learn
@@ -534,7 +571,8 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     eos_id = end_of_turn_id(tokenizer, stop_ids)  # what block padding repeats (objective.pad_to_block)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
 
-    examples, truncated, dropped = encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids)
+    generated = generated_answers(cfg)
+    examples, truncated, dropped = encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids, eos_id, generated)
     if truncated:
         log.warning(
             "%d of %d conversations were longer than --max-length %d and were truncated",

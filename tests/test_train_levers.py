@@ -131,3 +131,46 @@ def test_cpu_defaults_and_refusals(monkeypatch, base, tmp_path):
         _refuse_data_parallel()
     monkeypatch.setenv("WORLD_SIZE", "4")
     _refuse_data_parallel()
+
+
+def _distill_file(tokenizer, path, n=4):
+    """A `marslm distill` output: answers whose ids are a split the tokenizer would not produce."""
+    import json
+
+    from marslm.distill import unfinished_path
+    from tests.helpers import chat_conversations
+
+    finished, cut = [], []
+    for i, messages in enumerate(chat_conversations(n, seed=3)):
+        answer = messages[-1]["content"]
+        ids = [t for ch in answer for t in tokenizer.encode(ch, add_special_tokens=False)]  # char by char
+        record = {"id": f"p{i}", "source": "chat", "messages": messages, "answer_ids": ids, "finished": i % 2 == 0}
+        (finished if record["finished"] else cut).append(json.dumps(record))
+    path.write_text("\n".join(finished) + "\n")
+    unfinished_path(path).write_text("\n".join(cut) + "\n")
+    return path
+
+
+def test_distilled_answer_ids_are_trained_as_generated(tiny_tokenizer, tiny_model_dir, tmp_path):
+    from marslm.chat import IGNORE, encode_prompt, end_of_turn_id, stop_token_ids
+    from marslm.train import encode_dataset, generated_answers
+
+    data = _distill_file(tiny_tokenizer, tmp_path / "d.jsonl")
+    stop = stop_token_ids(tiny_tokenizer)
+    eos = end_of_turn_id(tiny_tokenizer, stop)
+
+    def examples(**options):
+        cfg = TrainConfig(
+            stage="mars", model=str(tiny_model_dir), data=str(data), output=str(tmp_path / "o"), **options
+        )
+        return encode_dataset(tiny_tokenizer, [], 4096, stop, eos, generated_answers(cfg))[0]
+
+    records = [r for r in map(__import__("json").loads, data.read_text().splitlines())]
+    first = examples()[0]
+    prompt = encode_prompt(tiny_tokenizer, records[0]["messages"][:-1])
+    assert first["input_ids"] == prompt + records[0]["answer_ids"] + [eos]
+    assert first["labels"] == [IGNORE] * len(prompt) + records[0]["answer_ids"] + [eos]
+    assert len(examples()) == 2 and len(examples(cut_answers=True)) == 4
+    cut = examples(cut_answers=True)[-1]
+    assert cut["labels"][-1] != eos  # a cut answer does not learn to stop
+    assert generated_answers(TrainConfig(stage="mars", model="m", data=str(data), output="o", answer_ids=False)) is None
