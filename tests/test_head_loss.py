@@ -117,3 +117,51 @@ def test_the_output_projection_is_restored_after_the_loss(tiny_tokenizer, make_t
     mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID)
     assert "forward" not in model.get_output_embeddings().__dict__
     assert model(input_ids=batch["input_ids"]).logits.shape[-1] == model.config.vocab_size
+
+
+@pytest.mark.parametrize("stage", ["ar", "mars"])
+def test_no_logits_over_the_vocabulary_are_kept_for_the_backward(tiny_tokenizer, make_tiny_model, stage):
+    """What the backward keeps grows with the targets times the hidden size, never with the
+    columns times the vocabulary: no saved tensor has the vocabulary as its last dimension."""
+    batch = collate(_examples(tiny_tokenizer, 4), pad_id=PAD_ID, block_size=4, eos_id=EOS_ID)
+    model = make_tiny_model().train()
+    vocab = model.get_output_embeddings().weight.shape[0]
+
+    def saved_shapes(target_logits):
+        shapes = []
+
+        def pack(tensor):
+            shapes.append(tuple(tensor.shape))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if stage == "mars":
+                mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID, target_logits=target_logits)
+            else:
+                ar_loss(model, batch["input_ids"], batch["labels"], target_logits=target_logits)
+        return shapes
+
+    assert any(shape[-1] == vocab for shape in saved_shapes(False))  # the check can see logits
+    assert not any(shape and shape[-1] == vocab for shape in saved_shapes(True))
+
+
+def test_bench_train_step_reports_mars_against_ar(tiny_model_dir, tmp_path):
+    import json
+
+    from tests.test_train import run_cli
+
+    out = tmp_path / "r.json"
+    rc, text = run_cli(
+        "bench", "--train-step", "--model", tiny_model_dir, "--seq-lens", "16,32", "--repeats", "1",
+        "--logits", "both", "--quiet", "--json", out,
+    )  # fmt: skip
+    assert rc == 0 and "| MARS |" in text
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert {(r["seq_len"], r["logits"], r["stage"]) for r in rows} == {
+        (n, logits, stage) for n in (16, 32) for logits in ("targets", "full") for stage in ("ar", "mars")
+    }
+    assert all(r["seconds"] > 0 for r in rows)
+    assert all(r["seconds_vs_ar"] > 0 for r in rows if r["stage"] == "mars")
+    rc, _ = run_cli("bench", "--train-step", "--shape", "qwen2.5-0.5b", "--layers", "99")
+    assert rc == 2

@@ -10,6 +10,7 @@ COMMAND = "bench"
 
 def add_parser(sub) -> None:
     from ..experiments.bench import CONTENDER_GROUPS
+    from ..experiments.train_step import SHAPES
 
     bench = sub.add_parser(
         COMMAND,
@@ -19,9 +20,10 @@ def add_parser(sub) -> None:
         "repeats taken in turn; report tokens/s, tokens/forward, speed-up over AR, accuracy, "
         "peak KV. With --cost-curve: instead, the time of one cached forward of the --model "
         "against the number of tokens it feeds (w = 1 .. 2B + 2), as ratios to w = 1, which "
-        "tells whether MARS can pay on this machine.",
+        "tells whether MARS can pay on this machine. With --train-step: instead, the time and "
+        "peak memory of a MARS training step against an AR (SFT) step, per sequence length.",
     )
-    bench.add_argument("--model", required=True, help="MARS checkpoint directory")
+    bench.add_argument("--model", help="MARS checkpoint directory (with --train-step: any checkpoint, or use --shape)")
     bench.add_argument(
         "--ar-model",
         default=None,
@@ -57,6 +59,27 @@ def add_parser(sub) -> None:
         default=None,
         help="--cost-curve: B, for widths 1 .. 2B + 2 (default: the checkpoint's, else 4)",
     )
+    train_step = bench.add_argument_group("--train-step: what MARS training costs against SFT")
+    train_step.add_argument(
+        "--train-step", action="store_true", help="time a MARS training step against an AR step instead of decoding"
+    )
+    train_step.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="a named model shape with random weights instead of --model (no download)",
+    )
+    train_step.add_argument("--layers", type=int, help="--shape: keep only this many decoder layers")
+    train_step.add_argument("--seq-lens", type=ints, default=[256, 512], help="tokens per row (default 256,512)")
+    train_step.add_argument("--prompt-share", type=float, default=0.3, help="untrained share of each row (default 0.3)")
+    train_step.add_argument(
+        "--logits",
+        choices=("targets", "full", "both"),
+        default="targets",
+        help="targets: the fused target-only head training uses; full: full logits at every column; both",
+    )
+    train_step.add_argument("--attention", choices=("sdpa", "eager", "flex"), default="sdpa")
+    train_step.add_argument("--gradient-checkpointing", action="store_true")
+    train_step.add_argument("--bf16", action="store_true", help="bf16 autocast (on CUDA, as training's default)")
     add_device(bench)
     bench.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
     bench.add_argument("--quiet", action="store_true")
@@ -71,6 +94,10 @@ def run(args) -> int:
     code_execution(args)
     if args.n < 1 or args.repeats < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
         raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
+    if args.train_step:
+        return _train_step(args)
+    if args.model is None:
+        raise UserError("--model is required")
     if args.cost_curve:
         return _cost_curve(args)
     if args.ar_model is None:
@@ -115,6 +142,54 @@ def _cost_curve(args) -> int:
         progress=not args.quiet,
     )
     print(format_cost_curve(report))
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+def _train_step(args) -> int:
+    from ..experiments.train_step import build_shape, format_train_step, train_step_bench
+    from ..modeling import check_model_source, enable_activation_checkpointing, resolve_device
+
+    if (args.model is None) == (args.shape is None):
+        raise UserError("--train-step needs exactly one of --model or --shape")
+    if not args.seq_lens or min(args.seq_lens) < 2:
+        raise UserError("every --seq-lens value must be >= 2")
+    if not 0 <= args.prompt_share < 1:
+        raise UserError(f"--prompt-share must be in [0, 1), got {args.prompt_share}")
+    if args.block_size is not None and args.block_size < 1:
+        raise UserError("--block-size must be >= 1")
+    device = resolve_device(args.device) or "cpu"
+    attention = "flex_attention" if args.attention == "flex" else args.attention
+    if attention == "flex_attention" and not str(device).startswith("cuda"):
+        raise UserError("--attention flex needs CUDA (torch has no FlexAttention backward on a CPU)")
+    if args.shape:
+        model = build_shape(args.shape, args.layers, attention, device=device)
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from ..modeling import loading_errors
+
+        check_model_source(args.model)
+        with loading_errors(args.model):
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=attention)
+        model.to(device)
+    if args.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    logits = {"targets": (True,), "full": (False,), "both": (True, False)}[args.logits]
+    report = train_step_bench(
+        model,
+        seq_lens=args.seq_lens,
+        batch_size=args.batch_sizes[0],  # rows per step: the first --batch-sizes value
+        prompt_share=args.prompt_share,
+        block_size=args.block_size or 4,
+        repeats=args.repeats,
+        target_logits=logits,
+        bf16=args.bf16,
+        progress=not args.quiet,
+    )
+    print(format_train_step(report))
     if args.json:
         write_json(args.json, report)
     return 0
