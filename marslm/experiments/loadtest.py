@@ -30,20 +30,28 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from ..decode.params import check_tau
 from ..errors import UserError
 
 POLICIES = ("fixed-1.0", "fixed-0.95", "adaptive")
 
 
 def policy_settings(name: str, adaptive_tau: float = 0.95, tau_floor: float = 0.9) -> dict:
-    """The ``POST /admin/policy`` body for a policy name: ``fixed-<tau>`` or ``adaptive``."""
+    """The ``POST /admin/policy`` body for a policy name: ``fixed-<tau>`` or ``adaptive``; every tau
+    is checked as the server will, so a bad one is refused before any load is sent."""
+    for flag, tau in (("--adaptive-tau", adaptive_tau), ("--tau-floor", tau_floor)):
+        try:
+            check_tau(tau, "prob")
+        except UserError as exc:
+            raise UserError(f"{flag}: {exc}") from None
     if name == "adaptive":
         return {"policy": "adaptive", "tau": adaptive_tau, "tau_floor": min(tau_floor, adaptive_tau)}
     if name.startswith("fixed-"):
         try:
             tau = float(name[len("fixed-") :])
-        except ValueError:
-            raise UserError(f"bad policy {name!r}; use fixed-<tau> or adaptive") from None
+            check_tau(tau, "prob")
+        except (ValueError, UserError) as exc:
+            raise UserError(f"bad policy {name!r} ({exc}); use fixed-<tau> or adaptive") from None
         return {"policy": "fixed", "tau": tau, "tau_floor": min(tau_floor, tau)}
     raise UserError(f"bad policy {name!r}; use fixed-<tau> or adaptive")
 
