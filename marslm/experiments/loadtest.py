@@ -225,8 +225,11 @@ async def run_loadtest_async(
         original = await _admin(client, url + "/admin/policy", headers)
         results = []
         try:
-            # one unmeasured request: first-call costs (allocator, kernels) stay out of the numbers
-            await _one_request(client, url, headers, model, examples[0].messages, 8, timeout)
+            # one unmeasured request: first-call costs (allocator, kernels) stay out of the numbers,
+            # and a request the server refuses (an unknown --model, say) is refused before the load
+            warm = await _one_request(client, url, headers, model, examples[0].messages, 8, timeout)
+            if not warm.ok:
+                raise UserError(f"the server failed the first request, before any load was sent: {warm.error}")
             runs: dict[tuple, list] = {}  # (policy, concurrency) -> [(samples, wall)] per round
             for round_ in range(repeats):
                 for concurrency in concurrencies:
@@ -279,6 +282,9 @@ async def run_loadtest_async(
                     "slo_ms": original["slo_ms"],
                 },
             )
+    if not any(r["ok"] for r in results):  # a report of nothing but errors would read as a result
+        why = next((r["first_error"] for r in results if r["first_error"]), "no run started before --deadline")
+        raise UserError(f"no request succeeded, so no report: {why}")
     baseline = {r["concurrency"]: r for r in results if r["policy"] == "fixed-1.0"}
     for r in results:
         base = baseline.get(r["concurrency"])
