@@ -18,6 +18,10 @@ Each row keeps its own tau. Requests that name no tau follow the server's *defau
 the :class:`TauController` may move with load (adaptive policy) or an admin may set; a change
 reaches running rows through ``DecodeBatch.set_tau`` before the next step.
 
+One request's numbers never fail another's: a row that cannot join the batch, or whose sample
+cannot be drawn, fails its own request and the batch goes on. Only a step that fails as a whole
+(out of memory, say) fails every running request.
+
 Greedy decoding is the default. At ``temperature`` > 0 threshold mode samples the AR token of each
 step (the masks keep the confidence rule) and lossless mode samples exactly from the AR model's
 distribution (speculative sampling); a request's ``seed`` makes its sample reproducible. Stop
@@ -610,8 +614,19 @@ class Engine:
             if r.follows_default:  # the default may have moved while it waited
                 r.settings.tau = tau
             r.admitted = now
+        try:
+            self._batch.add([r.prompt_ids for r in joining], [r.settings for r in joining], [r.id for r in joining])
+        except Exception:  # noqa: BLE001 - some request's numbers; add() changed nothing: find whose
+            joined = []
+            for r in joining:
+                try:
+                    self._batch.add([r.prompt_ids], [r.settings], [r.id])
+                    joined.append(r)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail_alone(r, exc)
+            joining = joined
+        for r in joining:
             self._running[r.id] = r
-        self._batch.add([r.prompt_ids for r in joining], [r.settings for r in joining], [r.id for r in joining])
         with self._lock:
             self._active = len(self._batch)
             self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in joining)
@@ -666,6 +681,9 @@ class Engine:
         done = []
         for row in finished:
             r = self._running.pop(row.request_id)
+            if row.error is not None:
+                self._fail_alone(r, row.error)
+                continue
             rest = row.token_ids[len(r.tokens) :]  # the finishing step's tokens are not in new_tokens()
             if rest:
                 by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, rest))
@@ -711,6 +729,11 @@ class Engine:
         m.row_forwards += result.forwards
         m.histograms["request_latency_seconds"].observe(now - r.arrived)
         m.histograms["time_to_first_token_seconds"].observe(r.first_token - r.arrived)
+
+    def _fail_alone(self, r: _Request, reason) -> None:
+        """One request's decoding failed on its own numbers; the rest of the batch goes on."""
+        log.warning("request %s failed alone: %s", r.id, reason)
+        self._deliver(r, EngineError(f"decoding failed: {reason}"))
 
     def _fail_running(self, exc: Exception) -> None:
         failed = list(self._running.values())

@@ -328,7 +328,7 @@ def sweep(
     One-token cells of a model are decoded once and shared: whatever the block size or metric,
     their output is greedy AR decoding.
     """
-    from .decode import check_tau
+    from .decode import DecodingParams, ParamError, check_tau
     from .modeling import check_model_source, load_model, resolve_device
 
     for flag, value in (("--batch-size", batch_size), ("--max-new-tokens", max_new_tokens)):
@@ -373,6 +373,12 @@ def sweep(
             mode=mode,
             adaptive_width=adaptive_width,
         )
+        for cell in cells:  # what generate and serve check, before any model loads
+            settings = {k: cell[k] for k in ("tau", "metric", "block_size", "mode")}
+            try:
+                DecodingParams(**settings, max_new_tokens=max_new_tokens).verify(trained_block)
+            except ParamError as exc:
+                raise UserError(f"{model}: {exc}") from None
         plans.append((report, cells))
 
     total = sum(len(cells) for _, cells in plans)

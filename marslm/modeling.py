@@ -265,9 +265,27 @@ def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> Chec
         token = config.mask_token if config else MASK_TOKEN
         if token in tokenizer.get_vocab():
             mask_token_id = tokenizer.convert_tokens_to_ids(token)
-    block_size = config.block_size if config and config.stage == "mars" else 4
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return CheckpointFacts(config.stage if config else None, block_size, mask_token_id, pad_id)
+    return CheckpointFacts(config.stage if config else None, _block_size(config), mask_token_id, pad_id)
+
+
+def trained_block_size(name_or_path: str) -> int:
+    """The block size :func:`checkpoint_facts` will give a checkpoint, read before it loads."""
+    return _block_size(MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None)
+
+
+def _block_size(config: MarsConfig | None) -> int:
+    return config.block_size if config and config.stage == "mars" else 4
+
+
+def model_context(name_or_path: str) -> int | None:
+    """The longest sequence a checkpoint takes (``max_position_embeddings``; None: it does not say),
+    from its config alone, so a setting that cannot fit is refused before the weights load."""
+    from transformers import AutoConfig
+
+    with loading_errors(name_or_path):
+        config = AutoConfig.from_pretrained(name_or_path)
+    return getattr(config, "max_position_embeddings", None)
 
 
 def unwrap_model(model):

@@ -7,7 +7,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from .decode.params import check_mask_batch_limit, check_tau
+from .decode.params import check_mask_batch_limit, check_seed, check_tau
 from .errors import UserError
 from .settings import flag_of, setting
 
@@ -114,6 +114,7 @@ class ServeConfig:
                     f"{flag(name)} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value}"
                 )
         check_mask_batch_limit(self.mask_batch_limit, flag("mask_batch_limit"), auto=True)
+        check_seed(self.seed, flag("seed"))
         if self.slo_ms is not None and not (math.isfinite(self.slo_ms) and self.slo_ms > 0):
             raise UserError(f"{flag('slo_ms')} must be a finite number > 0, got {self.slo_ms}")
         for name, allowed in (

@@ -8,8 +8,9 @@ OpenAI's ``temperature``, ``top_p``, ``seed`` and ``stop`` (up to 4 strings) are
 them a request may carry (``extra_body`` in the openai client) ``tau``, ``metric``, ``block_size``,
 ``mode`` and ``top_k``; ``usage`` adds ``forwards`` and ``tokens_per_forward``. Completions take
 raw text (as OpenAI's do); ``chat_template: true`` wraps the prompt as one user message instead.
-Knobs the engine does not have (penalties, ...) are ignored; ones that would change the answer's
-shape (``n`` > 1, ``logprobs``) are refused.
+Completions honour ``echo`` (the prompt before the completion's text, as vLLM does). Knobs the
+engine does not have (penalties, ...) are ignored; ones that would change the answer's shape
+(``n`` > 1, ``logprobs``, ``suffix``) are refused.
 
 This module only translates: it parses and checks JSON, turns text into token ids (chat
 formatting goes through ``marslm.chat.encode_prompt``), hands the ids to the engine and turns
@@ -219,6 +220,23 @@ def chat_prompt_ids(tokenizer, body: dict, max_chars: int | None = None, context
 
 
 def completion_prompt_ids(tokenizer, body: dict, max_chars: int | None = None, context: int | None = None) -> list[int]:
+    prompt = _completion_prompt(tokenizer, body)
+    if isinstance(prompt, str):
+        _check_length(len(prompt), max_chars, context, "prompt")
+    chat_template = _field(body, "chat_template", "bool", False)
+    return _encode(tokenizer, prompt, chat_template, "prompt")
+
+
+def completion_echo(tokenizer, body: dict) -> str:
+    """The text ``echo: true`` puts before a completion: the prompt as sent (token ids decoded)."""
+    prompt = _completion_prompt(tokenizer, body)
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+def _completion_prompt(tokenizer, body: dict) -> str | list[int]:
+    """The one prompt of a completions request: a string or token ids."""
+    if body.get("suffix") is not None:  # insertion (text to complete up to) is not offered, as in vLLM
+        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError(400, "missing required parameter 'prompt'", param="prompt", code="missing_required_parameter")
@@ -236,10 +254,7 @@ def completion_prompt_ids(tokenizer, body: dict, max_chars: int | None = None, c
         raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-    if isinstance(prompt, str):
-        _check_length(len(prompt), max_chars, context, "prompt")
-    chat_template = _field(body, "chat_template", "bool", False)
-    return _encode(tokenizer, prompt, chat_template, "prompt")
+    return prompt
 
 
 def _encode(tokenizer, prompt, apply_chat_template: bool, param: str) -> list[int]:
@@ -512,7 +527,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None):
         if name is not None and name not in (model_name, engine.model_name):
             raise APIError(
                 404,
-                f"the model '{name}' does not exist; this server serves '{model_name}'",
+                f"the model {_describe(name)} does not exist; this server serves '{model_name}'",
                 param="model",
                 code="model_not_found",
             )
@@ -616,7 +631,9 @@ def create_app(engine: Engine, config: ServeConfig | None = None):
         body = await json_body(request)
         check_model(body)
         params, stream_mode, include_usage = parse_sampling(body, chat=api.chat)
+        echo = not api.chat and _field(body, "echo", "bool", False)
         prompt_ids = await off_loop(api.prompt_ids, tokenizer, body, max_chars, engine.max_context)
+        echoed = await off_loop(completion_echo, tokenizer, body) if echo else ""
         stream = submit(prompt_ids, params, api.prompt_param)
         rid, now = api.id_prefix + secrets.token_hex(12), int(time.time())
 
@@ -633,9 +650,8 @@ def create_app(engine: Engine, config: ServeConfig | None = None):
             return out
 
         if stream_mode:
-            opening = (
-                chunk("", None, role="assistant") if api.chat else None
-            )  # OpenAI's first chat chunk names the role
+            # OpenAI's first chat chunk names the role; an echoed prompt comes before the completion
+            opening = chunk("", None, role="assistant") if api.chat else chunk(echoed, None) if echoed else None
             return StreamingResponse(
                 events(stream, chunk, include_usage, params.stop, opening), media_type="text/event-stream"
             )
@@ -645,7 +661,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None):
             "object": api.object,
             "created": now,
             "model": model_name,
-            "choices": [api.choice(text, result.finish_reason)],
+            "choices": [api.choice(echoed + text, result.finish_reason)],
             "usage": _usage(result),
         }
 

@@ -6,13 +6,14 @@ any difference from ``marslm.generate`` is a real bug.
 """
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
-from marslm.engine import Engine, InvalidRequest, QueueFull, SamplingParams, TauController
+from marslm.engine import Engine, EngineError, InvalidRequest, QueueFull, SamplingParams, TauController
 from marslm.errors import UserError
 from marslm.serve_config import ServeConfig
 from tests.trained import TRAIN_N, find_long_prompt
@@ -83,6 +84,40 @@ def test_engine_equals_generate_with_staggered_arrivals(mars64):
         assert result.finish_reason in ("stop", "length")
     snap = engine.snapshot()
     assert snap["requests"]["finished"] == len(examples) and snap["active_batch"] == 0
+
+
+@pytest.mark.parametrize("poison", [dict(temperature=1e-45), dict(temperature=1.0, top_k=2**63)])
+def test_a_request_that_fails_after_admission_fails_alone(mars64, long_prompt, poison):
+    """Settings that get past validation (forced in after it here) fail their own request only,
+    in the step (a draw from NaN probabilities) or as the row joins (a top_k no int64 holds): the
+    rows running beside it finish with the output they have alone."""
+    model, tokenizer = mars64
+    prompt = encode_prompt(tokenizer, long_prompt, apply_chat_template=False)
+    healthy = [dict(tau=1.0), dict(tau=0.9), dict(mode="lossless")]
+    engine = make_engine(mars64, max_batch=4)
+    validate = engine.validate
+    engine.validate = lambda ids, params: (
+        replace(validate(ids, params), **poison) if params.seed == 13 else validate(ids, params)
+    )
+    try:
+
+        async def main():
+            streams = [engine.submit(prompt, SamplingParams(max_tokens=40, **s)) for s in healthy]
+            for stream in streams:  # running, so the poisoned request joins their batch
+                await stream.__aiter__().__anext__()
+            poisoned = engine.submit(prompt, SamplingParams(max_tokens=40, seed=13))
+            with pytest.raises(EngineError, match="decoding failed"):
+                await _drain(poisoned)
+            return [(await _drain(s))[1] for s in streams]
+
+        results = asyncio.run(main())
+        snap = engine.snapshot()
+    finally:
+        engine.stop()
+    for s, result in zip(healthy, results):
+        ref = generate(model, tokenizer, [prompt], max_new_tokens=40, apply_chat_template=False, **s)
+        assert result.token_ids == ref.token_ids[0], s
+    assert snap["requests"]["error"] == 1 and snap["requests"]["finished"] == len(healthy)
 
 
 def test_default_tau_changes_live_only_for_rows_that_follow_it(mars64, long_prompt):

@@ -499,6 +499,28 @@ def test_loadtest_cli_reports_every_policy(main_url, tmp_path):
     assert {k: after[k] for k in ("policy", "tau", "floor")} == {k: before[k] for k in ("policy", "tau", "floor")}
 
 
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--model", "nope"], "failed the first request, before any load was sent: 404"),
+        (["--max-tokens", str(MAX_TOKENS_LIMIT + 1)], "no request succeeded, so no report: 400"),
+    ],
+)
+def test_a_loadtest_where_every_request_fails_writes_no_report(main_url, tmp_path, capsys, flags, fragment):
+    from tests.cli.test_errors import run
+
+    out = tmp_path / "load.json"
+    finished = metrics(main_url)['marslm_requests_total{status="finished"}']
+    common = ["--url", main_url, "--api-key", KEY, "--policies", "fixed-1.0", "--concurrency", 1, "--requests", 2]
+    rc, stdout, err = run(capsys, "loadtest", *common, "--repeats", 1, "--json", out, *flags)
+    *progress, last = err.strip().splitlines()  # the progress lines, then the one line that says why
+    assert rc == 2 and last.startswith("marslm loadtest: error: ") and fragment in last, err
+    assert all(line.startswith("loadtest: ") for line in progress), err
+    assert not out.exists() and "| policy |" not in stdout
+    if "--model" in flags:  # refused by the first request: no load reached the engine
+        assert metrics(main_url)['marslm_requests_total{status="finished"}'] == finished
+
+
 # ------------------------------------------------------------------------------ 429 and shutdown
 def test_full_queue_answers_429_with_retry_after(servers, long_prompt):
     url = servers["small"].url  # 1 row, a queue of 1

@@ -88,6 +88,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..decode import check_tau
     from ..evaluate import load_eval_set
     from ..experiments.bench import default_contenders, format_bench_table, load_bench_models, run_bench
 
@@ -98,6 +99,10 @@ def run(args) -> int:
         return _train_step(args)
     if args.model is None:
         raise UserError("--model is required")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for tau in args.taus:
+        check_tau(tau, "prob")
     if args.cost_curve:
         return _cost_curve(args)
     if args.ar_model is None:
@@ -126,16 +131,22 @@ def run(args) -> int:
 def _cost_curve(args) -> int:
     from ..decode.costs import cost_curve
     from ..experiments.bench import format_cost_curve
-    from ..modeling import check_model_source, checkpoint_facts, load_model, resolve_device
+    from ..modeling import check_model_source, load_model, model_context, resolve_device, trained_block_size
 
     if not args.contexts or min(args.contexts) < 1 or (args.block_size is not None and args.block_size < 1):
         raise UserError("every --contexts value and --block-size must be >= 1")
     check_model_source(args.model)
-    model, tokenizer, _ = load_model(args.model, device=resolve_device(args.device))
-    block = args.block_size or checkpoint_facts(model, tokenizer).block_size
+    widths = list(range(1, 2 * (args.block_size or trained_block_size(args.model)) + 3))
+    room = model_context(args.model)
+    if room is not None and max(args.contexts) + widths[-1] > room:
+        raise UserError(
+            f"--contexts {max(args.contexts)} plus the widest step fed on top ({widths[-1]} tokens) exceeds "
+            f"the model's context of {room} tokens"
+        )
+    model, _, _ = load_model(args.model, device=resolve_device(args.device))
     report = cost_curve(
         model,
-        widths=list(range(1, 2 * block + 3)),
+        widths=widths,
         contexts=args.contexts,
         batch_sizes=args.batch_sizes,
         repeats=args.repeats,

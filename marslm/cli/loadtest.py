@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 from ..errors import UserError
@@ -71,12 +72,11 @@ def run(args) -> int:
     if args.engine == "vllm":
         return _loadtest_vllm(args)
     no_extra_args(args)
-    if args.requests < 1 or args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
-        raise UserError("--requests, --repeats and every --concurrency value must be >= 1")
+    _check_load(args)
     if not args.policies:
         raise UserError("--policies is empty")
     for name in args.policies:
-        policy_settings(name)
+        policy_settings(name, args.adaptive_tau, args.tau_floor)
     code_execution(args, check_now=True)  # the answers are scored, code included
     report = run_loadtest(
         args.url,
@@ -100,6 +100,18 @@ def run(args) -> int:
     return 0
 
 
+def _check_load(args) -> None:
+    """The load itself, whichever engine serves it."""
+    if args.requests < 1 or args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
+        raise UserError("--requests, --repeats and every --concurrency value must be >= 1")
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    for flag in ("timeout", "deadline"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"--{flag} must be a finite number of seconds > 0, got {value}")
+
+
 def _loadtest_vllm(args) -> int:
     from ..decode import check_tau
     from ..modeling import check_model_source
@@ -108,8 +120,7 @@ def _loadtest_vllm(args) -> int:
 
     if not args.checkpoint:
         raise UserError("--engine vllm needs --checkpoint DIR (the checkpoint the servers load)")
-    if args.requests < 1 or args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
-        raise UserError("--requests, --repeats and every --concurrency value must be >= 1")
+    _check_load(args)
     for tau in args.taus:
         check_tau(tau, "prob")
     check_model_source(args.checkpoint)

@@ -46,7 +46,8 @@ leave (finished rows are dropped after each step) between steps: that is all con
 needs. Rows persist in the cache's buffer, as in vLLM's input batch: a leaving row's place goes
 to the last row and a joining row takes a free one, so neither copies the whole cache. A prompt
 that joins running rows is cached by a forward of its own first, so that it does not widen every
-row of the next step to its length.
+row of the next step to its length. A row whose own numbers fail (a sample drawn from probabilities
+that are not finite) leaves at the end of its step with ``FinishedRow.error`` set; the others go on.
 
 Row state lives on the host, in numpy arrays, as in vLLM's input batch: on a small model a step is
 a few dozen tiny array operations, each several times cheaper in numpy than as a torch op, and a
@@ -80,6 +81,7 @@ class FinishedRow:
     token_ids: list[int]  # new tokens, the stop token excluded
     stopped: bool  # ended on a stop token (else: hit max_new_tokens)
     accepted_per_step: list[int]  # tokens accepted in each forward this row took part in
+    error: str | None = None  # why decoding this row failed (the other rows went on without it)
 
     @property
     def forwards(self) -> int:
@@ -163,6 +165,7 @@ class DecodeBatch:
         if seed is not None:
             self.generator.manual_seed(seed)
         self.request_ids: list = []
+        self.errors: dict = {}  # request id -> why its row failed in this step; it leaves at the step's end
         self.generators: list[torch.Generator | None] = []  # per row: its own seed's generator
         self.kv: SlotCache | None = None
         long = np.int64
@@ -197,6 +200,9 @@ class DecodeBatch:
         """Queue new rows (``settings`` verified); the next step feeds (prefills) their prompts."""
         if not prompts:
             return
+        # Everything a row needs is built before any state changes: a request whose numbers cannot
+        # be held leaves the batch as it was (the engine then fails that request alone).
+        generators = [_generator(s.seed, self.device) for s in settings]
         long, n = np.int64, len(prompts)
         prompt_len = np.array([len(p) for p in prompts], long)
         max_new = np.array([s.max_new_tokens for s in settings], long)
@@ -235,7 +241,7 @@ class DecodeBatch:
         if self.kv is not None:
             self.kv.add_rows(n)
         self.request_ids.extend(request_ids)
-        self.generators.extend(_generator(s.seed, self.device) for s in settings)
+        self.generators.extend(generators)
 
     def set_tau(self, request_ids, tau: float) -> None:
         """Change tau for running rows; it applies from the next step (no restart, no reload)."""
@@ -305,6 +311,8 @@ class DecodeBatch:
         self._record(step, candidates, accept, verified, mask_tokens, probs)
         self._commit(step, seq_len_before, verified)
         finished = stopped | (self.seq_len >= self.max_len)
+        if self.errors:
+            finished |= np.array([rid in self.errors for rid in self.request_ids], bool)
         if not finished.any():
             return []
         return self._pop(finished, stopped)
@@ -567,12 +575,23 @@ class DecodeBatch:
     # ------------------------------------------------------------------ sampling
     def _draw(self, probs: torch.Tensor, rows: np.ndarray) -> np.ndarray:
         """One token per selected row from ``probs`` ``[n, vocab]`` (n = len(rows)), each with its
-        own generator; unselected rows get 0. ``rows`` may repeat a request's row (several masks)."""
+        own generator; unselected rows get 0. ``rows`` may repeat a request's row (several masks).
+
+        A row whose draw fails is recorded in ``errors`` and draws 0: it finishes, failed, at the
+        end of this step, and the other rows' draws go on. Probabilities are checked first because
+        a GPU's multinomial does not raise on NaN, it aborts the whole process's device context.
+        """
         out = np.zeros(len(rows), np.int64)
         per_row = len(rows) // len(self)
+        valid = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).cpu().numpy()
         for i in np.flatnonzero(rows):
-            generator = self.generators[i // per_row] or self.generator
-            out[i] = int(torch.multinomial(probs[i], 1, generator=generator)[0])
+            row = i // per_row
+            try:
+                if not valid[i]:
+                    raise ValueError("its sampling probabilities are not finite")
+                out[i] = int(torch.multinomial(probs[i], 1, generator=self.generators[row] or self.generator)[0])
+            except Exception as exc:  # noqa: BLE001 - one request's numbers must not end the others'
+                self.errors.setdefault(self.request_ids[row], f"{type(exc).__name__}: {exc}")
         return out
 
     def _uniform(self, rows: np.ndarray, counts: np.ndarray, width: int) -> torch.Tensor:
@@ -591,7 +610,8 @@ class DecodeBatch:
             if stopped[i]:
                 ids = ids[:-1]
             steps = self.accept_log[i, : self.forwards[i]].tolist()
-            done.append(FinishedRow(self.request_ids[i], ids, bool(stopped[i]), steps))
+            rid = self.request_ids[i]
+            done.append(FinishedRow(rid, ids, bool(stopped[i]), steps, self.errors.pop(rid, None)))
         self._keep(np.flatnonzero(~finished))
         return done
 

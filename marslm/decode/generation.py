@@ -49,6 +49,8 @@ def run_to_completion(
     finished: dict[int, FinishedRow] = {}
 
     def done(row: FinishedRow) -> None:
+        if row.error is not None:  # offline, one failed prompt fails the call (the engine fails the request alone)
+            raise RuntimeError(f"decoding prompt {row.request_id} failed: {row.error}")
         finished[row.request_id] = row
         if on_finish is not None:
             on_finish(row)

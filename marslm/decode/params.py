@@ -17,6 +17,12 @@ METRICS = ("prob", "entropy", "margin")  # acceptance.py computes them, in this 
 MODES = ("threshold", "lossless")
 CACHE_MODES = ("none", "block", "cursor")  # none: recompute; block: the paper's; cursor: ours (generation.py)
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
+# A temperature below this samples the argmax in all but rounding, and dividing logits by it can
+# overflow float32 into NaN probabilities: it is greedy decoding (vLLM's _SAMPLING_EPS does the same).
+MIN_TEMPERATURE = 1e-5
+# Token ids are 32-bit (tokenizers), so a top_k from here on exceeds every vocabulary: it keeps
+# every token, as 0 does (and stays within the decoder's 64-bit integers).
+MAX_VOCAB = 2**32
 
 
 class ParamError(UserError):
@@ -83,12 +89,18 @@ class DecodingParams:
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ParamError(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise ParamError(f"seed must be an integer in 0..2^63-1, got {self.seed!r}", "seed")
+        if self.seed is not None:
+            check_seed(self.seed, "seed")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stop):
             raise ParamError(f"stop must be up to {MAX_STOP_SEQUENCES} non-empty strings", "stop")
-        return replace(self, block_size=block_size, stop=stop)
+        return replace(
+            self,
+            block_size=block_size,
+            stop=stop,
+            temperature=0.0 if self.temperature < MIN_TEMPERATURE else self.temperature,
+            top_k=0 if self.top_k >= MAX_VOCAB else self.top_k,
+        )
 
     @property
     def one_token(self) -> bool:
@@ -107,6 +119,13 @@ def check_tau(tau: float, metric: str) -> None:
             raise ParamError(f"tau for the entropy metric must be >= 0, got {tau}", "tau", "invalid_tau")
     elif not 0 < tau <= 1:
         raise ParamError(f"tau for the {metric} metric must be in (0, 1], got {tau}", "tau", "invalid_tau")
+
+
+def check_seed(seed, name: str) -> None:
+    """A sampling seed: an integer in 0..2^63-1 (what a torch generator takes); ``name`` is how the
+    caller spells the option."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ParamError(f"{name} must be an integer in 0..2^63-1, got {seed!r}", "seed")
 
 
 def check_mask_batch_limit(limit, name: str, auto: bool = False) -> None:

@@ -30,20 +30,28 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from ..decode.params import check_tau
 from ..errors import UserError
 
 POLICIES = ("fixed-1.0", "fixed-0.95", "adaptive")
 
 
 def policy_settings(name: str, adaptive_tau: float = 0.95, tau_floor: float = 0.9) -> dict:
-    """The ``POST /admin/policy`` body for a policy name: ``fixed-<tau>`` or ``adaptive``."""
+    """The ``POST /admin/policy`` body for a policy name: ``fixed-<tau>`` or ``adaptive``; every tau
+    is checked as the server will, so a bad one is refused before any load is sent."""
+    for flag, tau in (("--adaptive-tau", adaptive_tau), ("--tau-floor", tau_floor)):
+        try:
+            check_tau(tau, "prob")
+        except UserError as exc:
+            raise UserError(f"{flag}: {exc}") from None
     if name == "adaptive":
         return {"policy": "adaptive", "tau": adaptive_tau, "tau_floor": min(tau_floor, adaptive_tau)}
     if name.startswith("fixed-"):
         try:
             tau = float(name[len("fixed-") :])
-        except ValueError:
-            raise UserError(f"bad policy {name!r}; use fixed-<tau> or adaptive") from None
+            check_tau(tau, "prob")
+        except (ValueError, UserError) as exc:
+            raise UserError(f"bad policy {name!r} ({exc}); use fixed-<tau> or adaptive") from None
         return {"policy": "fixed", "tau": tau, "tau_floor": min(tau_floor, tau)}
     raise UserError(f"bad policy {name!r}; use fixed-<tau> or adaptive")
 
@@ -217,8 +225,11 @@ async def run_loadtest_async(
         original = await _admin(client, url + "/admin/policy", headers)
         results = []
         try:
-            # one unmeasured request: first-call costs (allocator, kernels) stay out of the numbers
-            await _one_request(client, url, headers, model, examples[0].messages, 8, timeout)
+            # one unmeasured request: first-call costs (allocator, kernels) stay out of the numbers,
+            # and a request the server refuses (an unknown --model, say) is refused before the load
+            warm = await _one_request(client, url, headers, model, examples[0].messages, 8, timeout)
+            if not warm.ok:
+                raise UserError(f"the server failed the first request, before any load was sent: {warm.error}")
             runs: dict[tuple, list] = {}  # (policy, concurrency) -> [(samples, wall)] per round
             for round_ in range(repeats):
                 for concurrency in concurrencies:
@@ -271,6 +282,9 @@ async def run_loadtest_async(
                     "slo_ms": original["slo_ms"],
                 },
             )
+    if not any(r["ok"] for r in results):  # a report of nothing but errors would read as a result
+        why = next((r["first_error"] for r in results if r["first_error"]), "no run started before --deadline")
+        raise UserError(f"no request succeeded, so no report: {why}")
     baseline = {r["concurrency"]: r for r in results if r["policy"] == "fixed-1.0"}
     for r in results:
         base = baseline.get(r["concurrency"])

@@ -16,6 +16,7 @@ vLLM: the CLI builds server command lines with it from marslm's own environment.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..config import MarsConfig
@@ -26,6 +27,10 @@ SCHEDULER = "marslm.vllm.scheduler.MarsScheduler"
 MIDDLEWARE = "marslm.vllm.middleware.MarsMiddleware"
 SPECULATIVE = ("mars", "ngram", "none")
 NGRAM_MAX = 4
+CPU_DTYPE_BYTES = 4  # engine_kwargs(cpu=True) serves in float32
+VLLM_MAX_NUM_SEQS = 256  # vLLM's own default, where --max-num-seqs is not given
+KV_HEADROOM = 1.25  # the speculative slots and the partly filled blocks on top of the tokens themselves
+GIB = 2**30
 
 
 def serving_config(
@@ -96,3 +101,67 @@ def server_args(kwargs: dict) -> list[str]:
     if "speculative_config" in kwargs:
         args += ["--middleware", MIDDLEWARE]
     return args
+
+
+def cpu_kv_cache_gib(
+    config: dict,
+    *,
+    max_model_len: int | None = None,
+    max_num_seqs: int = VLLM_MAX_NUM_SEQS,
+    available_bytes: int | None = None,
+    dtype_bytes: int = CPU_DTYPE_BYTES,
+) -> int:
+    """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, as vLLM reads it) for a model's ``config.json``.
+
+    Left unset, vLLM's CPU backend asks for most of a NUMA node's memory and will not start on a
+    machine that other processes share. Enough is what ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens hold (layers x key/value heads x head size x keys and values x dtype
+    bytes per token), with headroom; at most half of ``available_bytes`` when that is less, but
+    never less than one sequence of ``max_model_len`` tokens, which vLLM requires.
+    """
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 2 * dtype_bytes
+    length = max_model_len or config.get("max_position_embeddings") or 2048
+    wanted = KV_HEADROOM * per_token * length * max_num_seqs
+    if available_bytes is not None:
+        wanted = max(min(wanted, available_bytes / 2), KV_HEADROOM * per_token * length)
+    return max(1, math.ceil(wanted / GIB))
+
+
+def cpu_kv_cache_default(model_dir: str | Path, vllm_args=(), max_num_seqs: int | None = None) -> int | None:
+    """:func:`cpu_kv_cache_gib` for a model directory under the ``vllm serve`` options that size it
+    (``--max-model-len``, ``--max-num-seqs``) and the memory available now; None for a hub id."""
+    config_path = Path(model_dir, "config.json")
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    return cpu_kv_cache_gib(
+        config,
+        max_model_len=_int_option(vllm_args, "--max-model-len"),
+        max_num_seqs=_int_option(vllm_args, "--max-num-seqs") or max_num_seqs or VLLM_MAX_NUM_SEQS,
+        available_bytes=_available_memory(),
+    )
+
+
+def _int_option(args, flag: str) -> int | None:
+    """The integer value of ``flag`` in a command line (``--flag N`` or ``--flag=N``; the last wins)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

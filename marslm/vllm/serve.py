@@ -6,16 +6,21 @@ this). Everything after ``--`` goes to ``vllm serve`` unchanged, which is how vL
 A checkpoint without ``marslm.json`` (plain AR) is served by vLLM as it is.
 
 Defaults that differ from ``vllm serve``: temperature 0 for requests that name none (MARS
-decoding is greedy, as in ``marslm serve``), and on a CPU: fp32, eager mode, KV blocks of 32.
+decoding is greedy, as in ``marslm serve``), and on a CPU: fp32, eager mode, KV blocks of 32,
+and a KV cache sized for the model (``VLLM_CPU_KVCACHE_SPACE``, unless it is set), where vLLM
+would ask for most of the machine's memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from .engine_args import SPECULATIVE, engine_kwargs, server_args, serving_config
+from .engine_args import SPECULATIVE, cpu_kv_cache_default, engine_kwargs, server_args, serving_config
+
+KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 
 
 def build_argv(argv: list[str]) -> list[str]:
@@ -43,6 +48,10 @@ def build_argv(argv: list[str]) -> list[str]:
 
     from vllm.platforms import current_platform
 
+    if current_platform.is_cpu() and KV_SPACE not in os.environ:  # vLLM reads it as the engine starts
+        space = cpu_kv_cache_default(args.model, vllm_args, args.max_batch)
+        if space is not None:
+            os.environ[KV_SPACE] = str(space)
     kwargs = engine_kwargs(
         args.model,
         speculative=args.speculative,
@@ -87,7 +96,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(vllm_argv[1:])
     configure_logging_from_args(args)
     serve.validate(args)
-    serve.cmd(args)
+    try:
+        serve.cmd(args)
+    except Exception as exc:  # noqa: BLE001 - vLLM's log above says how it failed; this line says what to set
+        from vllm.platforms import current_platform
+
+        lines = str(exc).strip().splitlines()
+        if current_platform.is_cpu():
+            now = os.environ.get(KV_SPACE, "unset: most of the memory")
+            fix = f"its KV cache takes {KV_SPACE} GiB ({now}); if memory is short, set {KV_SPACE} lower"
+        else:
+            fix = "if GPU memory is short, pass a lower fraction with -- --gpu-memory-utilization"
+        sys.exit(f"marslm serve: error: vLLM did not start ({lines[0] if lines else type(exc).__name__}); {fix}")
 
 
 if __name__ == "__main__":

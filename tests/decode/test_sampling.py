@@ -162,3 +162,26 @@ def test_top_k_and_top_p_match_transformers():
         if top_p < 1:
             scores = TopPLogitsWarper(top_p)(None, scores)
         torch.testing.assert_close(ours[row], scores.softmax(-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["threshold", "lossless"])
+def test_settings_at_their_limits_decode_as_the_limit_does(tiny_vocab_model, mode):
+    """A temperature too small to divide logits by is greedy decoding, and a top_k beyond every
+    vocabulary keeps every token, as 0 does: neither may overflow (NaN probabilities, a top_k that
+    no 64-bit integer holds)."""
+
+    def run(**settings):
+        batch = DecodeBatch(tiny_vocab_model, mask_token_id=MASK, stop_ids=[99])
+        params = DecodingParams(mode=mode, block_size=3, max_new_tokens=12, seed=5, **settings).verify()
+        batch.add([PROMPT], [params], [0])
+        rows = []
+        while len(batch):
+            rows += batch.step()
+        return rows[0].token_ids
+
+    greedy = run(temperature=0.0)
+    for temperature in (1e-38, 1e-45):
+        assert run(temperature=temperature) == greedy, temperature
+    sampled = run(temperature=1.0)
+    for top_k in (2**63, 2**70):
+        assert run(temperature=1.0, top_k=top_k) == sampled, top_k

@@ -10,8 +10,17 @@ import sys
 import pytest
 
 from marslm.decode.acceptance import metric_code
-from marslm.vllm import middleware
-from marslm.vllm.engine_args import PROPOSER, SCHEDULER, engine_kwargs, server_args, serving_config
+from marslm.vllm import engine_args, middleware
+from marslm.vllm.engine_args import (
+    GIB,
+    PROPOSER,
+    SCHEDULER,
+    cpu_kv_cache_default,
+    cpu_kv_cache_gib,
+    engine_kwargs,
+    server_args,
+    serving_config,
+)
 from marslm.vllm.settings import (
     LOSSLESS,
     OFF,
@@ -89,6 +98,30 @@ def test_engine_kwargs(trained_dirs):
     # a plain AR checkpoint is served by vLLM as it is: no drafts, no plugin scheduler
     assert engine_kwargs(trained_dirs["dir"] / "ar") == {"model": str(trained_dirs["dir"] / "ar")}
     assert engine_kwargs(mars, speculative="ngram")["speculative_config"]["method"] == "ngram"
+
+
+# Qwen2.5-0.5B's shape: 24 layers x 2 key/value heads x 64 x (keys, values) x 4 bytes = 24 KiB a token
+QWEN_05B = dict(
+    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, hidden_size=896, max_position_embeddings=32768
+)
+
+
+def test_the_cpu_kv_cache_is_sized_from_the_model():
+    # 16 sequences of the whole context (768 MiB each), with a quarter on top
+    assert cpu_kv_cache_gib(QWEN_05B, max_num_seqs=16) == 15
+    assert cpu_kv_cache_gib(QWEN_05B, max_model_len=4096, max_num_seqs=16) == 2  # 1.875 GiB, rounded up
+    # on a shared machine: at most half of what is available, but always one whole sequence
+    assert cpu_kv_cache_gib(QWEN_05B, max_num_seqs=16, available_bytes=8 * GIB) == 4
+    assert cpu_kv_cache_gib(QWEN_05B, max_model_len=65536, max_num_seqs=16, available_bytes=GIB) == 2  # 1.875
+    assert cpu_kv_cache_gib({**QWEN_05B, "num_hidden_layers": 2, "max_position_embeddings": 1024}) == 1
+
+
+def test_the_cpu_kv_cache_follows_the_options_that_size_it(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_05B))
+    monkeypatch.setattr(engine_args, "_available_memory", lambda: None)
+    assert cpu_kv_cache_default(tmp_path, max_num_seqs=16) == 15
+    assert cpu_kv_cache_default(tmp_path, ["--max-model-len", "4096", "--max-num-seqs=16"], max_num_seqs=64) == 2
+    assert cpu_kv_cache_default("Qwen/Qwen2.5-0.5B") is None  # a hub id: vLLM's own default
 
 
 def test_rewrite_request_moves_fields():

@@ -1,0 +1,79 @@
+"""Request fields of ``marslm serve`` in-process: the app over httpx's ASGI transport, the engine on
+the toy-trained checkpoint (float64). What a field asks for is honoured, or refused with an OpenAI
+error object; no request ever costs a traceback in the log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+import pytest
+
+from marslm import generate
+from marslm.engine import Engine
+from marslm.serve_config import ServeConfig
+
+pytest.importorskip("fastapi")
+
+PROMPT = "Sort the list"
+
+
+@pytest.fixture(scope="module")
+def app(trained_checkpoints):
+    from marslm.server import create_app
+
+    model, tokenizer = trained_checkpoints["mars64"]
+    engine = Engine(model, tokenizer, ServeConfig(max_batch=4), model_name="toy")
+    engine.start(warmup=False)
+    try:
+        yield create_app(engine)
+    finally:
+        engine.stop()
+
+
+def post(app, path: str, body) -> httpx.Response:
+    async def send():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            return await client.post(path, content=content, headers={"Content-Type": "application/json"})
+
+    return asyncio.run(send())
+
+
+def test_a_model_name_that_is_not_unicode_is_model_not_found(app, caplog):
+    body = b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}'  # a lone surrogate, as JSON escapes it
+    with caplog.at_level(logging.WARNING):
+        response = post(app, "/v1/completions", body)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and "\\ud800" in error["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_echo_puts_the_prompt_before_the_completion(app, trained_checkpoints):
+    model, tokenizer = trained_checkpoints["mars64"]
+    ref = generate(model, tokenizer, [PROMPT], tau=0.95, max_new_tokens=6, apply_chat_template=False).texts[0]
+    body = {"prompt": PROMPT, "max_tokens": 6, "tau": 0.95}
+    plain = post(app, "/v1/completions", body).json()["choices"][0]["text"]
+    echoed = post(app, "/v1/completions", {**body, "echo": True}).json()["choices"][0]["text"]
+    assert (plain, echoed) == (ref, PROMPT + ref)
+    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    from_ids = post(app, "/v1/completions", {**body, "prompt": ids, "echo": True}).json()["choices"][0]["text"]
+    assert from_ids == tokenizer.decode(ids) + ref
+
+    stream = post(app, "/v1/completions", {**body, "echo": True, "stream": True}).text
+    chunks = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["text"] == PROMPT
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + ref
+
+
+@pytest.mark.parametrize(
+    "fields, param", [({"suffix": "!"}, "suffix"), ({"suffix": ""}, "suffix"), ({"echo": "yes"}, "echo")]
+)
+def test_completion_fields_it_cannot_honour_are_refused(app, fields, param):
+    response = post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **fields})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
