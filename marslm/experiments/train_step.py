@@ -279,7 +279,6 @@ def format_train_step(report: dict) -> str:
         lines.append(
             f"| {r['seq_len']} | {r['logits']} | {r['stage'].upper()} | {fmt(r['seconds'], '.3f')} | "
             f"{fmt(r.get('seconds_vs_ar'), '.2f')} | {fmt(r['peak_mib'], '.1f')} | "
-            f"{fmt(r.get('peak_mib_vs_ar'), '.2f')} |"
-            + (f" {r['error']}" if "error" in r else "")
+            f"{fmt(r.get('peak_mib_vs_ar'), '.2f')} |" + (f" {r['error']}" if "error" in r else "")
         )
     return "\n".join(lines)
