@@ -17,6 +17,9 @@ METRICS = ("prob", "entropy", "margin")  # acceptance.py computes them, in this 
 MODES = ("threshold", "lossless")
 CACHE_MODES = ("none", "block", "cursor")  # none: recompute; block: the paper's; cursor: ours (generation.py)
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
+# Every step reads its masks, as the paper's sampler does. Adaptive width (batch.py) is an opt-in:
+# at tau < 1 it changes the text, not only how far a step reaches.
+ADAPTIVE_WIDTH = False
 
 
 class ParamError(UserError):
