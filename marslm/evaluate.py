@@ -470,14 +470,13 @@ def _say_cell(index: int, total: int, model: str, cell: dict) -> None:
 def format_table(reports: dict[str, dict]) -> str:
     """A markdown table: one row per (model, setting), accuracy per family, tokens per forward.
 
-    Block size, metric, mode, adaptive width and the last mask get columns only when they vary; a
-    failed cell shows its reason.
+    Block size, metric, mode and adaptive width get columns only when they vary; a failed cell
+    shows its reason.
     """
     cells = [r for rep in reports.values() for r in rep["results"]]
     families = sorted({f for r in cells for f in r.get("families", {})})
-    settings = ("block_size", "metric", "mode", "adaptive_width", "use_last_mask")
-    varying = [k for k in settings if len({r.get(k) for r in cells}) > 1]
-    names = {"block_size": "B", "adaptive_width": "adaptive width", "use_last_mask": "last mask read"}
+    varying = [k for k in ("block_size", "metric", "mode", "adaptive_width") if len({r.get(k) for r in cells}) > 1]
+    names = {"block_size": "B", "adaptive_width": "adaptive width"}
     head = [
         "model",
         *[names.get(k, k) for k in varying],

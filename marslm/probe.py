@@ -132,10 +132,11 @@ def _keeps_only_some_logits(model) -> bool:
 
 
 def _scored_logits(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
-    """``[keep.sum(), vocab]``: the logits of the kept columns, row by row; the rest never reach the
-    output layer (a held-out batch's logits over a large vocabulary would not fit otherwise)."""
+    """``[keep.sum(), vocab]``: the logits of the kept columns, row by row; the others never reach
+    the output layer, whose output grows with the vocabulary."""
     if _keeps_only_some_logits(model):
-        return model(**inputs, logits_to_keep=keep).logits.reshape(-1, model.config.vocab_size)
+        logits = model(**inputs, logits_to_keep=keep).logits
+        return logits.reshape(-1, logits.shape[-1])
     return model(**inputs).logits[keep]
 
 
