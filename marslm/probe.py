@@ -444,8 +444,8 @@ def _pct(value) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _num(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _num(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def format_probe(report: dict) -> str:
@@ -459,7 +459,7 @@ def format_probe(report: dict) -> str:
         f"fidelity (clean top-1 = reference): {_pct(fid['top1_agreement'])} ({by_source})"
         + (f"; original in bf16: {_pct(baseline['fidelity']['top1_agreement'])}" if baseline else ""),
         f"items whose every token agrees: {_pct(fid['items_all_agree'])}; mean agreeing prefix "
-        f"{fid['mean_agreeing_prefix']} tokens",
+        f"{_num(fid['mean_agreeing_prefix'], 1)} tokens",
         "tokens per forward, teacher-forced, B candidates: "
         + ", ".join(f"paper rule tau {t}: {v:.2f}" for t, v in report["tokens_per_forward_paper_tf"].items() if v)
         + (
