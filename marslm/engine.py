@@ -352,6 +352,7 @@ class Engine:
             stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
             cache="cursor",
             mask_batch_limit=None if config.mask_batch_limit == "auto" else config.mask_batch_limit,
+            adaptive_width=config.adaptive_width,
             seed=config.seed,
         )
         self._batch = DecodeBatch(model, **self._batch_args)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .decode.params import ADAPTIVE_WIDTH
 from .errors import UserError
 from .files import write_json_atomically
 
@@ -101,7 +102,7 @@ def evaluate(
     batch_size: int = 32,
     max_new_tokens: int = 192,
     use_last_mask: bool = True,
-    adaptive_width: bool = True,
+    adaptive_width: bool = ADAPTIVE_WIDTH,
     progress: bool = True,
     model_name: str | None = None,
 ) -> dict:
@@ -224,7 +225,7 @@ def plan_cells(
     block_sizes,
     cache: str,
     mode: str,
-    adaptive_width: bool = True,
+    adaptive_width: bool = ADAPTIVE_WIDTH,
 ) -> list[dict]:
     """The decoding settings a sweep runs for one model, in order.
 
@@ -311,7 +312,7 @@ def sweep(
     block_sizes=None,
     cache: str = "cursor",
     mode: str = "threshold",
-    adaptive_width: bool = True,
+    adaptive_width: bool = ADAPTIVE_WIDTH,
     batch_size: int = 32,
     max_new_tokens: int = 192,
     json_path: str | Path | None = None,
@@ -429,7 +430,7 @@ def _run_cell(
             block_size=cell["block_size"],
             cache=cell["cache"],
             mode=cell["mode"],
-            adaptive_width=cell.get("adaptive_width", True),
+            adaptive_width=cell["adaptive_width"],
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
             progress=progress,
@@ -475,14 +476,16 @@ def _say_cell(index: int, total: int, model: str, cell: dict) -> None:
 def format_table(reports: dict[str, dict]) -> str:
     """A markdown table: one row per (model, setting), accuracy per family, tokens per forward.
 
-    Block size, metric and mode get columns only when they vary; a failed cell shows its reason.
+    Block size, metric, mode and adaptive width get columns only when they vary; a failed cell
+    shows its reason.
     """
     cells = [r for rep in reports.values() for r in rep["results"]]
     families = sorted({f for r in cells for f in r.get("families", {})})
-    varying = [k for k in ("block_size", "metric", "mode") if len({r.get(k) for r in cells}) > 1]
+    varying = [k for k in ("block_size", "metric", "mode", "adaptive_width") if len({r.get(k) for r in cells}) > 1]
+    names = {"block_size": "B", "adaptive_width": "adaptive width"}
     head = [
         "model",
-        *[{"block_size": "B"}.get(k, k) for k in varying],
+        *[names.get(k, k) for k in varying],
         "tau",
         "accuracy",
         *families,

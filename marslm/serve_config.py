@@ -7,7 +7,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from .decode.params import check_mask_batch_limit, check_seed, check_tau
+from .decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
 from .errors import UserError
 from .settings import flag_of, setting
 
@@ -57,6 +57,11 @@ class ServeConfig:
         "what they cost (default: no limit)",
         parse=_int_or_auto,
         metavar="N|auto",
+    )
+    adaptive_width: bool = setting(
+        ADAPTIVE_WIDTH,
+        "rest a row from masks after steps running that accepted none of them: cheaper where masks are "
+        "rarely confident, but at tau < 1 it changes the text (off: every step reads its masks, the paper's rule)",
     )
     max_queue: int = setting(256, "requests that may wait for a batch row; beyond it: 429 with Retry-After")
     max_tokens: int = setting(256, "max_tokens of a request that names none")

@@ -26,7 +26,7 @@ from marslm.modeling import load_model
 MAX_NEW_TOKENS = 128
 MARS_SETTINGS = {
     "tau 1": {"tau": 1.0},
-    "tau 0.95 adaptive": {"tau": 0.95},
+    "tau 0.95 adaptive": {"tau": 0.95, "adaptive_width": True},
     "tau 0.95 fixed": {"tau": 0.95, "adaptive_width": False},
     "lossless": {"mode": "lossless"},
 }

@@ -141,6 +141,14 @@ def test_smollm2_quick_demo_runs_every_stage_and_resumes(smollm2_dir, tmp_path):
     assert [p["examples_seen"] for p in report["learning_curve"]] == [0, 4, 8]
     assert report["original"]["toy_accuracy"] is not None
     assert report["train"]["steps"] == 2
+    probe = report["probe"]
+    assert probe["tokens_per_forward_paper_tf"]["1"] == 1.0 and probe["tokens_per_forward_paper_tf"]["0.9"] >= 1.0
+    assert 0.5 < probe["original_bf16"]["fidelity"]["top1_agreement"] <= 1.0
+    # teacher-forced, an item agrees at every token exactly when greedy decoding reproduces it
+    assert probe["fidelity"]["items_all_agree"] == report["mars"]["tau=1"]["exact_match"]
+    point = report["learning_curve"][-1]
+    assert set(point) >= {"seconds", "fidelity", "tokens_per_forward_paper_tf", "tokens_per_forward_lossless_tf"}
+    assert len(point["offset_accuracy"]) == 5  # the AR token and the B masks
     config = json.loads((out / "mars" / "marslm.json").read_text())
     assert config["stage"] == "mars" and config["mask_token_id"] == 49152
 
@@ -150,3 +158,4 @@ def test_smollm2_quick_demo_runs_every_stage_and_resumes(smollm2_dir, tmp_path):
     again = run_smollm2_demo(out, "smollm2-quick", progress=False, original=str(smollm2_dir))
     assert weights.stat().st_mtime_ns == stamp
     assert again["mars"] == report["mars"] and again["learning_curve"] == report["learning_curve"]
+    assert again["probe"] == report["probe"]

@@ -17,7 +17,7 @@ from importlib import import_module
 from ..errors import UserError
 from .common import EXIT_USAGE
 
-METHOD = ("train", "generate", "evaluate", "serve", "convert", "distill")
+METHOD = ("train", "generate", "evaluate", "serve", "convert", "distill", "probe")
 EXPERIMENTS = ("demo", "ablate", "bench", "loadtest", "plot", "show")
 
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="MARS: fine-tune a Hugging Face causal LM to emit several tokens per forward pass, "
         "and decode with it.",
-        epilog="the method: train, generate, eval, serve, convert, distill\n"
+        epilog="the method: train, generate, eval, serve, convert, distill, probe\n"
         "experiments: demo, ablate, bench, loadtest, plot, show",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -32,6 +32,19 @@ def add_device(parser) -> None:
     parser.add_argument("--device", default="auto", help="torch device (default: cuda if available, else cpu)")
 
 
+def add_adaptive_width(parser) -> None:
+    from ..decode.params import ADAPTIVE_WIDTH
+
+    parser.add_argument(
+        "--adaptive-width",
+        action=argparse.BooleanOptionalAction,
+        default=ADAPTIVE_WIDTH,
+        help="rest a row from masks (1, 2, 4 .. 16 steps) after steps running that accepted none of them: "
+        "cheaper where masks are rarely confident, but at tau < 1 it changes the text, not only the reach "
+        "(off: every step reads its masks, the paper's rule)",
+    )
+
+
 def add_unsafe_exec(parser) -> None:
     parser.add_argument(
         "--unsafe-exec",

@@ -6,7 +6,16 @@ import argparse
 import sys
 
 from ..errors import UserError
-from .common import EXIT_FAILED_CELLS, add_device, add_unsafe_exec, code_execution, floats, ints, strings
+from .common import (
+    EXIT_FAILED_CELLS,
+    add_adaptive_width,
+    add_device,
+    add_unsafe_exec,
+    code_execution,
+    floats,
+    ints,
+    strings,
+)
 
 COMMAND = "eval"
 
@@ -27,9 +36,9 @@ def add_parser(sub) -> None:
         "  * An AR SFT checkpoint (marslm.json stage 'ar') is evaluated once, at tau=1: it is the baseline.\n"
         "  * One-token cells of a model are decoded once and shared by every block size and metric.\n"
         "  * With --json FILE every finished cell is saved at once; rerunning the same command skips them\n"
-        "    (key: model, data, n, seed, tau, metric, block size, cache, mode, width). A cell that fails (out of\n"
-        '    memory, say) is recorded as {"failed": reason}, the sweep goes on, and a rerun retries it;\n'
-        "    the exit status is then 1.\n"
+        "    (key: model, data, n, seed, tau, metric, block size, cache, mode, adaptive width). A cell that\n"
+        '    fails (out of memory, say) is recorded as {"failed": reason}, the sweep goes on, and a rerun\n'
+        "    retries it; the exit status is then 1.\n"
         '  * Report shape: one model gives {"model", "data", "results": [...]}; several give\n'
         '    {"models": [one such report per model]}.',
     )
@@ -74,12 +83,7 @@ def add_parser(sub) -> None:
         default="threshold",
         help="threshold: MARS acceptance by tau; lossless: exact greedy output, tau ignored",
     )
-    ev.add_argument(
-        "--fixed-width",
-        dest="adaptive_width",
-        action="store_false",
-        help="always feed every mask (default: a row feeds fewer while its recent steps accepted few)",
-    )
+    add_adaptive_width(ev)
     ev.add_argument("--n", type=int, default=500, help="number of test items (default 500)")
     ev.add_argument("--seed", type=int, default=0, help="seed of the toy suite's test items")
     ev.add_argument("--batch-size", type=int, default=32, help="rows decoded together")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .common import add_device
+from .common import add_adaptive_width, add_device
 
 COMMAND = "generate"
 
@@ -39,12 +39,7 @@ def add_parser(sub) -> None:
         action="store_false",
         help="ignore the last mask's prediction (the authors' sampler; default: use it, B+1 candidates per step)",
     )
-    decoder.add_argument(
-        "--fixed-width",
-        dest="adaptive_width",
-        action="store_false",
-        help="always feed every mask (default: fewer while recent steps accepted few)",
-    )
+    add_adaptive_width(decoder)
     add_device(decoder)
     parser.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of the text")

@@ -56,6 +56,8 @@ def _serve_vllm(model: str, config, vllm_args: list[str]) -> int:
         raise UserError("--tau-policy adaptive is marslm's engine; vLLM serves a fixed default tau")
     if config.threads is not None:
         raise UserError("--threads is marslm's engine; vLLM's CPU build takes VLLM_CPU_OMP_THREADS_BIND")
+    if config.adaptive_width:
+        raise UserError("--adaptive-width is marslm's engine; the vLLM plugin reads every mask at every step")
     if config.mask_batch_limit is not None:
         raise UserError("--mask-batch-limit is marslm's engine; the vLLM plugin reads masks at every batch size")
     exec_server(

@@ -15,6 +15,7 @@ _EXPORTS = {
     "BlockCachedBatch": "block_cache",
     "GenerationResult": "generation",
     "generate": "generation",
+    "ADAPTIVE_WIDTH": "params",
     "CACHE_MODES": "params",
     "MODES": "params",
     "DecodingParams": "params",

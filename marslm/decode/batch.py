@@ -16,15 +16,17 @@ per possible number of accepted drafts (each group sees only that many drafts: t
 composition with speculative decoding, section 4.6), so a partial rejection still leaves a valid
 draft for the next step.
 
-Adaptive width (``adaptive_width``, on by default): a row whose masks were all refused in two
-steps running rests: it reads no masks for 1 step, then, after each further refused try, for 2,
-4, 8 and at most 16 steps; one accepted mask ends the streak. A resting row decodes one token per
-step at the cost of a plain AR step, so off the training distribution, where masks are rarely
-confident, MARS costs about what AR does. The policy is all or nothing on purpose: the first mask
-a step feeds costs far more than the next ones where a forward is overhead-bound (a CPU at small
-batch: 1.24x a one-token step for one mask, 1.32x for four), so narrowing a step saves little
+Adaptive width (``adaptive_width``, off by default: every step reads its masks, the paper's rule):
+a row whose masks were all refused in two steps running rests: it reads no masks for 1 step,
+then, after each further refused try, for 2, 4, 8 and at most 16 steps; one accepted mask ends
+the streak. A resting row decodes one token per step at the cost of a plain AR step, so off the
+training distribution, where masks are rarely confident, MARS costs about what AR does. The
+policy is all or nothing on purpose: the first mask a step feeds costs far more than the next
+ones where a forward is overhead-bound (a CPU at small batch), so narrowing a step saves little
 and loses reach. Under causal attention a mask never sees the masks after it, so resting changes
-how far a row reaches, never what it predicts. Rows in one-token mode read no masks.
+no mask's prediction; it does change the output at tau < 1: where a resting row emits the AR
+token alone, the paper's sampler could have accepted mask predictions after it, and the two then
+continue from different prefixes. Rows in one-token mode read no masks.
 
 Batch limit (``mask_batch_limit``, off by default): while more rows run than this, no row reads
 masks, and every row decodes one token per step, as AR. Where a forward is compute-bound (a CPU
@@ -67,7 +69,7 @@ import torch
 from ..masks import causal_step_mask, decode_step_mask, for_attention
 from .acceptance import accept_length, confidence, metric_code, one_token_rows
 from .kv import SlotCache
-from .params import DecodingParams
+from .params import ADAPTIVE_WIDTH, DecodingParams
 from .sampling import sampling_probs, speculative_accept
 
 CACHE_MODES = ("none", "cursor")
@@ -144,7 +146,7 @@ class DecodeBatch:
         cache: str = "cursor",
         use_last_mask: bool = True,
         draft_groups: bool = False,
-        adaptive_width: bool = True,
+        adaptive_width: bool = ADAPTIVE_WIDTH,
         mask_batch_limit: int | None = None,
         seed: int | None = None,
     ):

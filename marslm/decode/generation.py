@@ -8,7 +8,7 @@ from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
 from .batch import BatchStats, DecodeBatch, FinishedRow
 from .block_cache import BlockCachedBatch
-from .params import CACHE_MODES, DecodingParams, check_mask_batch_limit
+from .params import ADAPTIVE_WIDTH, CACHE_MODES, DecodingParams, check_mask_batch_limit
 from .text import TextStream
 
 
@@ -108,7 +108,7 @@ def generate(
     block_cache_size: int = 16,
     use_last_mask: bool = True,
     draft_groups: bool = False,
-    adaptive_width: bool = True,
+    adaptive_width: bool = ADAPTIVE_WIDTH,
     mask_batch_limit: int | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -131,8 +131,9 @@ def generate(
     the AR model's: greedy token for token, or at ``temperature`` > 0 sampled exactly from its
     distribution (speculative sampling). ``draft_groups`` adds one mask group per possible
     accepted-draft count. ``use_last_mask`` (default) also reads the last mask, whose prediction is
-    B+1 tokens ahead: training teaches exactly that case. ``adaptive_width`` (default) feeds a row
-    fewer masks while its recent steps accepted few (batch.py). ``mask_batch_limit``: while more
+    B+1 tokens ahead: training teaches exactly that case. ``adaptive_width`` (off by default: every
+    step reads its masks, as the paper's sampler does) rests a row from masks while its recent steps
+    accepted none; at tau < 1 that changes the text, not only the reach (batch.py). ``mask_batch_limit``: while more
     rows than this decode together, none reads masks (plain AR steps; batch.py says when it pays).
 
     ``temperature``, ``top_p``, ``top_k``: sampling (threshold mode samples the AR token of each

@@ -23,6 +23,9 @@ MIN_TEMPERATURE = 1e-5
 # Token ids are 32-bit (tokenizers), so a top_k from here on exceeds every vocabulary: it keeps
 # every token, as 0 does (and stays within the decoder's 64-bit integers).
 MAX_VOCAB = 2**32
+# Every step reads its masks, as the paper's sampler does. Adaptive width (batch.py) is an opt-in:
+# at tau < 1 it changes the text, not only how far a step reaches.
+ADAPTIVE_WIDTH = False
 
 
 class ParamError(UserError):

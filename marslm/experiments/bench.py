@@ -37,7 +37,7 @@ class Contender:
 
 
 # Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
-CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "cursor-fixed", "lossless", "lossless-groups")
+CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "cursor-adaptive", "lossless", "lossless-groups")
 
 
 def default_contenders(taus=(0.95, 0.9), block_cache_sizes=(16, 32), groups=CONTENDER_GROUPS) -> list[Contender]:
@@ -67,13 +67,13 @@ def default_contenders(taus=(0.95, 0.9), block_cache_sizes=(16, 32), groups=CONT
             )
         if "cursor" in groups:
             contenders.append(Contender(f"MARS cursor tau={tau}", "mars", "mars", {"tau": tau, "cache": "cursor"}))
-        if "cursor-fixed" in groups:  # every mask fed at every step: what adaptive width saves
+        if "cursor-adaptive" in groups:  # rows rest from refused masks: what adaptive width saves, and costs
             contenders.append(
                 Contender(
-                    f"MARS cursor fixed-width tau={tau}",
+                    f"MARS cursor adaptive-width tau={tau}",
                     "mars",
                     "mars",
-                    {"tau": tau, "cache": "cursor", "adaptive_width": False},
+                    {"tau": tau, "cache": "cursor", "adaptive_width": True},
                 )
             )
     if "lossless" in groups:

@@ -4,10 +4,13 @@
     2. distill     its greedy answers to the training prompts             -> OUT/distill/train.jsonl
                    and to held-out prompts (the references)               -> OUT/distill/heldout.jsonl
     3. train MARS  on its own answers, from OUT/original                  -> OUT/mars
-                   with a learning curve (tokens per forward at tau 0.95 on held-out prompts
+                   with a learning curve (the probe, marslm/probe.py, on held-out answers
                    against examples seen)                                 -> OUT/learning_curve.json
-    4. evaluate    MARS at several tau on the held-out prompts: tokens per forward, agreement with
-                   the original model's greedy answers, toy-suite accuracy -> OUT/eval.json
+    4. evaluate    MARS at several tau on the held-out prompts: decoded tokens per forward,
+                   agreement with the original model's greedy answers, toy-suite accuracy
+                                                                          -> OUT/eval.json
+                   and the probe on every held-out answer, beside the original's bf16 baseline
+                                                                          -> OUT/probe.json
     5. report                                                             -> OUT/report.json
 
 Every stage skips when its output is complete, so an interrupted run resumes where it stopped:
@@ -179,6 +182,12 @@ def agreement(outputs: list[list[int]], references: list[list[int]]) -> dict:
     }
 
 
+# How the demo decodes: marslm's defaults, spelled out for the report: every step reads its masks
+# (the paper's rule), and the last mask too (B+1 candidates, where the paper's sampler reads B).
+DECODING = {"adaptive_width": False, "use_last_mask": True}
+DECODED_LABEL = "decoded, every step reads its masks, B+1 candidates"
+
+
 def decode_heldout(
     model,
     tokenizer,
@@ -201,11 +210,13 @@ def decode_heldout(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         mask_token_id=mask_token_id,
+        **DECODING,
     )
     references = [it["reference"][:max_new_tokens] for it in items]
     return {
         "tau": tau,
         "n": len(items),
+        "decoding": DECODED_LABEL,
         "tokens_per_forward": out.tokens_per_forward,
         **agreement(out.token_ids, references),
         "texts": out.texts,
@@ -221,7 +232,7 @@ class _Curve:
         self.points = json.loads(path.read_text()) if path.is_file() else []
 
     def has(self, step: int) -> bool:
-        return any(p["step"] == step for p in self.points)
+        return any(p["step"] == step and "fidelity" in p for p in self.points)  # earlier runs decoded instead
 
     def add(self, point: dict) -> None:
         self.points = sorted([p for p in self.points if p["step"] != point["step"]] + [point], key=lambda p: p["step"])
@@ -230,54 +241,67 @@ class _Curve:
         os.replace(tmp, self.path)
 
 
+CURVE_TAU = 0.95
+
+
 def learning_curve_callback(out: Path, preset: RealModelPreset, items: list[dict]):
-    """Tokens per forward at tau 0.95 (and tau-0.95 agreement) on a few held-out prompts, during training."""
+    """The probe (marslm/probe.py) on a few held-out answers during training: fidelity, tokens per
+    forward teacher-forced (the paper's rule at tau 0.95, and lossless) and accuracy per mask offset."""
     from transformers import TrainerCallback
 
+    from ..chat import stop_token_ids
     from ..config import MASK_TOKEN
+    from ..distill import read_answers
+    from ..probe import probe, probe_item
     from .demo import curve_steps
 
     curve = _Curve(out / "learning_curve.json")
     at_steps = {0, *curve_steps(preset.steps, preset.curve_points)}
-    items = items[: preset.curve_prompts]
+    answers = read_answers(out / "distill" / "heldout.jsonl")
+    records = [answers[it["id"]] for it in items[: preset.curve_prompts]]
     examples_per_step = preset.batch_size * preset.grad_accum
 
     def measure(model, tokenizer, step):
         if step not in at_steps or curve.has(step):
             return
-        was_training = model.training
-        model.eval()
+        stop = stop_token_ids(tokenizer)
+        probe_items = [x for r in records if (x := probe_item(r, tokenizer, r["id"], stop)) is not None]
         # Under --bf16, Trainer (through accelerate) wraps forward in autocast. The checkpoint is
         # saved and evaluated in float32, and bf16 logits flip near-ties of the greedy choice, so
         # the curve runs the unwrapped forward.
         wrapped = model.__dict__.pop("forward", None) if hasattr(model, "_original_forward") else None
         try:
-            result = decode_heldout(
+            result = probe(
                 model,
-                tokenizer,
-                items,
-                0.95,
-                preset.curve_tokens,
-                preset.block_size,
-                preset.eval_batch,
+                probe_items,
+                block_size=preset.block_size,
                 mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+                taus=(CURVE_TAU,),
+                pad_id=tokenizer.pad_token_id or 0,
+                batch_size=preset.eval_batch,
             )
         finally:
             if wrapped is not None:
                 model.forward = wrapped
-        model.train(was_training)
+        tpf = result["tokens_per_forward_paper_tf"][f"{CURVE_TAU:g}"]
         curve.add(
             {
                 "step": step,
                 "examples_seen": step * examples_per_step,
-                "tokens_per_forward": round(result["tokens_per_forward"], 4),
-                "exact_match": result["exact_match"],
-                "mean_matching_prefix": result["mean_matching_prefix"],
+                "seconds": result["seconds"],
+                "items": result["items"],
+                "fidelity": result["fidelity"]["top1_agreement"],
+                "tokens_per_forward_paper_tf": {f"{CURVE_TAU:g}": tpf},
+                "tokens_per_forward_lossless_tf": result["tokens_per_forward_lossless_tf"],
+                "offset_accuracy": [o["top1_accuracy"] for o in result["offsets"]],  # [0]: the AR token
+                "masked_ce": result["masked_ce"],
             }
         )
         _say(
-            f"    step {step} ({step * examples_per_step} examples): {result['tokens_per_forward']:.2f} tokens per "
-            f"forward at tau 0.95, {100 * result['exact_match']:.0f}% equal to the original"
+            f"    step {step} ({step * examples_per_step} examples): "
+            f"fidelity {100 * result['fidelity']['top1_agreement']:.1f}%, "
+            f"tokens per forward (teacher-forced) {tpf:.2f} at tau {CURVE_TAU:g}, "
+            f"{result['tokens_per_forward_lossless_tf']:.2f} lossless ({result['seconds']:.1f} s)"
         )
 
     class LearningCurve(TrainerCallback):
@@ -361,7 +385,7 @@ def eval_stage(mars: Path, out: Path, preset: RealModelPreset, items: list[dict]
     model = tokenizer = None
     for tau in preset.taus:
         key = f"tau={tau:g}"
-        if key in done:
+        if done.get(key, {}).get("decoding") == DECODED_LABEL:  # earlier runs may have decoded otherwise
             continue
         if model is None:
             _say(f"4/5 evaluating {mars} on {len(items)} held-out prompts at tau {', '.join(map(str, preset.taus))}")
@@ -387,9 +411,59 @@ def eval_stage(mars: Path, out: Path, preset: RealModelPreset, items: list[dict]
     return done
 
 
+PROBE_BATCH = 8  # items per forward: the kept logits grow with the vocabulary (49k rows here)
+
+
+def probe_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, items: list[dict], progress: bool):
+    """The probe on every held-out answer, MARS in float32, and the original's bf16 baseline -> OUT/probe.json."""
+    import torch
+
+    from ..chat import stop_token_ids
+    from ..distill import read_answers
+    from ..files import write_json_atomically
+    from ..modeling import checkpoint_facts, load_model
+    from ..probe import probe, probe_clean, probe_item
+
+    path = out / "probe.json"
+    if path.is_file():
+        _say(f"4/5 probe: {path} is there")
+        return json.loads(path.read_text())
+    _say(f"4/5 probing {mars} on {len(items)} held-out answers (teacher-forced), and the original in bf16")
+    model, tokenizer, _ = load_model(str(mars), dtype="float32")
+    facts = checkpoint_facts(model, tokenizer)
+    answers = read_answers(out / "distill" / "heldout.jsonl")
+    stop = stop_token_ids(tokenizer)
+    probe_items = [x for it in items if (x := probe_item(answers[it["id"]], tokenizer, it["id"], stop)) is not None]
+    report = probe(
+        model,
+        probe_items,
+        block_size=facts.block_size,
+        mask_token_id=facts.mask_token_id,
+        taus=preset.taus,
+        pad_id=facts.pad_id,
+        batch_size=PROBE_BATCH,
+        progress=progress,
+    )
+    del model
+    # the same token ids: the original's tokenizer lacks only the mask token
+    baseline, _, _ = load_model(str(original), dtype="float32")
+    report["original_bf16"] = probe_clean(
+        baseline, probe_items, pad_id=facts.pad_id, batch_size=PROBE_BATCH, autocast_dtype=torch.bfloat16
+    )
+    write_json_atomically(path, report)
+    _say(
+        f"    fidelity {100 * report['fidelity']['top1_agreement']:.1f}% (the original in bf16: "
+        f"{100 * report['original_bf16']['fidelity']['top1_agreement']:.1f}%), tokens per forward teacher-forced "
+        + ", ".join(f"tau {t}: {v:.2f}" for t, v in report["tokens_per_forward_paper_tf"].items())
+    )
+    return report
+
+
 def format_report(report: dict) -> str:
+    from ..probe import format_probe
+
     lines = [
-        "| model | tau | tok/fwd | = original (exact) | matching prefix (tokens) | toy accuracy |",
+        f"| model | tau | tok/fwd ({DECODED_LABEL}) | = original (exact) | matching prefix (tokens) | toy accuracy |",
         "|---|---|---|---|---|---|",
     ]
     original = report["original"]["toy_accuracy"]
@@ -403,13 +477,23 @@ def format_report(report: dict) -> str:
             f"| MARS B={report['preset']['block_size']} | {r['tau']:g} | {r['tokens_per_forward']:.2f} | "
             f"{100 * r['exact_match']:.1f}% | {r['mean_matching_prefix']:.1f} | {toy_acc} |"
         )
-    curve = report.get("learning_curve") or []
+    if report.get("probe"):
+        lines += [
+            "",
+            "probe (teacher-forced on the original's answers, marslm probe): " + format_probe(report["probe"]),
+        ]
+    curve = [p for p in report.get("learning_curve") or [] if "fidelity" in p]
     if curve:
-        lines.append("")
-        lines.append(
-            "learning curve (tau 0.95): "
-            + ", ".join(f"{p['examples_seen']} ex -> {p['tokens_per_forward']:.2f}" for p in curve)
-        )
+        lines += [
+            "",
+            f"learning curve (probe on {curve[0]['items']} held-out answers): examples -> fidelity, tokens per "
+            f"forward teacher-forced at tau {CURVE_TAU:g} (B candidates) / lossless",
+            ", ".join(
+                f"{p['examples_seen']} -> {100 * p['fidelity']:.1f}%, "
+                f"{p['tokens_per_forward_paper_tf'][f'{CURVE_TAU:g}']:.2f} / {p['tokens_per_forward_lossless_tf']:.2f}"
+                for p in curve
+            ),
+        ]
     return "\n".join(lines)
 
 
@@ -446,6 +530,9 @@ def run_smollm2_demo(
     t = time.time()
     evaluated = eval_stage(mars, out, preset, items, progress)
     timings["eval"] = time.time() - t
+    t = time.time()
+    probed = probe_stage(mars, original_dir, out, preset, items, progress)
+    timings["probe"] = time.time() - t
     timings["total"] = time.time() - started
 
     from ..config import MarsConfig
@@ -456,6 +543,7 @@ def run_smollm2_demo(
         "mars": {
             k: {key: v for key, v in r.items() if key != "texts"} for k, r in evaluated.items() if k.startswith("tau=")
         },
+        "probe": probed,
         "learning_curve": _Curve(out / "learning_curve.json").points,
         "train": summary,
         "preset": asdict(preset),

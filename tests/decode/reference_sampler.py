@@ -9,7 +9,8 @@ own cache modes would share (mask positions, candidate alignment, the rule itsel
 Two windows:
 
     sliding   every step appends ``block_size`` masks after the last accepted token; candidates are
-              the output at the last real token (AR) and at the first ``block_size - 1`` masks;
+              the output at the last real token (AR) and at the first ``block_size - 1`` masks
+              (``last_mask``: at all ``block_size`` masks, marslm's default);
               ``adaptive``: marslm's adaptive width restated: after the second step running that
               accepted none of the masks it read, and after each further one, read no masks for
               1, 2, 4, 8, at most 16 steps
@@ -77,6 +78,7 @@ def reference_generate(
     window: str = "sliding",
     block_cache_size: int = 16,
     adaptive: bool = False,
+    last_mask: bool = False,
 ) -> tuple[list[int], list[int]]:
     """``(new tokens without the stop token, tokens accepted per forward)`` for one prompt."""
     generated: list[int] = []
@@ -87,7 +89,7 @@ def reference_generate(
         if window == "sliding":
             logits = _logits(model, seq + [mask_id] * block_size)
             # output i predicts position i + 1: the last real token's output, then the masks'
-            reads = 0 if adaptive and pause else block_size - 1
+            reads = 0 if adaptive and pause else block_size - 1 + last_mask
             candidates = [_confidence(logits[len(seq) - 1 + k], metric) for k in range(reads + 1)]
         else:
             filled = len(generated) % block_cache_size

@@ -36,7 +36,7 @@ def setup(trained_checkpoints):
     stop = set(stop_token_ids(tokenizer, model.generation_config))
 
     @cache
-    def reference(index: int, tau: float, metric: str, window: str, adaptive: bool = False):
+    def reference(index: int, tau: float, metric: str, window: str, adaptive: bool = False, last_mask: bool = False):
         return reference_generate(
             model,
             prompts[index],
@@ -49,6 +49,7 @@ def setup(trained_checkpoints):
             window=window,
             block_cache_size=BLOCK_CACHE,
             adaptive=adaptive,
+            last_mask=last_mask,
         )
 
     return model, tokenizer, prompts, reference
@@ -106,3 +107,46 @@ def test_adaptive_width_only_shortens_the_reach(setup, cache, metric):
             assert (ids, steps) == reference(i, tau, metric, "sliding", adaptive=True), (tau, i)
             narrowed += ids != reference(i, tau, metric, "sliding")[0]
     assert narrowed  # the rests did change some answers' path, so the check had teeth
+
+
+@pytest.mark.parametrize("cache", ["none", "cursor"])
+def test_default_decoding_is_the_reference_sampler(setup, cache):
+    """Every step reads its masks unless asked otherwise: ``generate`` with no ``adaptive_width``
+    is the paper's sampler at tau < 1, token for token and step for step; with marslm's other
+    default too (the last mask read), it is the same sampler with B+1 candidates."""
+    model, tokenizer, prompts, reference = setup
+    multi_token_steps = 0
+    for tau in TAUS:
+        paper = generate(model, tokenizer, prompts, tau=tau, cache=cache, use_last_mask=False, max_new_tokens=MAX_NEW)
+        default = generate(model, tokenizer, prompts, tau=tau, cache=cache, max_new_tokens=MAX_NEW)
+        for i in range(len(prompts)):
+            assert (paper.token_ids[i], paper.accepted_per_step[i]) == reference(i, tau, "prob", "sliding"), (tau, i)
+            expected = reference(i, tau, "prob", "sliding", last_mask=True)
+            assert (default.token_ids[i], default.accepted_per_step[i]) == expected, (tau, i)
+            multi_token_steps += sum(s > 1 for s in paper.accepted_per_step[i])
+    assert multi_token_steps > 10
+
+
+def test_every_surface_takes_the_one_default(make_tiny_model, tiny_tokenizer):
+    """generate, the decoding batch, eval, the server and the CLIs read their default from
+    ``ADAPTIVE_WIDTH``, which is the paper's rule (every step reads its masks)."""
+    import inspect
+
+    from marslm.cli import build_parser
+    from marslm.decode import ADAPTIVE_WIDTH, DecodeBatch
+    from marslm.engine import Engine
+    from marslm.evaluate import evaluate, plan_cells, sweep
+    from marslm.serve_config import ServeConfig
+
+    assert ADAPTIVE_WIDTH is False
+    for fn in (generate, DecodeBatch.__init__, evaluate, plan_cells, sweep):
+        assert inspect.signature(fn).parameters["adaptive_width"].default is ADAPTIVE_WIDTH, fn
+    assert ServeConfig().adaptive_width is ADAPTIVE_WIDTH
+    model = make_tiny_model()
+    assert Engine(model, tiny_tokenizer, ServeConfig())._batch.adaptive_width is ADAPTIVE_WIDTH  # not started
+    assert Engine(model, tiny_tokenizer, ServeConfig(adaptive_width=True))._batch.adaptive_width is True
+    parser = build_parser()
+    for argv in (["generate", "--prompt", "x"], ["eval"], ["serve"]):
+        args = parser.parse_args(argv[:1] + ["--model", "m"] + argv[1:])
+        assert args.adaptive_width is ADAPTIVE_WIDTH, argv
+        assert parser.parse_args(argv[:1] + ["--model", "m", "--adaptive-width"] + argv[1:]).adaptive_width is True

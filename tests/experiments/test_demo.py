@@ -21,6 +21,10 @@ def test_quick_demo_writes_a_well_formed_report(tmp_path, capsys):
     assert [r["tau"] for r in report["ar"]["results"]] == [1.0]
     assert [r["tau"] for r in report["ar_control"]["results"]] == [1.0]
     assert [r["tau"] for r in report["mars"]["results"]] == [1.0, 0.95, 0.9]
+    paper = report["mars_paper_sampler"]["results"]
+    assert [r["tau"] for r in paper] == [0.95, 0.9]
+    assert not any(r["use_last_mask"] or r["adaptive_width"] for r in paper)
+    assert "| MARS B=4, the paper's sampler (B candidates) | 0.95 |" in printed
     for result in report["ar"]["results"] + report["ar_control"]["results"] + report["mars"]["results"]:
         assert 0.0 <= result["accuracy"] <= 1.0
         assert result["tokens_per_forward"] >= 1.0

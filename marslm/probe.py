@@ -1,0 +1,485 @@
+"""Is MARS fine-tuning learning? Cheap answers in the paper's terms, from teacher-forced forwards.
+
+Held-out items are prompts with reference answers (the original model's greedy answers, from
+``marslm distill``). A batch of items goes through the model once, as the training batch
+(objective.two_stream_batch: the clean stream, and the masked stream under the training mask),
+with no decoding loop. Over answer targets only, that forward gives:
+
+    fidelity     the clean stream's top-1 at t-1 equals the reference token x_t. Teacher-forced
+                 greedy decoding: an item whose every token agrees is one that tau = 1 decoding
+                 reproduces exactly, and the agreeing prefix is how far tau = 1 decoding follows it.
+    offsets      a block's masks stand for one decoding step whose prefix ends at s, the block's
+                 first answer position (its start on the grid of B, or the prompt's end inside the
+                 first answer block). Offset 0 is the clean output at s-1 predicting x_s (the AR
+                 token); offset j = 1..B is the mask at s+j-1 predicting x_{s+j}. Per offset: top-1
+                 accuracy against the reference, held-out cross-entropy, and per tau the share with
+                 top-1 probability >= tau and the accuracy among those.
+    tokens per forward, teacher-forced, B candidates (the AR token and offsets 1..B-1: the
+                 authors' sampler does not read the last mask): per block, 1 + the leading
+                 candidates that pass, averaged over blocks.
+                 paper_tf     pass = top-1 probability >= tau (the paper's acceptance rule)
+                 lossless_tf  pass = top-1 equals the clean stream's top-1 for the same token
+                              (what self-drafting with verification keeps)
+
+Both are estimates: every block's prefix is the reference, as if every earlier token had been
+predicted right, and steps start only where blocks do (decoding starts a step wherever the last
+one stopped). The paper reports the same quantity from decoding: ``marslm eval`` measures that.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .chat import IGNORE, encode_conversation, stop_token_ids
+from .errors import UserError
+
+DEFAULT_TAUS = (0.9, 0.95)
+PROB = 0  # acceptance.py's code for the top-1 probability metric
+
+
+@dataclass(frozen=True)
+class ProbeItem:
+    id: str
+    source: str  # prompt family (a distill record's "source")
+    prompt_ids: list[int]
+    answer_ids: list[int]  # the reference; ends in the end-of-turn token when the answer finished
+
+
+def probe_item(record: dict, tokenizer, where: str = "record", stop_ids: list[int] | None = None) -> ProbeItem | None:
+    """One held-out item from a chat record: the prompt as training encodes it, and the reference.
+
+    The reference is the record's ``answer_ids`` (a distill record: the original model's tokens,
+    which re-tokenising its text need not give back), closed by the end-of-turn token training
+    puts there when ``finished``; without ``answer_ids``, the first assistant turn's tokens.
+    None when there is nothing to score (an unfinished, empty answer).
+    """
+    from .data.jsonl import record_to_messages
+
+    messages = record_to_messages(record, where)
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    enc = encode_conversation(tokenizer, messages[: first + 1], stop_ids=stop_ids)
+    start = next(t for t, label in enumerate(enc.labels) if label != IGNORE)
+    turn = enc.labels[start:]  # the assistant turn, through its end-of-turn token
+    if "answer_ids" in record:
+        ids = record["answer_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise UserError(f"{where}: 'answer_ids' must be a list of token ids")
+        answer = ids + ([turn[-1]] if record.get("finished", True) else [])
+    else:
+        answer = turn
+    if not answer:
+        return None
+    return ProbeItem(str(record.get("id", where)), str(record.get("source", "-")), enc.input_ids[:start], answer)
+
+
+def load_probe_items(path: str | Path, tokenizer, limit: int | None = None) -> list[ProbeItem]:
+    """Items of a chat JSONL file (a distill output, or any shape data/jsonl.py reads), in file order,
+    then those of its ``.unfinished.jsonl`` companion where distill wrote one: an answer cut at
+    distill's token limit is still the original's greedy text, only shorter."""
+    from itertools import chain
+
+    from .data.jsonl import read_jsonl_records
+    from .distill import unfinished_path
+
+    if not Path(path).is_file():
+        raise UserError(f"data file not found: {path}")
+    stop_ids = stop_token_ids(tokenizer)
+    files = [p for p in (Path(path), unfinished_path(path)) if p.is_file() and p.stat().st_size]
+    items = []
+    for where, record in chain(*map(read_jsonl_records, files)):
+        if limit is not None and len(items) >= limit:
+            break
+        item = probe_item(record, tokenizer, where, stop_ids)
+        if item is not None:
+            items.append(item)
+    if not items:
+        raise UserError(f"{path}: no record has an answer token to score")
+    return items
+
+
+@dataclass
+class Measurements:
+    """What the forwards gave, before any averaging (the tests compare it with plain decoding forwards).
+
+    Blocks: one row per answer block of every item; column j is offset j (0: the AR token).
+    """
+
+    block_size: int
+    item: torch.Tensor  # [blocks] index of the block's item
+    start: torch.Tensor  # [blocks] s: the position the block's offset 0 predicts
+    valid: torch.Tensor  # [blocks, B+1] the offset predicts a reference token (inside the block and the answer)
+    token: torch.Tensor  # [blocks, B+1] top-1
+    conf: torch.Tensor  # [blocks, B+1] top-1 probability (float32 softmax, as decoding computes it)
+    correct: torch.Tensor  # [blocks, B+1] top-1 equals the reference
+    ce: torch.Tensor  # [blocks, B+1] cross-entropy against the reference
+    matches_clean: torch.Tensor  # [blocks, B+1] top-1 equals the clean stream's top-1 for the same token
+    clean_token: list = field(default_factory=list)  # per item: [answer length] the clean top-1 for each target
+    clean_ce: list = field(default_factory=list)  # per item: [answer length]
+
+
+def _gather(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return values.gather(1, index.clamp(0, values.shape[1] - 1).flatten(1)).view(index.shape)
+
+
+def _keeps_only_some_logits(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _scored_logits(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
+    """``[keep.sum(), vocab]``: the logits of the kept columns, row by row; the others never reach
+    the output layer, whose output grows with the vocabulary."""
+    if _keeps_only_some_logits(model):
+        logits = model(**inputs, logits_to_keep=keep).logits
+        return logits.reshape(-1, logits.shape[-1])
+    return model(**inputs).logits[keep]
+
+
+def _stats(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, ...]:
+    """Top-1, its probability and the cross-entropy per kept column, a chunk at a time."""
+    from .decode.acceptance import confidence
+
+    tokens, confs, ces = [], [], []
+    for i in range(0, len(logits), chunk):
+        part = logits[i : i + chunk]
+        tok, conf = confidence(part[None], torch.full((1,), PROB, device=part.device), present={PROB})
+        tokens.append(tok[0])
+        confs.append(conf[0])
+        ces.append(F.cross_entropy(part.float(), targets[i : i + chunk], reduction="none"))
+    return torch.cat(tokens), torch.cat(confs), torch.cat(ces)
+
+
+@torch.no_grad()
+def _measure_batch(model, items: list[ProbeItem], block_size: int, mask_token_id: int | None, pad_id: int):
+    """Per-item clean tensors and per-block tensors for one batch (``mask_token_id`` None: clean only).
+
+    No EOS padding to a block multiple, unlike training: a masked position sees nothing after its
+    own column, so the padding would change no output the probe scores (its EOS targets are no
+    reference's) and would only cost compute.
+    """
+    from .masks import for_attention
+    from .objective import collate, two_stream_batch
+
+    B = block_size
+    examples = [
+        {"input_ids": it.prompt_ids + it.answer_ids, "labels": [IGNORE] * len(it.prompt_ids) + it.answer_ids}
+        for it in items
+    ]
+    batch = collate(examples, pad_id)  # right padding: real columns never see it, and nothing scores it
+    device = next(model.parameters()).device
+    input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+    rows, width = input_ids.shape
+    # the output at p predicts the token at p + 1
+    next_label = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+    clean_keep = next_label != IGNORE
+
+    if mask_token_id is None:
+        keep, targets_z = clean_keep, next_label
+        inputs = {"input_ids": input_ids}
+    else:
+        two = two_stream_batch(input_ids, labels, B, mask_token_id)
+        columns = two.noisy_columns
+        # a mask (its own column is an answer token) with a reference token after it
+        noisy_keep = (columns >= 0) & _gather(clean_keep & (labels != IGNORE), columns)
+        keep = torch.cat([clean_keep, noisy_keep], dim=1)
+        targets_z = torch.cat([next_label, torch.where(noisy_keep, _gather(next_label, columns), IGNORE)], dim=1)
+        inputs = {
+            "input_ids": two.input_ids,
+            "position_ids": two.position_ids,
+            "attention_mask": for_attention(two.attention_mask, model),
+        }
+    tok_flat, conf_flat, ce_flat = _stats(_scored_logits(model, keep, **inputs), targets_z[keep])
+
+    def unflatten(values, fill):
+        out = torch.full(keep.shape, fill, dtype=values.dtype, device=device)
+        out[keep] = values
+        return out
+
+    tok_z, conf_z, ce_z = unflatten(tok_flat, -1), unflatten(conf_flat, 0.0), unflatten(ce_flat, 0.0)
+    prompt_len = torch.tensor([len(it.prompt_ids) for it in items], device=device)
+    seq_len = prompt_len + torch.tensor([len(it.answer_ids) for it in items], device=device)
+    clean_tok, clean_conf, clean_ce = tok_z[:, :width], conf_z[:, :width], ce_z[:, :width]
+    clean_token = [clean_tok[r, prompt_len[r] - 1 : seq_len[r] - 1].cpu() for r in range(rows)]
+    clean_ces = [clean_ce[r, prompt_len[r] - 1 : seq_len[r] - 1].cpu() for r in range(rows)]
+    if mask_token_id is None:
+        return clean_token, clean_ces, None
+
+    # the masked stream's outputs, back at the clean positions they copy
+    noisy_tok = torch.full_like(clean_tok, -1)
+    noisy_conf, noisy_ce = torch.zeros_like(clean_conf), torch.zeros_like(clean_ce)
+    r_idx, c_idx = noisy_keep.nonzero(as_tuple=True)
+    p_idx = columns[r_idx, c_idx]
+    noisy_tok[r_idx, p_idx] = tok_z[:, width:][r_idx, c_idx]
+    noisy_conf[r_idx, p_idx] = conf_z[:, width:][r_idx, c_idx]
+    noisy_ce[r_idx, p_idx] = ce_z[:, width:][r_idx, c_idx]
+
+    # answer blocks: from the block holding the first answer token to the one holding the last
+    first_blk, last_blk = prompt_len // B, (seq_len - 1) // B
+    blk = first_blk[:, None] + torch.arange(int((last_blk - first_blk).max()) + 1, device=device)
+    has_block = blk <= last_blk[:, None]
+    start = torch.maximum(blk * B, prompt_len[:, None])  # s
+    offset = torch.arange(B + 1, device=device)
+    out_pos = start[..., None] + offset - 1  # [rows, blocks, B+1] the output predicting x_{s+j}
+    target_pos = out_pos + 1
+    valid = (
+        has_block[..., None]
+        & (target_pos < seq_len[:, None, None])
+        & ((offset == 0) | (out_pos < (blk[..., None] + 1) * B))
+    )
+    is_clean = offset == 0
+
+    def pick(clean, noisy):
+        return torch.where(is_clean, _gather(clean, out_pos), _gather(noisy, out_pos))
+
+    token = pick(clean_tok, noisy_tok)
+    reference = _gather(input_ids, target_pos)
+    measured = {
+        "item": torch.arange(rows, device=device)[:, None].expand_as(blk)[has_block],
+        "start": start[has_block],
+        "valid": valid[has_block],
+        "token": token[has_block],
+        "conf": pick(clean_conf, noisy_conf)[has_block],
+        "correct": (valid & (token == reference))[has_block],
+        "ce": pick(clean_ce, noisy_ce)[has_block],
+        "matches_clean": (valid & (token == _gather(clean_tok, out_pos)))[has_block],
+    }
+    return clean_token, clean_ces, {k: v.cpu() for k, v in measured.items()}
+
+
+def measure(
+    model,
+    items: list[ProbeItem],
+    *,
+    block_size: int,
+    mask_token_id: int | None,
+    pad_id: int = 0,
+    batch_size: int = 8,
+    autocast_dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> Measurements:
+    """Run the items through ``model`` in batches of similar length. ``mask_token_id`` None: the
+    clean stream only (a plain causal forward; a model without a mask token). ``autocast_dtype``:
+    run the forward under autocast, as training under ``--bf16`` does."""
+    from contextlib import nullcontext
+
+    from tqdm.auto import tqdm
+
+    if batch_size < 1:
+        raise UserError(f"batch size must be >= 1, got {batch_size}")
+    device = next(model.parameters()).device
+    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].answer_ids))
+    clean_token, clean_ce = [None] * len(items), [None] * len(items)
+    parts: list[dict] = []
+    bar = tqdm(total=len(items), desc="probe", unit="item", disable=not progress, leave=False)
+    for lo in range(0, len(order), batch_size):
+        index = order[lo : lo + batch_size]
+        cast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+        with cast:
+            tokens, ces, blocks = _measure_batch(model, [items[i] for i in index], block_size, mask_token_id, pad_id)
+        for i, tok, ce in zip(index, tokens, ces):
+            clean_token[i], clean_ce[i] = tok, ce.float()
+        if blocks is not None:
+            blocks["item"] = torch.tensor(index)[blocks["item"]]
+            parts.append(blocks)
+        bar.update(len(index))
+    bar.close()
+    empty = torch.zeros(0, block_size + 1)
+    joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+    return Measurements(
+        block_size=block_size,
+        item=joined.get("item", torch.zeros(0, dtype=torch.long)),
+        start=joined.get("start", torch.zeros(0, dtype=torch.long)),
+        valid=joined.get("valid", empty.bool()),
+        token=joined.get("token", empty.long()),
+        conf=joined.get("conf", empty).float(),
+        correct=joined.get("correct", empty.bool()),
+        ce=joined.get("ce", empty).float(),
+        matches_clean=joined.get("matches_clean", empty.bool()),
+        clean_token=clean_token,
+        clean_ce=clean_ce,
+    )
+
+
+def _rate(hits, total) -> float | None:
+    return round(float(hits) / float(total), 6) if total else None
+
+
+def leading_run(passes: torch.Tensor) -> torch.Tensor:
+    """``[blocks]``: how many leading candidates pass, left to right, stopping at the first that does not."""
+    return passes.int().cumprod(dim=1).sum(dim=1)
+
+
+def fidelity(items: list[ProbeItem], clean_token: list) -> dict:
+    """Clean top-1 agreement with the references: over tokens, per source, and per item."""
+
+    def summary(indices):
+        agree = [(clean_token[i] == torch.tensor(items[i].answer_ids)) for i in indices]
+        prefix = [int(a.int().cumprod(0).sum()) for a in agree]
+        tokens = sum(len(a) for a in agree)
+        return {
+            "items": len(indices),
+            "answer_tokens": tokens,
+            "top1_agreement": _rate(sum(int(a.sum()) for a in agree), tokens),
+            "items_all_agree": _rate(sum(bool(a.all()) for a in agree), len(indices)),
+            "mean_agreeing_prefix": round(sum(prefix) / len(prefix), 3) if prefix else None,
+        }
+
+    result = summary(range(len(items)))
+    result["by_source"] = {
+        source: summary([i for i, it in enumerate(items) if it.source == source])
+        for source in sorted({it.source for it in items})
+    }
+    return result
+
+
+def summarise(items: list[ProbeItem], m: Measurements, taus=DEFAULT_TAUS) -> dict:
+    """The probe's report (module docstring) from a :func:`measure` of a model with masks."""
+    B = m.block_size
+    answer_tokens = sum(len(it.answer_ids) for it in items)
+    offsets = []
+    for j in range(B + 1):
+        valid, n = m.valid[:, j], int(m.valid[:, j].sum())
+        entry = {
+            "offset": j,
+            "predicts": "x_s (the AR token)" if j == 0 else f"x_s+{j}" + (" (the last mask)" if j == B else ""),
+            "n": n,
+            "top1_accuracy": _rate(m.correct[:, j].sum(), n),
+            "ce": round(float(m.ce[valid, j].mean()), 6) if n else None,
+            "confident": {},
+        }
+        for tau in taus:
+            confident = valid & (m.conf[:, j] >= torch.tensor(tau, dtype=m.conf.dtype))
+            entry["confident"][f"{tau:g}"] = {
+                "share": _rate(confident.sum(), n),
+                "precision": _rate((confident & m.correct[:, j]).sum(), confident.sum()),
+            }
+        offsets.append(entry)
+
+    candidates = m.valid[:, 1:B]  # the paper's B candidates: the AR token and the first B-1 masks
+    paper = {}
+    for tau in taus:
+        if tau >= 1:  # one-token mode, whatever a float32 softmax rounds to 1.0
+            run = torch.zeros(len(m.valid), dtype=torch.long)
+        else:
+            run = leading_run(candidates & (m.conf[:, 1:B] >= torch.tensor(tau, dtype=m.conf.dtype)))
+        paper[f"{tau:g}"] = round(float((1 + run).float().mean()), 4) if len(run) else None
+    lossless = leading_run(candidates & m.matches_clean[:, 1:B])
+    masks = m.valid[:, 1:]
+    clean_ce = torch.cat(m.clean_ce) if m.clean_ce else torch.zeros(0)
+    return {
+        "items": len(items),
+        "answer_tokens": answer_tokens,
+        "blocks": len(m.valid),
+        "block_size": B,
+        "taus": list(taus),
+        "fidelity": fidelity(items, m.clean_token),
+        "clean_ce": round(float(clean_ce.mean()), 6) if len(clean_ce) else None,
+        "masked_ce": round(float(m.ce[:, 1:][masks].mean()), 6) if masks.any() else None,
+        "offsets": offsets,
+        "tokens_per_forward_paper_tf": paper,
+        "tokens_per_forward_lossless_tf": round(float((1 + lossless).float().mean()), 4) if len(lossless) else None,
+    }
+
+
+def probe(
+    model,
+    items: list[ProbeItem],
+    *,
+    block_size: int,
+    mask_token_id: int,
+    taus=DEFAULT_TAUS,
+    pad_id: int = 0,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> dict:
+    """:func:`summarise` of :func:`measure`, with the seconds it took."""
+    started = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    try:
+        m = measure(
+            model,
+            items,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            pad_id=pad_id,
+            batch_size=batch_size,
+            progress=progress,
+        )
+    finally:
+        model.train(was_training)
+    return {**summarise(items, m, taus), "seconds": round(time.perf_counter() - started, 2)}
+
+
+def probe_clean(
+    model,
+    items: list[ProbeItem],
+    *,
+    pad_id: int = 0,
+    batch_size: int = 8,
+    autocast_dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> dict:
+    """Fidelity alone, from plain causal forwards: for a model without a mask token (the original)."""
+    started = time.perf_counter()
+    m = measure(
+        model,
+        items,
+        block_size=1,
+        mask_token_id=None,
+        pad_id=pad_id,
+        batch_size=batch_size,
+        autocast_dtype=autocast_dtype,
+        progress=progress,
+    )
+    return {"fidelity": fidelity(items, m.clean_token), "seconds": round(time.perf_counter() - started, 2)}
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _num(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_probe(report: dict) -> str:
+    """The report as text for people: a summary and the per-offset table."""
+    fid = report["fidelity"]
+    by_source = ", ".join(f"{s} {_pct(v['top1_agreement'])}" for s, v in fid["by_source"].items())
+    baseline = report.get("original_bf16")
+    lines = [
+        f"{report['items']} items, {report['answer_tokens']} answer tokens, {report['blocks']} blocks of "
+        f"B={report['block_size']}" + (f", {report['seconds']:.1f} s" if "seconds" in report else ""),
+        f"fidelity (clean top-1 = reference): {_pct(fid['top1_agreement'])} ({by_source})"
+        + (f"; original in bf16: {_pct(baseline['fidelity']['top1_agreement'])}" if baseline else ""),
+        f"items whose every token agrees: {_pct(fid['items_all_agree'])}; mean agreeing prefix "
+        f"{_num(fid['mean_agreeing_prefix'], 1)} tokens",
+        "tokens per forward, teacher-forced, B candidates: "
+        + ", ".join(f"paper rule tau {t}: {v:.2f}" for t, v in report["tokens_per_forward_paper_tf"].items() if v)
+        + (
+            f"; lossless (masks equal to the clean top-1): {report['tokens_per_forward_lossless_tf']:.2f}"
+            if report["tokens_per_forward_lossless_tf"]
+            else ""
+        ),
+        f"held-out cross-entropy (nats): clean {_num(report['clean_ce'])}, masks {_num(report['masked_ce'])}",
+        "",
+    ]
+    taus = list(report["offsets"][0]["confident"])
+    header = ["offset", "predicts", "n", "top-1 acc", "CE"]
+    for tau in taus:
+        header += [f"p>={tau}", f"acc if p>={tau}"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for o in report["offsets"]:
+        cells = [str(o["offset"]), o["predicts"], str(o["n"]), _pct(o["top1_accuracy"])]
+        cells.append(_num(o["ce"]))
+        for tau in taus:
+            c = o["confident"][tau]
+            cells += [_pct(c["share"]), _pct(c["precision"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
