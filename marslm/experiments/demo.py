@@ -316,7 +316,7 @@ def run_demo(
     **overrides,
 ) -> dict:
     from ..evaluate import evaluate, format_table, load_eval_set
-    from ..modeling import load_model
+    from ..modeling import load_model, resolve_device
     from ..train import TrainConfig, train
 
     preset = resolve_preset(preset, **overrides)
@@ -386,7 +386,7 @@ def run_demo(
     eval_set = load_eval_set("toy", preset.test_examples, seed=preset.seed)
     reports = {}
     for name, taus in (("ar", (1.0,)), ("ar_control", (1.0,)), ("mars", preset.taus)):
-        model, tokenizer, _ = load_model(str(out / name))
+        model, tokenizer, _ = load_model(str(out / name), device=resolve_device("auto"))
         reports[name] = evaluate(
             model,
             tokenizer,

@@ -137,9 +137,9 @@ def distill_stage(original: Path, out: Path, preset: RealModelPreset, progress: 
             continue
         _say(f"2/5 distill ({name}): the original model's greedy answers to {missing} of {len(prompts)} prompts")
         if loaded is None:
-            from ..modeling import load_model
+            from ..modeling import load_model, resolve_device
 
-            loaded = load_model(str(original), dtype="float32")
+            loaded = load_model(str(original), dtype="float32", device=resolve_device("auto"))
         counts = distill(
             loaded[0],
             loaded[1],
@@ -360,7 +360,7 @@ def eval_stage(mars: Path, out: Path, preset: RealModelPreset, items: list[dict]
     """MARS at every tau on the held-out prompts; each finished tau is kept in OUT/eval.json."""
     from ..data import toy
     from ..files import write_json_atomically
-    from ..modeling import load_model
+    from ..modeling import load_model, resolve_device
 
     path = out / "eval.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
@@ -389,7 +389,7 @@ def eval_stage(mars: Path, out: Path, preset: RealModelPreset, items: list[dict]
             continue
         if model is None:
             _say(f"4/5 evaluating {mars} on {len(items)} held-out prompts at tau {', '.join(map(str, preset.taus))}")
-            model, tokenizer, _ = load_model(str(mars), dtype="float32")
+            model, tokenizer, _ = load_model(str(mars), dtype="float32", device=resolve_device("auto"))
         started = time.perf_counter()
         result = decode_heldout(
             model, tokenizer, items, tau, preset.max_new_tokens, preset.block_size, preset.eval_batch
@@ -421,7 +421,7 @@ def probe_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, 
     from ..chat import stop_token_ids
     from ..distill import read_answers
     from ..files import write_json_atomically
-    from ..modeling import checkpoint_facts, load_model
+    from ..modeling import checkpoint_facts, load_model, resolve_device
     from ..probe import probe, probe_clean, probe_item
 
     path = out / "probe.json"
@@ -429,7 +429,7 @@ def probe_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, 
         _say(f"4/5 probe: {path} is there")
         return json.loads(path.read_text())
     _say(f"4/5 probing {mars} on {len(items)} held-out answers (teacher-forced), and the original in bf16")
-    model, tokenizer, _ = load_model(str(mars), dtype="float32")
+    model, tokenizer, _ = load_model(str(mars), dtype="float32", device=resolve_device("auto"))
     facts = checkpoint_facts(model, tokenizer)
     answers = read_answers(out / "distill" / "heldout.jsonl")
     stop = stop_token_ids(tokenizer)
@@ -446,7 +446,7 @@ def probe_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, 
     )
     del model
     # the same token ids: the original's tokenizer lacks only the mask token
-    baseline, _, _ = load_model(str(original), dtype="float32")
+    baseline, _, _ = load_model(str(original), dtype="float32", device=resolve_device("auto"))
     report["original_bf16"] = probe_clean(
         baseline, probe_items, pad_id=facts.pad_id, batch_size=PROBE_BATCH, autocast_dtype=torch.bfloat16
     )
