@@ -94,7 +94,7 @@ class DecodingParams:
             raise ParamError(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
         if self.seed is not None:
             check_seed(self.seed, "seed")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stop):
             raise ParamError(f"stop must be up to {MAX_STOP_SEQUENCES} non-empty strings", "stop")
         return replace(

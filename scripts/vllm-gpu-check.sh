@@ -2,7 +2,7 @@
 # MARS inside vLLM on an NVIDIA GPU: the plugin's correctness tests and the vLLM benchmark, with
 # CUDA graphs on (vLLM's default off the CPU), in about 10 minutes.
 #
-#   bash scripts/gpu-check.sh
+#   bash scripts/vllm-gpu-check.sh
 #
 # Environment:
 #   OUT            where results go (default runs/gpu-check): gpu-check.log, tests.xml, bench.json, bench.md
