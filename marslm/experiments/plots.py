@@ -16,13 +16,13 @@ A baseline with several one-token cells uses the first.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
 from ..evaluate import is_one_token, model_reports
+from ..files import read_json
 
 
 @dataclass
@@ -35,14 +35,11 @@ class Series:
     cells: list = field(default_factory=list)  # successful cells only
 
 
-def _read_json(path: str | Path) -> object:
+def _read_report(path: str | Path) -> object:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"report not found: {path}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: not a JSON report ({exc.__class__.__name__}: {exc})") from None
+    return read_json(path)
 
 
 def reports_in(payload, source: str) -> list[tuple[str | None, dict]]:
@@ -71,11 +68,11 @@ def load_series(paths: list[str], baseline: list[str] | None = None) -> list[Ser
     """Every model report of every file, labelled, with the baseline rule of the module docstring applied."""
     found: list[tuple[str | None, dict, bool]] = []
     for path in paths:
-        found += [(label, rep, False) for label, rep in reports_in(_read_json(path), str(path))]
+        found += [(label, rep, False) for label, rep in reports_in(_read_report(path), str(path))]
     baseline_labels = []
     for item in baseline or []:
         if Path(item).is_file():
-            found += [(label, rep, True) for label, rep in reports_in(_read_json(item), item)]
+            found += [(label, rep, True) for label, rep in reports_in(_read_report(item), item)]
         else:
             baseline_labels.append(item)
 

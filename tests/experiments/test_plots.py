@@ -139,7 +139,7 @@ def test_plot_cli_and_bad_input(tmp_path):
     (tmp_path / "broken.json").write_text("{oops")
     cases = [
         (tmp_path / "missing.json", "report not found"),
-        (tmp_path / "broken.json", "not a JSON report"),
+        (tmp_path / "broken.json", "broken.json:1: malformed JSON"),
         (write(tmp_path, "other.json", {"hello": 1}), "not a marslm report"),
         (write(tmp_path, "bad_results.json", {"model": "m", "results": "nope"}), "lacks a 'results' list"),
         (write(tmp_path, "no_numbers.json", {"model": "m", "results": [{"tau": 1.0}]}), "lacks tau, accuracy"),
