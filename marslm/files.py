@@ -1,5 +1,5 @@
-"""Files in and out: JSON read so that any bad input is one line, result files written whole, never
-half (a crash or a kill leaves the old file or none)."""
+"""Files in and out: JSON read so that any bad input is one line, output paths checked before any
+work, result files written whole, never half (a crash or a kill leaves the old file or none)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,30 @@ def read_json(path: str | Path, hint: str = "") -> object:
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read {path}: {exc.__class__.__name__}: {exc}{hint}") from None
     return parse_json(text, path, hint=hint)
+
+
+def output_file(path: str | Path, flag: str) -> Path:
+    """``path`` as a file to write, refused in one line (before any work) where no file can go."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file path")
+    _parent_is_a_directory(path, flag)
+    return path
+
+
+def output_directory(path: str | Path, flag: str) -> Path:
+    """``path`` as a directory to write into, refused in one line (before any work) where it cannot be one."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file; give a directory")
+    _parent_is_a_directory(path, flag)
+    return path
+
+
+def _parent_is_a_directory(path: Path, flag: str) -> None:
+    existing = next((p for p in path.absolute().parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UserError(f"{flag} {path}: {existing} is a file, not a directory")
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:
