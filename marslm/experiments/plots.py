@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..evaluate import is_one_token, model_reports
-from ..files import read_json
+from ..files import output_file, read_json
 
 
 @dataclass
@@ -157,8 +157,24 @@ def _widen(ax, axis: str, min_span: float, lowest: float | None, highest: float 
     (ax.set_ylim if axis == "y" else ax.set_xlim)(low, high)
 
 
+IMAGE_NAME = "frontier.png"
+
+
+def image_path(out: str | Path) -> Path:
+    """The file :func:`plot_frontier` writes for ``out``: ``out`` itself, with ``.png`` added when it
+    has no suffix (as matplotlib would), or ``IMAGE_NAME`` inside it when it is a directory."""
+    out = Path(out)
+    if out.is_dir():
+        out = out / IMAGE_NAME
+    elif not out.suffix:
+        out = out.with_name(out.name + ".png")
+    return output_file(out, "--out")
+
+
 def plot_frontier(series: list[Series], out: str | Path, title: str | None = None) -> Path:
-    """Draw the panels to ``out`` (PNG, or any format matplotlib infers from the suffix)."""
+    """Draw the panels to :func:`image_path` of ``out`` (PNG, or any format matplotlib infers from
+    the suffix); returns that path."""
+    out = image_path(out)
     try:
         import matplotlib
 
@@ -241,7 +257,6 @@ def plot_frontier(series: list[Series], out: str | Path, title: str | None = Non
     )
     fig.suptitle(title or f"Accuracy vs tokens per forward: {', '.join(data)}", fontsize=13)
     fig.tight_layout(rect=(0, 0 if spare else 0.08, 1, 0.96))
-    out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)
