@@ -149,6 +149,8 @@ class TrainConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not 0 <= self.seed < 2**32:  # the range numpy takes, and set_seed passes it on
+            raise UserError(f"{flag('seed')} must be in 0..{2**32 - 1}, got {self.seed}")
         if self.max_length < 2:
             raise UserError(f"{flag('max_length')} must be >= 2, got {self.max_length}")
         check_mix(self.data, self.data_mix)

@@ -188,6 +188,8 @@ def test_completeness_is_the_marker_and_the_sizes(tmp_path):
         (["--data-n", "-3"], "--data-n must be >= 1"),
         (["--epochs", "nan"], "--epochs must be a finite number"),
         (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+        (["--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
+        (["--seed", str(2**32)], "--seed must be in 0..4294967295"),
     ],
 )
 def test_bad_hyperparameters_are_refused_before_training(tmp_path, flags, message):
