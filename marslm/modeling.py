@@ -194,6 +194,12 @@ class CheckpointFacts:
     pad_id: int
 
 
+def trained_block_size(config: MarsConfig | None) -> int:
+    """The block size a checkpoint was trained with, from its ``marslm.json`` (read before the
+    model loads): a MARS stage's B, else the default."""
+    return config.block_size if config and config.stage == "mars" else MarsConfig().block_size
+
+
 def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> CheckpointFacts:
     """Block size, mask token and padding id of a loaded model, from its ``marslm.json`` and tokenizer."""
     path = getattr(model, "name_or_path", None)
@@ -204,7 +210,7 @@ def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> Chec
         token = config.mask_token if config else MASK_TOKEN
         if token in tokenizer.get_vocab():
             mask_token_id = tokenizer.convert_tokens_to_ids(token)
-    block_size = config.block_size if config and config.stage == "mars" else 4
+    block_size = trained_block_size(config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return CheckpointFacts(config.stage if config else None, block_size, mask_token_id, pad_id)
 

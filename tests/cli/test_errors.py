@@ -115,6 +115,15 @@ def test_a_checkpoint_without_marslm_json_warns_what_is_assumed(broken, capsys, 
     assert "has no marslm.json" in caplog.text and "assumes block size 4" in caplog.text
 
 
+@pytest.mark.parametrize("command", ["generate", "show"])
+def test_a_checkpoint_without_marslm_json_refused_by_a_flag_shows_only_the_error(broken, capsys, caplog, command):
+    path = broken("no-marslm-json")
+    with caplog.at_level(logging.WARNING, logger="marslm"):
+        rc, _, err = run(capsys, command, "--model", path, "--prompt", PROMPT, "--block-size", 5)
+    assert_one_line_error(rc, err, "block size must be in 1..4")
+    assert caplog.records == []  # no "assumes block size 4" line before it
+
+
 def test_an_ar_checkpoint_below_tau_1_warns(trained_dirs, capsys, caplog):
     with caplog.at_level(logging.WARNING, logger="marslm"):
         rc, _, _ = run(
