@@ -160,13 +160,18 @@ def run_many_to_end(
         return list(pool.map(lambda program: run_to_end(program, timeout, limits=limits), programs))
 
 
-# Reads the token before the program runs, so the program cannot read it from stdin; keeps the
-# functions it needs afterwards, so the program replacing them cannot fake the ending. The program
-# is not __main__ (as in HumanEval's own harness): its `if __name__ == "__main__":` demo code stays out.
+# Takes the token from stdin, a pipe (:func:`_run`), before the program runs, and puts /dev/null
+# in its place: a pipe read is gone, so neither rewinding fd 0 nor reopening /proc/self/fd/0 gives
+# the token back. Keeps the functions it needs afterwards, so the program replacing them cannot
+# fake the ending. The program is not __main__ (as in HumanEval's own harness): its
+# `if __name__ == "__main__":` demo code stays out.
 _HARNESS = r"""
 import os as _os, sys as _sys
 _token = _sys.stdin.readline().strip()
 _sys.stdin.close()
+_null = _os.open(_os.devnull, _os.O_RDONLY)
+_os.dup2(_null, 0)
+_os.close(_null)
 _exit, _write, _flush = _os._exit, _os.write, _sys.stdout.flush
 try:
     exec(compile({program!r}, "<program>", "exec"), {{"__name__": "program"}})
@@ -212,7 +217,6 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
     with tempfile.TemporaryDirectory(prefix="marslm-sandbox-") as host:
         program = Path(host, "main.py")
         program.write_text(source, encoding="utf-8")
-        Path(host, "stdin").write_text(stdin, encoding="utf-8")
         inner_path = "/tmp/main.py" if isolated else str(program)
         argv = [interpreter, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(values), "1" if isolated else "0", inner_path]
         info_read = info_write = None
@@ -220,14 +224,11 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
             info_read, info_write = os.pipe()
             argv = _bwrap_argv(program, interpreter, limits, info_write) + argv
         try:
-            with (
-                open(Path(host, "stdin"), "rb") as f_in,
-                open(Path(host, "stdout"), "wb") as f_out,
-                open(Path(host, "stderr"), "wb") as f_err,
-            ):
+            # stdin is a pipe, not a file: what the program reads from it cannot be read again
+            with open(Path(host, "stdout"), "wb") as f_out, open(Path(host, "stderr"), "wb") as f_err:
                 process = subprocess.Popen(
                     argv,
-                    stdin=f_in,
+                    stdin=subprocess.PIPE,
                     stdout=f_out,
                     stderr=f_err,
                     env={},
@@ -239,9 +240,12 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
                     os.close(info_write)
                     info_write = None
                 try:
-                    returncode, timed_out = process.wait(timeout=timeout), False
+                    process.communicate(stdin.encode("utf-8"), timeout=timeout)
+                    returncode, timed_out = process.returncode, False
                 except subprocess.TimeoutExpired:
                     returncode, timed_out = _kill(process, info_read), True
+                finally:
+                    process.stdin.close()
         finally:
             for fd in (info_read, info_write):
                 if fd is not None:

@@ -134,6 +134,13 @@ def test_limits_and_timeout():
     assert hidden.stdout.strip() == "['main.py']"  # not the machine's /tmp
 
 
+# The verdict token read back from where it came in, printed, then an early exit.
+TOKEN_READ_BACK = (
+    "import os\nos.lseek(0, 0, os.SEEK_SET)\nprint(os.read(0, 100).decode().strip(), flush=True)\nos._exit(0)",
+    "import os\nprint(open('/proc/self/fd/0').read().strip(), flush=True)\nos._exit(0)",
+)
+
+
 @pytest.mark.parametrize(
     "forgery",
     [
@@ -143,6 +150,7 @@ def test_limits_and_timeout():
         "raise SystemExit(0)",
         "import os\nos._exit = lambda code: None\nraise ValueError",
         "import sys\nsys.stdin.read()\nprint('token?')\nimport os\nos._exit(0)",
+        *TOKEN_READ_BACK,
     ],
 )
 def test_an_early_exit_is_not_a_pass(forgery):
@@ -185,6 +193,7 @@ def test_without_isolation_code_is_refused_unless_unsafe_exec(monkeypatch, capsy
     result = sandbox.run_python("print(1)")
     assert result.stdout == "1\n" and not result.isolated
     assert sandbox.run_to_end("import os\nos._exit(0)") is None  # the verdict still holds
+    assert all(sandbox.run_to_end(forgery) is None for forgery in TOKEN_READ_BACK)
 
 
 def test_unsafe_exec_still_has_the_timeout(monkeypatch):
