@@ -5,8 +5,10 @@ guard (blocking ``open`` or ``os.remove``) is no boundary: the code can re-impor
 ``posix``, or fork past it. So the boundary is the kernel's, through bubblewrap (``bwrap``,
 Debian/Ubuntu package ``bubblewrap``):
 
-* the whole file system mounted read-only, setuid bits ignored, no new privileges;
-  ``/tmp`` (the working directory) a small private tmpfs; ``/root`` and ``/home`` hidden;
+* of the file system only the system directories (``/usr``, ``/etc``, ``/lib``, ...) and the
+  interpreter's own, read-only: no ``/home``, ``/root``, ``/tmp``, ``/var`` or ``/run``, so none
+  of the machine's files or unix sockets there; setuid bits ignored, no new privileges;
+  ``/tmp`` (the working directory) a small private tmpfs, the one place it can write;
 * its own network namespace (no interfaces but an unconfigured loopback: no network at all),
   PID, IPC and UTS namespaces;
 * run as root, it drops to ``nobody`` before the program starts, so it holds no capabilities;
@@ -51,7 +53,9 @@ log = logging.getLogger("marslm.sandbox")
 
 NOBODY = 65534
 WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # programs run at once by run_many_to_end
-HIDDEN_DIRS = ("/root", "/home")  # users' files: not even readable inside
+# What the sandbox sees of the machine, read-only, besides the interpreter's own directories: no
+# /home, /root, /tmp, /var or /run, so none of the unix sockets that live there either.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 
 
 @dataclass(frozen=True)
@@ -219,9 +223,10 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
         program.write_text(source, encoding="utf-8")
         inner_path = "/tmp/main.py" if isolated else str(program)
         argv = [interpreter, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(values), "1" if isolated else "0", inner_path]
-        info_read = info_write = None
+        info_read, child_fds = None, []  # child_fds: bwrap's, closed here once it has them
         if isolated:
             info_read, info_write = os.pipe()
+            child_fds = [info_write]
             argv = _bwrap_argv(program, interpreter, limits, info_write) + argv
         try:
             # stdin is a pipe, not a file: what the program reads from it cannot be read again
@@ -234,11 +239,10 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
                     env={},
                     cwd="/" if isolated else host,
                     start_new_session=True,
-                    pass_fds=(info_write,) if isolated else (),
+                    pass_fds=tuple(child_fds),
                 )
-                if info_write is not None:
-                    os.close(info_write)
-                    info_write = None
+                while child_fds:
+                    os.close(child_fds.pop())
                 try:
                     process.communicate(stdin.encode("utf-8"), timeout=timeout)
                     returncode, timed_out = process.returncode, False
@@ -247,7 +251,7 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
                 finally:
                     process.stdin.close()
         finally:
-            for fd in (info_read, info_write):
+            for fd in [info_read, *child_fds]:
                 if fd is not None:
                     os.close(fd)
         return RunResult(
@@ -256,16 +260,24 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
 
 
 def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -> list[str]:
-    argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    # The interpreter and its standard library may live under a hidden directory (pyenv in /root).
+    argv = ["bwrap"]
+    for path in SYSTEM_PATHS:
+        if os.path.islink(path):  # /bin -> usr/bin where /usr is merged
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    # The interpreter and its standard library may live elsewhere (pyenv in /root, a conda prefix).
     needed = {os.path.realpath(sys.base_prefix), os.path.dirname(interpreter)}
-    needed = {p for p in needed if not any(p.startswith(q + "/") for q in needed)}
-    for hidden in HIDDEN_DIRS:
-        if os.path.isdir(hidden):
-            argv += ["--tmpfs", hidden]
-            for path in sorted(p for p in needed if p.startswith(hidden + "/")):
-                argv += _reveal(path, hidden)
+    for path in sorted(needed):
+        if path not in SYSTEM_PATHS and not any(path.startswith(q + "/") for q in (*SYSTEM_PATHS, *needed)):
+            for parent in reversed(Path(path).parents[:-1]):  # bwrap would make them 0700
+                argv += ["--perms", "0755", "--dir", str(parent)]
+            argv += ["--ro-bind", path, path]
     argv += [
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
         "--perms",
         "1777",
         "--size",
@@ -291,14 +303,6 @@ def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -
     if os.geteuid() == 0:  # bwrap run by root keeps root's capabilities unless told otherwise
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     return argv
-
-
-def _reveal(path: str, hidden: str) -> list[str]:
-    """bwrap arguments that make ``path`` (below the hidden ``hidden``) readable again, and only it."""
-    args, parts = [], Path(path).relative_to(hidden).parts
-    for i in range(1, len(parts)):
-        args += ["--perms", "0755", "--dir", str(Path(hidden, *parts[:i]))]
-    return args + ["--ro-bind", path, path]
 
 
 def _kill(process: subprocess.Popen, info_fd: int | None) -> int:

@@ -1,7 +1,9 @@
 """marslm.sandbox: model-written code cannot change the machine, reach the network, outlive its
 timeout or forge a pass. The attacks are the ones a probe of the earlier Python-level guard
-found to work. Every test first checks that the attack would have worked without the sandbox
-(the program could see the target, spawn the child, ...), so none passes for a trivial reason."""
+found to work, and the later probes' (the verdict token read back, a host unix socket). Every
+test first checks that the attack would have worked without the sandbox (run without it, the
+program writes the file, reaches the socket, spawns the child, ...), so none passes for a
+trivial reason."""
 
 from __future__ import annotations
 
@@ -26,13 +28,26 @@ def test_this_machine_has_isolation():
 def precious(outside_dir) -> Path:
     path = outside_dir / "precious.txt"
     path.write_text("precious")
-    path.chmod(0o666)  # only the read-only mount stands between the program and the file
+    path.chmod(0o666)  # only the sandbox stands between the program and the file
     return path
 
 
-def test_reimported_io_cannot_write_outside(precious):
+@pytest.fixture
+def unsandboxed(monkeypatch):
+    """``unsandboxed(program, **kwargs)``: ``run_python`` as --unsafe-exec runs it where there is
+    no sandbox, to check that an attack would work without one."""
+
+    def run(program: str, **kwargs) -> sandbox.RunResult:
+        with monkeypatch.context() as patch:
+            patch.setattr(sandbox, "_probe", ["no sandbox (the test's control run)"])
+            patch.setattr(sandbox, "_unsafe_allowed", True)
+            return sandbox.run_python(program, **kwargs)
+
+    return run
+
+
+def test_reimported_io_cannot_write_outside(precious, unsandboxed):
     program = f"""
-print(open({str(precious)!r}).read())
 import _io
 for mode in ("w", "a", "r+"):
     try:
@@ -40,13 +55,14 @@ for mode in ("w", "a", "r+"):
     except OSError as exc:
         print(mode, exc.errno)
 """
+    assert unsandboxed(program).returncode == 0 and precious.read_text().startswith("pwned")
+    precious.write_text("precious")
     result = sandbox.run_python(program)
-    assert result.returncode == 0 and result.stdout.startswith("precious\n")  # it could see the file
+    assert result.isolated and result.stdout, result.stderr
     assert precious.read_text() == "precious"
-    assert result.isolated
 
 
-def test_reimported_posix_cannot_delete_and_forks_stay_inside(precious):
+def test_reimported_posix_cannot_delete_and_forks_stay_inside(precious, unsandboxed):
     program = f"""
 import posix
 try:
@@ -62,6 +78,8 @@ if pid == 0:
 posix.waitpid(pid, 0)
 print("forked")
 """
+    assert "forked" in unsandboxed(program, limits=MANY_PROCESSES).stdout and not precious.exists()
+    precious.write_text("precious")
     result = sandbox.run_python(program, limits=MANY_PROCESSES)
     assert "forked" in result.stdout, result.stderr
     assert precious.read_text() == "precious"
@@ -115,6 +133,34 @@ except OSError as exc:
     try:
         result = sandbox.run_python(program)
         assert result.stdout.startswith("refused"), result.stdout + result.stderr
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+def test_no_unix_socket_of_the_machine(outside_dir, unsandboxed):
+    path = outside_dir / "service.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    path.chmod(0o777)  # a world-writable socket: anyone on the machine may connect
+    listener.listen(1)
+    listener.settimeout(0.5)
+    program = f"""
+import _socket
+s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+try:
+    s.connect({str(path)!r})
+    s.send(b"exfiltrated")
+    print("connected")
+except OSError as exc:
+    print("refused", exc.errno)
+"""
+    try:
+        assert unsandboxed(program).stdout.startswith("connected")
+        listener.accept()[0].close()
+        result = sandbox.run_python(program)
+        assert result.isolated and result.stdout.startswith("refused"), result.stdout + result.stderr
         with pytest.raises(socket.timeout):
             listener.accept()
     finally:
