@@ -9,6 +9,8 @@ Debian/Ubuntu package ``bubblewrap``):
   interpreter's own, read-only: no ``/home``, ``/root``, ``/tmp``, ``/var`` or ``/run``, so none
   of the machine's files or unix sockets there; setuid bits ignored, no new privileges;
   ``/tmp`` (the working directory) a small private tmpfs, the one place it can write;
+* on x86-64 and ARM64, a seccomp filter: no user namespace of its own (root there, it could
+  mount a tmpfs past that cap) and no SysV shared memory;
 * its own network namespace (no interfaces but an unconfigured loopback: no network at all),
   PID, IPC and UTS namespaces;
 * run as root, it drops to ``nobody`` before the program starts, so it holds no capabilities;
@@ -31,13 +33,16 @@ child process with the same rlimits, throw-away directory and timeout, and no is
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import platform
 import secrets
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -212,6 +217,7 @@ _RLIMITS = {
     "RLIMIT_NOFILE": "open_files",
     "RLIMIT_NPROC": "processes",
     "RLIMIT_CORE": None,
+    "RLIMIT_MSGQUEUE": None,  # POSIX message queues: memory, and it needs none
 }
 
 
@@ -226,8 +232,9 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
         info_read, child_fds = None, []  # child_fds: bwrap's, closed here once it has them
         if isolated:
             info_read, info_write = os.pipe()
-            child_fds = [info_write]
-            argv = _bwrap_argv(program, interpreter, limits, info_write) + argv
+            seccomp_fd = _seccomp_fd()
+            child_fds = [info_write] + ([seccomp_fd] if seccomp_fd is not None else [])
+            argv = _bwrap_argv(program, interpreter, limits, info_write, seccomp_fd) + argv
         try:
             # stdin is a pipe, not a file: what the program reads from it cannot be read again
             with open(Path(host, "stdout"), "wb") as f_out, open(Path(host, "stderr"), "wb") as f_err:
@@ -259,7 +266,7 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
         )
 
 
-def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -> list[str]:
+def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int, seccomp_fd: int | None) -> list[str]:
     argv = ["bwrap"]
     for path in SYSTEM_PATHS:
         if os.path.islink(path):  # /bin -> usr/bin where /usr is merged
@@ -287,6 +294,11 @@ def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -
         "--ro-bind",
         str(program),
         "/tmp/main.py",
+        # bwrap's own root and /dev are memory too: read-only, so /tmp (capped) is the one place to write
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
         "--chdir",
         "/tmp",
         "--unshare-net",
@@ -300,9 +312,81 @@ def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -
         "--info-fd",
         str(info_fd),
     ]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     if os.geteuid() == 0:  # bwrap run by root keeps root's capabilities unless told otherwise
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     return argv
+
+
+# ------------------------------------------------------------------------------- seccomp
+# What the program may not do although its mounts and rlimits would let it, as a classic BPF
+# filter that bwrap installs before the program starts (--seccomp):
+#   * a user namespace of its own (unshare or clone with CLONE_NEWUSER): it is root there, and
+#     can mount a tmpfs of its own, past the cap of /tmp, and reach more of the kernel;
+#   * clone3, whose flags lie in memory a filter cannot read: ENOSYS, and libc falls back to clone;
+#   * SysV shared memory (shmget): a segment outlives its mapping, outside RLIMIT_AS;
+#   * any other system call ABI (i386, x32), where these numbers mean other calls.
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_SYSCALLS = {
+    "x86_64": {"clone": 56, "unshare": 272, "clone3": 435, "shmget": 29},
+    "aarch64": {"clone": 220, "unshare": 97, "clone3": 435, "shmget": 194},
+}
+_X32_BIT = 0x40000000
+CLONE_NEWUSER = 0x10000000
+_LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|op|K, BPF_RET|K
+_ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
+
+
+def seccomp_filter(machine: str) -> bytes | None:
+    """The filter for ``machine`` (``platform.machine()``), as bwrap reads it; None where there is
+    none (the program then runs without one)."""
+    if machine not in _SYSCALLS:
+        return None
+    nr = _SYSCALLS[machine]
+    first_arg = 16 if sys.byteorder == "little" else 20  # the low half of seccomp_data.args[0]
+    steps = [
+        (_LD, 4),  # seccomp_data.arch
+        (_JEQ, _AUDIT_ARCH[machine], None, "enosys"),
+        (_LD, 0),  # seccomp_data.nr
+        (_JGE, _X32_BIT, "enosys", None),
+        (_JEQ, nr["clone3"], "enosys", None),
+        (_JEQ, nr["shmget"], "eperm", None),
+        (_JEQ, nr["unshare"], "flags", None),
+        (_JEQ, nr["clone"], "flags", None),
+        (_RET, _ALLOW),
+        "flags",
+        (_LD, first_arg),
+        (_JSET, CLONE_NEWUSER, "eperm", None),
+        (_RET, _ALLOW),
+        "eperm",
+        (_RET, _ERRNO | errno.EPERM),
+        "enosys",
+        (_RET, _ERRNO | errno.ENOSYS),
+    ]
+    instructions = [step for step in steps if not isinstance(step, str)]
+    labels, at = {}, 0
+    for step in steps:
+        if isinstance(step, str):
+            labels[step] = at
+        else:
+            at += 1
+    code = b""
+    for i, (op, k, *jumps) in enumerate(instructions):
+        jt, jf = (labels[target] - i - 1 if target else 0 for target in (jumps or (None, None)))
+        code += struct.pack("=HBBI", op, jt, jf, k)  # struct sock_filter
+    return code
+
+
+def _seccomp_fd() -> int | None:
+    """The read end of a pipe holding :func:`seccomp_filter` for this machine, for bwrap."""
+    code = seccomp_filter(platform.machine())
+    if code is None:
+        return None
+    read, write = os.pipe()
+    os.write(write, code)  # a few hundred bytes: far below a pipe's capacity
+    os.close(write)
+    return read
 
 
 def _kill(process: subprocess.Popen, info_fd: int | None) -> int:

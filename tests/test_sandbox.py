@@ -1,9 +1,9 @@
 """marslm.sandbox: model-written code cannot change the machine, reach the network, outlive its
 timeout or forge a pass. The attacks are the ones a probe of the earlier Python-level guard
-found to work, and the later probes' (the verdict token read back, a host unix socket). Every
-test first checks that the attack would have worked without the sandbox (run without it, the
-program writes the file, reaches the socket, spawns the child, ...), so none passes for a
-trivial reason."""
+found to work, and the later probes' (the verdict token read back, a host unix socket, a user
+namespace of its own). Every test first checks that the attack would have worked without the
+sandbox (run without it, the program writes the file, reaches the socket, spawns the child, ...),
+so none passes for a trivial reason."""
 
 from __future__ import annotations
 
@@ -165,6 +165,45 @@ except OSError as exc:
             listener.accept()
     finally:
         listener.close()
+
+
+# A user namespace of its own, where the program is root, a tmpfs of its own mounted there, and
+# 42 MiB written to it in files under the file-size limit: past the 32 MiB of its /tmp.
+OWN_TMPFS = """
+import ctypes, os
+CLONE_NEWUSER, CLONE_NEWNS, PR_SET_DUMPABLE = 0x10000000, 0x00020000, 4
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid = os.getuid(), os.getgid()
+libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its /proc/self/*_map are its own again after a drop from root
+if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+    print("unshare refused", ctypes.get_errno())
+    raise SystemExit
+for name, text in (("uid_map", f"0 {uid} 1"), ("setgroups", "deny"), ("gid_map", f"0 {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+if libc.mount(b"none", b"/tmp", b"tmpfs", 0, b"size=1g") != 0:
+    print("mount refused", ctypes.get_errno())
+    raise SystemExit
+"""
+FILL_TMP = """
+for i in range(6):
+    with open(f"/tmp/big{i}", "wb") as f:
+        f.write(b"x" * (7 * 2**20))
+print("wrote", sum(os.path.getsize(f"/tmp/big{i}") for i in range(6)))
+"""
+
+
+def test_no_user_namespace_and_no_memory_past_the_cap(unsandboxed):
+    control = unsandboxed(OWN_TMPFS + FILL_TMP)
+    if "unshare refused" not in control.stdout:  # where this machine gives anyone a user namespace
+        assert control.stdout.startswith("wrote 44040192"), control.stdout + control.stderr
+    result = sandbox.run_python(OWN_TMPFS + FILL_TMP)
+    assert result.isolated and result.stdout.startswith("unshare refused"), result.stdout + result.stderr
+    full = sandbox.run_python("import os\n" + FILL_TMP)  # the cap it tried to get around
+    assert full.returncode != 0 and "No space left on device" in full.stderr
+    for directory in ("/", "/dev", "/dev/shm"):  # memory-backed too, where they are the sandbox's own
+        attempt = sandbox.run_python(f"open({directory + '/x'!r}, 'wb').write(b'x')")
+        assert attempt.returncode != 0 and "Error" in attempt.stderr, (directory, attempt.stderr)
 
 
 def test_limits_and_timeout():
