@@ -46,7 +46,7 @@ $(VLLM_STAMP): pyproject.toml
 
 demo: install
 	-bash scripts/ensure-bubblewrap.sh # the demo scores model-written code in it
-	$(BIN)/marslm demo --preset default --out runs/demo
+	$(BIN)/marslm demo --preset default --out runs/demo --overwrite
 
 # A real pretrained model as a plain HF checkpoint: runs/smollm2 (README, "Real model").
 smollm2: runs/smollm2/config.json

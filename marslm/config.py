@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import UserError
+from .files import read_json
 
 FILENAME = "marslm.json"
 STAGES = ("ar", "mars")
@@ -46,10 +47,7 @@ class MarsConfig:
         path = Path(directory, FILENAME)
         if not path.is_file():
             return None
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise UserError(f"{path} is not valid JSON ({exc}); restore it or remove it") from None
+        raw = read_json(path, hint="; restore it or remove it")
         if not isinstance(raw, dict):
             raise UserError(f"{path} must hold a JSON object, got {type(raw).__name__}; restore it or remove it")
         config = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})

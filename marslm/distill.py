@@ -19,10 +19,14 @@ end-of-turn token, teaching the model to stop where it was only cut.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from .data.jsonl import jsonl_lines
 from .errors import UserError
+from .files import output_file, parse_json
 
 SOURCES = ("instructions", "toy")
 DEFAULT_PROMPTS = "instructions:600,toy:200"
@@ -77,10 +81,13 @@ def load_prompts(spec: str, split: str = "train", seed: int = 0) -> list[Prompt]
 
             prompts += [Prompt(ex.id, source, ex.messages) for ex in toy.make_split(split, n, seed=seed)]
         else:
-            from .data.jsonl import read_chat_jsonl
+            from .data.jsonl import read_jsonl_records, record_to_messages
 
-            for i, messages in enumerate(read_chat_jsonl(source)):
+            for i, (where, record) in enumerate(read_jsonl_records(source)):
+                messages = record_to_messages(record, where)
                 first_answer = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
+                if first_answer == 0:
+                    raise UserError(f"{where}: the conversation opens with an answer: no turn before it to prompt with")
                 prompts.append(Prompt(f"{Path(source).stem}-{i}", source, messages[:first_answer]))
     unique = {}
     for p in prompts:
@@ -93,41 +100,66 @@ def unfinished_path(output: str | Path) -> Path:
     return output.with_name(output.name.removesuffix(".jsonl") + ".unfinished.jsonl")
 
 
-def done_ids(output: str | Path) -> set[str]:
-    """Ids already answered in ``output`` and its unfinished file (a half-written last line is ignored)."""
-    ids = set()
+def check_output(output: str | Path) -> Path:
+    """``output`` as a file distill can append to (and its unfinished twin), refused in one line before any work."""
     for path in (Path(output), unfinished_path(output)):
-        if not path.is_file():
-            continue
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                ids.add(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-    return ids
+        output_file(path, "--output")
+    return Path(output)
+
+
+def done_ids(output: str | Path) -> set[str]:
+    """Ids already answered in ``output`` and its unfinished file."""
+    return set(read_answers(output))
 
 
 def read_answers(output: str | Path, include_unfinished: bool = True) -> dict[str, dict]:
     """``{id: record}`` of a distill output (and its unfinished file)."""
-    records = {}
     paths = [Path(output)] + ([unfinished_path(output)] if include_unfinished else [])
-    for path in paths:
-        if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                records[record["id"]] = record
-    return records
+    return {record["id"]: record for path in paths for record in _records(path)}
 
 
-def _drop_partial_last_line(path: Path) -> None:
-    """A run killed mid-write can leave a last line without its newline: cut it, it is redone."""
-    if not path.is_file() or path.stat().st_size == 0:
+def _records(path: Path) -> Iterator[dict]:
+    """The records of an output file; a last line that a kill cut short is not one (it is redone)."""
+    if not path.is_file():
         return
+    try:
+        *lines, last = jsonl_lines(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {path}: {exc.__class__.__name__}: {exc}") from None
+    for lineno, line in enumerate(lines, start=1):
+        if line.strip():
+            record = parse_json(line, path, lineno)
+            if not _is_record(record):
+                raise UserError(f"{path}:{lineno}: not a distill record (a JSON object with an 'id')")
+            yield record
+    record = _whole_record(last)
+    if record is not None:
+        yield record
+
+
+def _is_record(value) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("id"), str)
+
+
+def _whole_record(line: str | bytes) -> dict | None:
+    """The record on a last line that has no newline, or None if it is not one: a kill mid-write
+    leaves a strict prefix of a JSON object, and no such prefix parses."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if _is_record(record) else None
+
+
+def _end_with_a_whole_line(path: Path) -> None:
+    """The last line of a killed run's file: a whole record gets the newline it lacks, a cut one goes."""
     data = path.read_bytes()
-    if not data.endswith(b"\n"):
+    if not data or data.endswith(b"\n"):
+        return
+    if _whole_record(data[data.rfind(b"\n") + 1 :]) is not None:
+        with path.open("ab") as f:
+            f.write(b"\n")
+    else:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
@@ -148,10 +180,10 @@ def distill(
 
     if max_new_tokens < 1 or batch_size < 1:
         raise UserError("--max-new-tokens and --batch-size must be >= 1")
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    output = check_output(output)
     for path in (output, unfinished_path(output)):
-        _drop_partial_last_line(path)
+        if path.is_file():
+            _end_with_a_whole_line(path)
     already = done_ids(output)
     todo = [p for p in prompts if p.id not in already]
     counts = {"done": len(prompts) - len(todo), "new": 0, "unfinished": 0}
@@ -159,10 +191,16 @@ def distill(
         return counts
 
     bar = tqdm(total=len(prompts), initial=counts["done"], desc="distill", unit="answer", disable=not progress)
-    with (
-        output.open("a", encoding="utf-8") as finished_file,
-        unfinished_path(output).open("a", encoding="utf-8") as unfinished_file,
-    ):
+    # Opened at the first answer: a run that fails before one (a prompt the tokenizer refuses) creates no file.
+    with ExitStack() as stack:
+        files = {}
+
+        def append(path: Path, record: dict) -> None:
+            if path not in files:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                files[path] = stack.enter_context(path.open("a", encoding="utf-8"))
+            files[path].write(json.dumps(record) + "\n")
+            files[path].flush()
 
         def write(row):
             prompt = todo[row.request_id]
@@ -174,9 +212,7 @@ def distill(
                 "answer_ids": row.token_ids,
                 "finished": row.stopped,
             }
-            target = finished_file if row.stopped else unfinished_file
-            target.write(json.dumps(record) + "\n")
-            target.flush()
+            append(output if row.stopped else unfinished_path(output), record)
             counts["new"] += 1
             counts["unfinished"] += not row.stopped
             bar.update(1)

@@ -15,7 +15,6 @@ and several as ``{"models": [model report, ...]}``.
 from __future__ import annotations
 
 import gc
-import json
 import sys
 import time
 from collections import defaultdict
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from .decode.params import ADAPTIVE_WIDTH
 from .errors import UserError
-from .files import write_json_atomically
+from .files import read_json, write_json_atomically
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
 # mode, and a confident prediction has H well below 0.5.
@@ -286,12 +285,7 @@ def sweep_payload(reports: list[dict]) -> dict:
 def _load_previous(json_path: str | Path | None) -> list[dict]:
     if json_path is None or not Path(json_path).exists():
         return []
-    try:
-        payload = json.loads(Path(json_path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(
-            f"cannot resume from {json_path}: {exc.__class__.__name__}: {exc} (remove it or pass --no-resume)"
-        ) from None
+    payload = read_json(json_path, hint="; cannot resume from it (remove it or pass --no-resume)")
     return model_reports(payload, f"{json_path} (to resume from)")
 
 

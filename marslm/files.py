@@ -1,13 +1,69 @@
-"""Writing result files: always whole, never half (a crash or a kill leaves the old file or none)."""
+"""Files in and out: JSON read so that any bad input is one line, output paths checked before any
+work, result files written whole, never half (a crash or a kill leaves the old file or none)."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from .errors import UserError
+
+
+def parse_json(text: str, path: str | Path, line: int | None = None, hint: str = "") -> object:
+    """The JSON value of ``text``, read from ``path`` (at ``line``, for a JSONL file), or one
+    UserError line naming the file and, where known, the line; ``hint`` (what the user can do)
+    ends it.
+
+    Beyond JSONDecodeError, ``json.loads`` raises RecursionError on deep nesting and ValueError
+    on an integer longer than Python converts: input any file can hold.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        reason, line = exc.msg, line or exc.lineno
+    except RecursionError:
+        reason = "nested too deeply"
+    except ValueError:
+        reason = f"an integer longer than {sys.get_int_max_str_digits()} digits"
+    where = f"{path}:{line}" if line else str(path)
+    raise UserError(f"{where}: malformed JSON ({reason}){hint}")
+
+
+def read_json(path: str | Path, hint: str = "") -> object:
+    """The JSON value in the file ``path`` (errors as :func:`parse_json`'s)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {path}: {exc.__class__.__name__}: {exc}{hint}") from None
+    return parse_json(text, path, hint=hint)
+
+
+def output_file(path: str | Path, flag: str) -> Path:
+    """``path`` as a file to write, refused in one line (before any work) where no file can go."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file path")
+    _parent_is_a_directory(path, flag)
+    return path
+
+
+def output_directory(path: str | Path, flag: str) -> Path:
+    """``path`` as a directory to write into, refused in one line (before any work) where it cannot be one."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file; give a directory")
+    _parent_is_a_directory(path, flag)
+    return path
+
+
+def _parent_is_a_directory(path: Path, flag: str) -> None:
+    existing = next((p for p in path.absolute().parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UserError(f"{flag} {path}: {existing} is a file, not a directory")
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:

@@ -255,6 +255,12 @@ class CheckpointFacts:
     pad_id: int
 
 
+def trained_block_size(config: MarsConfig | None) -> int:
+    """The block size a checkpoint was trained with, from its ``marslm.json`` (read before the
+    model loads): a MARS stage's B, else the default."""
+    return config.block_size if config and config.stage == "mars" else MarsConfig().block_size
+
+
 def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> CheckpointFacts:
     """Block size, mask token and padding id of a loaded model, from its ``marslm.json`` and tokenizer."""
     path = getattr(model, "name_or_path", None)
@@ -266,16 +272,12 @@ def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> Chec
         if token in tokenizer.get_vocab():
             mask_token_id = tokenizer.convert_tokens_to_ids(token)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return CheckpointFacts(config.stage if config else None, _block_size(config), mask_token_id, pad_id)
+    return CheckpointFacts(config.stage if config else None, trained_block_size(config), mask_token_id, pad_id)
 
 
-def trained_block_size(name_or_path: str) -> int:
+def checkpoint_block_size(name_or_path: str) -> int:
     """The block size :func:`checkpoint_facts` will give a checkpoint, read before it loads."""
-    return _block_size(MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None)
-
-
-def _block_size(config: MarsConfig | None) -> int:
-    return config.block_size if config and config.stage == "mars" else 4
+    return trained_block_size(MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None)
 
 
 def model_context(name_or_path: str) -> int | None:

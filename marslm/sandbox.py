@@ -5,8 +5,12 @@ guard (blocking ``open`` or ``os.remove``) is no boundary: the code can re-impor
 ``posix``, or fork past it. So the boundary is the kernel's, through bubblewrap (``bwrap``,
 Debian/Ubuntu package ``bubblewrap``):
 
-* the whole file system mounted read-only, setuid bits ignored, no new privileges;
-  ``/tmp`` (the working directory) a small private tmpfs; ``/root`` and ``/home`` hidden;
+* of the file system only the system directories (``/usr``, ``/etc``, ``/lib``, ...) and the
+  interpreter's own, read-only: no ``/home``, ``/root``, ``/tmp``, ``/var`` or ``/run``, so none
+  of the machine's files or unix sockets there; setuid bits ignored, no new privileges;
+  ``/tmp`` (the working directory) a small private tmpfs, the one place it can write;
+* on x86-64 and ARM64, a seccomp filter: no user namespace of its own (root there, it could
+  mount a tmpfs past that cap) and no SysV shared memory;
 * its own network namespace (no interfaces but an unconfigured loopback: no network at all),
   PID, IPC and UTS namespaces;
 * run as root, it drops to ``nobody`` before the program starts, so it holds no capabilities;
@@ -29,13 +33,16 @@ child process with the same rlimits, throw-away directory and timeout, and no is
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import platform
 import secrets
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -51,7 +58,9 @@ log = logging.getLogger("marslm.sandbox")
 
 NOBODY = 65534
 WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # programs run at once by run_many_to_end
-HIDDEN_DIRS = ("/root", "/home")  # users' files: not even readable inside
+# What the sandbox sees of the machine, read-only, besides the interpreter's own directories: no
+# /home, /root, /tmp, /var or /run, so none of the unix sockets that live there either.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 
 
 @dataclass(frozen=True)
@@ -160,13 +169,18 @@ def run_many_to_end(
         return list(pool.map(lambda program: run_to_end(program, timeout, limits=limits), programs))
 
 
-# Reads the token before the program runs, so the program cannot read it from stdin; keeps the
-# functions it needs afterwards, so the program replacing them cannot fake the ending. The program
-# is not __main__ (as in HumanEval's own harness): its `if __name__ == "__main__":` demo code stays out.
+# Takes the token from stdin, a pipe (:func:`_run`), before the program runs, and puts /dev/null
+# in its place: a pipe read is gone, so neither rewinding fd 0 nor reopening /proc/self/fd/0 gives
+# the token back. Keeps the functions it needs afterwards, so the program replacing them cannot
+# fake the ending. The program is not __main__ (as in HumanEval's own harness): its
+# `if __name__ == "__main__":` demo code stays out.
 _HARNESS = r"""
 import os as _os, sys as _sys
 _token = _sys.stdin.readline().strip()
 _sys.stdin.close()
+_null = _os.open(_os.devnull, _os.O_RDONLY)
+_os.dup2(_null, 0)
+_os.close(_null)
 _exit, _write, _flush = _os._exit, _os.write, _sys.stdout.flush
 try:
     exec(compile({program!r}, "<program>", "exec"), {{"__name__": "program"}})
@@ -203,6 +217,7 @@ _RLIMITS = {
     "RLIMIT_NOFILE": "open_files",
     "RLIMIT_NPROC": "processes",
     "RLIMIT_CORE": None,
+    "RLIMIT_MSGQUEUE": None,  # POSIX message queues: memory, and it needs none
 }
 
 
@@ -212,38 +227,38 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
     with tempfile.TemporaryDirectory(prefix="marslm-sandbox-") as host:
         program = Path(host, "main.py")
         program.write_text(source, encoding="utf-8")
-        Path(host, "stdin").write_text(stdin, encoding="utf-8")
         inner_path = "/tmp/main.py" if isolated else str(program)
         argv = [interpreter, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(values), "1" if isolated else "0", inner_path]
-        info_read = info_write = None
+        info_read, child_fds = None, []  # child_fds: bwrap's, closed here once it has them
         if isolated:
             info_read, info_write = os.pipe()
-            argv = _bwrap_argv(program, interpreter, limits, info_write) + argv
+            seccomp_fd = _seccomp_fd()
+            child_fds = [info_write] + ([seccomp_fd] if seccomp_fd is not None else [])
+            argv = _bwrap_argv(program, interpreter, limits, info_write, seccomp_fd) + argv
         try:
-            with (
-                open(Path(host, "stdin"), "rb") as f_in,
-                open(Path(host, "stdout"), "wb") as f_out,
-                open(Path(host, "stderr"), "wb") as f_err,
-            ):
+            # stdin is a pipe, not a file: what the program reads from it cannot be read again
+            with open(Path(host, "stdout"), "wb") as f_out, open(Path(host, "stderr"), "wb") as f_err:
                 process = subprocess.Popen(
                     argv,
-                    stdin=f_in,
+                    stdin=subprocess.PIPE,
                     stdout=f_out,
                     stderr=f_err,
                     env={},
                     cwd="/" if isolated else host,
                     start_new_session=True,
-                    pass_fds=(info_write,) if isolated else (),
+                    pass_fds=tuple(child_fds),
                 )
-                if info_write is not None:
-                    os.close(info_write)
-                    info_write = None
+                while child_fds:
+                    os.close(child_fds.pop())
                 try:
-                    returncode, timed_out = process.wait(timeout=timeout), False
+                    process.communicate(stdin.encode("utf-8"), timeout=timeout)
+                    returncode, timed_out = process.returncode, False
                 except subprocess.TimeoutExpired:
                     returncode, timed_out = _kill(process, info_read), True
+                finally:
+                    process.stdin.close()
         finally:
-            for fd in (info_read, info_write):
+            for fd in [info_read, *child_fds]:
                 if fd is not None:
                     os.close(fd)
         return RunResult(
@@ -251,17 +266,25 @@ def _run(source: str, timeout: float, stdin: str, limits: Limits, isolated: bool
         )
 
 
-def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -> list[str]:
-    argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    # The interpreter and its standard library may live under a hidden directory (pyenv in /root).
+def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int, seccomp_fd: int | None) -> list[str]:
+    argv = ["bwrap"]
+    for path in SYSTEM_PATHS:
+        if os.path.islink(path):  # /bin -> usr/bin where /usr is merged
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    # The interpreter and its standard library may live elsewhere (pyenv in /root, a conda prefix).
     needed = {os.path.realpath(sys.base_prefix), os.path.dirname(interpreter)}
-    needed = {p for p in needed if not any(p.startswith(q + "/") for q in needed)}
-    for hidden in HIDDEN_DIRS:
-        if os.path.isdir(hidden):
-            argv += ["--tmpfs", hidden]
-            for path in sorted(p for p in needed if p.startswith(hidden + "/")):
-                argv += _reveal(path, hidden)
+    for path in sorted(needed):
+        if path not in SYSTEM_PATHS and not any(path.startswith(q + "/") for q in (*SYSTEM_PATHS, *needed)):
+            for parent in reversed(Path(path).parents[:-1]):  # bwrap would make them 0700
+                argv += ["--perms", "0755", "--dir", str(parent)]
+            argv += ["--ro-bind", path, path]
     argv += [
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
         "--perms",
         "1777",
         "--size",
@@ -271,6 +294,11 @@ def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -
         "--ro-bind",
         str(program),
         "/tmp/main.py",
+        # bwrap's own root and /dev are memory too: read-only, so /tmp (capped) is the one place to write
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
         "--chdir",
         "/tmp",
         "--unshare-net",
@@ -284,17 +312,81 @@ def _bwrap_argv(program: Path, interpreter: str, limits: Limits, info_fd: int) -
         "--info-fd",
         str(info_fd),
     ]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     if os.geteuid() == 0:  # bwrap run by root keeps root's capabilities unless told otherwise
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     return argv
 
 
-def _reveal(path: str, hidden: str) -> list[str]:
-    """bwrap arguments that make ``path`` (below the hidden ``hidden``) readable again, and only it."""
-    args, parts = [], Path(path).relative_to(hidden).parts
-    for i in range(1, len(parts)):
-        args += ["--perms", "0755", "--dir", str(Path(hidden, *parts[:i]))]
-    return args + ["--ro-bind", path, path]
+# ------------------------------------------------------------------------------- seccomp
+# What the program may not do although its mounts and rlimits would let it, as a classic BPF
+# filter that bwrap installs before the program starts (--seccomp):
+#   * a user namespace of its own (unshare or clone with CLONE_NEWUSER): it is root there, and
+#     can mount a tmpfs of its own, past the cap of /tmp, and reach more of the kernel;
+#   * clone3, whose flags lie in memory a filter cannot read: ENOSYS, and libc falls back to clone;
+#   * SysV shared memory (shmget): a segment outlives its mapping, outside RLIMIT_AS;
+#   * any other system call ABI (i386, x32), where these numbers mean other calls.
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_SYSCALLS = {
+    "x86_64": {"clone": 56, "unshare": 272, "clone3": 435, "shmget": 29},
+    "aarch64": {"clone": 220, "unshare": 97, "clone3": 435, "shmget": 194},
+}
+_X32_BIT = 0x40000000
+CLONE_NEWUSER = 0x10000000
+_LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|op|K, BPF_RET|K
+_ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
+
+
+def seccomp_filter(machine: str) -> bytes | None:
+    """The filter for ``machine`` (``platform.machine()``), as bwrap reads it; None where there is
+    none (the program then runs without one)."""
+    if machine not in _SYSCALLS:
+        return None
+    nr = _SYSCALLS[machine]
+    first_arg = 16 if sys.byteorder == "little" else 20  # the low half of seccomp_data.args[0]
+    steps = [
+        (_LD, 4),  # seccomp_data.arch
+        (_JEQ, _AUDIT_ARCH[machine], None, "enosys"),
+        (_LD, 0),  # seccomp_data.nr
+        (_JGE, _X32_BIT, "enosys", None),
+        (_JEQ, nr["clone3"], "enosys", None),
+        (_JEQ, nr["shmget"], "eperm", None),
+        (_JEQ, nr["unshare"], "flags", None),
+        (_JEQ, nr["clone"], "flags", None),
+        (_RET, _ALLOW),
+        "flags",
+        (_LD, first_arg),
+        (_JSET, CLONE_NEWUSER, "eperm", None),
+        (_RET, _ALLOW),
+        "eperm",
+        (_RET, _ERRNO | errno.EPERM),
+        "enosys",
+        (_RET, _ERRNO | errno.ENOSYS),
+    ]
+    instructions = [step for step in steps if not isinstance(step, str)]
+    labels, at = {}, 0
+    for step in steps:
+        if isinstance(step, str):
+            labels[step] = at
+        else:
+            at += 1
+    code = b""
+    for i, (op, k, *jumps) in enumerate(instructions):
+        jt, jf = (labels[target] - i - 1 if target else 0 for target in (jumps or (None, None)))
+        code += struct.pack("=HBBI", op, jt, jf, k)  # struct sock_filter
+    return code
+
+
+def _seccomp_fd() -> int | None:
+    """The read end of a pipe holding :func:`seccomp_filter` for this machine, for bwrap."""
+    code = seccomp_filter(platform.machine())
+    if code is None:
+        return None
+    read, write = os.pipe()
+    os.write(write, code)  # a few hundred bytes: far below a pipe's capacity
+    os.close(write)
+    return read
 
 
 def _kill(process: subprocess.Popen, info_fd: int | None) -> int:

@@ -37,6 +37,7 @@ from .config import (
 )
 from .data import check_mix, load_conversations
 from .errors import UserError
+from .files import read_json, write_json_atomically
 from .modeling import (
     apply_lora,
     check_model_source,
@@ -244,6 +245,8 @@ class TrainConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not 0 <= self.seed < 2**32:  # the range numpy takes, and set_seed passes it on
+            raise UserError(f"{flag('seed')} must be in 0..{2**32 - 1}, got {self.seed}")
         if self.max_length < 2:
             raise UserError(f"{flag('max_length')} must be >= 2, got {self.max_length}")
         check_mix(self.data, self.data_mix)
@@ -421,6 +424,49 @@ def resume_point(partial_dir: Path, resume: bool) -> Path | None:
     return newest
 
 
+RUN_SETTINGS = "marslm-run.json"
+# Fields that change nothing a run computes: a rerun may change them and still resume.
+_NOT_THE_RUN = ("output", "overwrite", "resume", "progress", "save_steps", "logging_steps", "extra")
+
+
+def partial_dir_of(output: str) -> Path:
+    return Path(str(Path(output)) + ".partial")
+
+
+def run_settings(cfg: TrainConfig) -> dict:
+    """The settings that define a run, as JSON would give them back."""
+    return json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k not in _NOT_THE_RUN}))
+
+
+def may_resume(cfg: TrainConfig) -> bool:
+    """Whether the run resumes from what an interrupted run left in ``OUT.partial/`` (read-only,
+    so it runs before anything loads). Checkpoints are only resumed by the run they belong to
+    (its settings, recorded there by :func:`record_run`): a rerun with other data, learning rate
+    or steps is refused, and --overwrite discards them as --no-resume does."""
+    partial_dir = partial_dir_of(cfg.output)
+    if not cfg.resume or not any(checkpoint_is_complete(p) for p in partial_dir.glob("checkpoint-*")):
+        return cfg.resume
+    way_out = "pass --no-resume or --overwrite to discard its checkpoints and start afresh"
+    path = partial_dir / RUN_SETTINGS
+    recorded = read_json(path, hint=f"; {way_out}") if path.is_file() else None
+    now = run_settings(cfg)
+    if recorded == now:
+        return True
+    if cfg.overwrite:
+        return False
+    if not isinstance(recorded, dict):
+        raise UserError(f"{partial_dir} holds checkpoints of a run whose settings were not recorded; {way_out}")
+    name = next(k for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k))
+    raise UserError(
+        f"{partial_dir} holds checkpoints of a run with {flag_of(TrainConfig, name)} {recorded.get(name)!r}, "
+        f"not {now.get(name)!r}: rerun with its settings to resume it, or {way_out}"
+    )
+
+
+def record_run(partial_dir: Path, cfg: TrainConfig) -> None:
+    write_json_atomically(partial_dir / RUN_SETTINGS, run_settings(cfg))
+
+
 class MarsTrainer:
     """Builds a ``transformers.Trainer`` whose loss is the stage's objective (AR or MARS)."""
 
@@ -550,6 +596,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     started = time.time()
     cfg.validate()
     _refuse_data_parallel()
+    resume = may_resume(cfg)
     if model is None:
         check_model_source(cfg.model)
     conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed, mix=cfg.data_mix)
@@ -603,7 +650,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(model.get_base_model() if cfg.lora_rank else model)
 
-    partial_dir = Path(str(Path(cfg.output)) + ".partial")
+    partial_dir = partial_dir_of(cfg.output)
     args = TrainingArguments(
         output_dir=str(partial_dir),
         num_train_epochs=cfg.epochs if cfg.epochs > 0 else 1.0,
@@ -641,7 +688,9 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         callbacks,
         own_lr={mask_row: cfg.mask_lr or cfg.learning_rate} if mask_row is not None else None,
     )
-    resume_from = resume_point(partial_dir, cfg.resume) if trainer.is_world_process_zero() else None
+    resume_from = resume_point(partial_dir, resume) if trainer.is_world_process_zero() else None
+    if trainer.is_world_process_zero():
+        record_run(partial_dir, cfg)
     trainer.accelerator.wait_for_everyone()  # rank 0 has cleaned up before any rank looks
     if not trainer.is_world_process_zero():
         resume_from = resume_point(partial_dir, True)  # read-only now: nothing incomplete is left

@@ -9,7 +9,7 @@ Everything here is small enough to build in well under a second, so tests stay f
     save_model              fixture: save_model(model, tokenizer, path=None) -> Path (save_pretrained dir)
     write_chat_jsonl        fixture: write_chat_jsonl(path, n, seed=0) -> Path ({"messages": [...]} per line)
     tiny_model_dir          session-wide saved random Qwen2 dir (with tokenizer); treat as read-only
-    outside_dir             a world-writable directory the code sandbox can see but must not change
+    outside_dir             a world-writable directory of the machine the code sandbox must not reach
     trained_dirs, trained_checkpoints   re-exported from tests/trained.py (toy-trained checkpoint pair)
 
 Plain helpers live in tests/helpers.py (``from tests.helpers import ...``).
@@ -89,9 +89,9 @@ def tiny_model_dir(tiny_tokenizer, make_tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def outside_dir():
-    """A world-writable directory on the machine that the code sandbox sees (read-only): under
-    /var/tmp, since the sandbox replaces /tmp with its own. A write or delete there by sandboxed
-    code is an escape."""
+    """A world-writable directory on the machine, where shared files and sockets live: under
+    /var/tmp, as /tmp is where the sandbox has its own. A write, delete or connect there by
+    sandboxed code is an escape."""
     path = Path(tempfile.mkdtemp(prefix="marslm-outside-", dir="/var/tmp" if os.path.isdir("/var/tmp") else "."))
     path.chmod(0o777)
     yield path

@@ -101,3 +101,39 @@ def test_prompt_specs_from_a_file_and_sources(spec, tmp_path, write_chat_jsonl):
     path = write_chat_jsonl(tmp_path / "chat.jsonl", 3)
     from_file = load_prompts(str(path))
     assert [p.messages[-1]["role"] for p in from_file] == ["user"] * 3
+
+
+def test_a_whole_last_record_without_its_newline_is_kept(tmp_path):
+    prompts = load_prompts("toy:3")
+    out = tmp_path / "d.jsonl"
+    lines = [json.dumps({"id": p.id, "messages": p.messages, "finished": True}) for p in prompts]
+    out.write_text("\n".join(lines))  # an editor, or a kill just before the newline, leaves the last one bare
+    assert done_ids(out) == {p.id for p in prompts}
+    # every prompt is answered, so nothing decodes: no model needed
+    assert distill(None, None, prompts, out, progress=False) == {"done": 3, "new": 0, "unfinished": 0}
+    assert out.read_text() == "\n".join(lines) + "\n"
+
+    out.write_text("\n".join(lines)[:-5])  # cut inside the last record: that one is redone
+    assert done_ids(out) == {p.id for p in prompts[:2]}
+
+
+def test_bad_prompts_and_outputs_are_refused_before_any_file_is_written(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "assistant", "content": "an answer to nothing"}]})
+        + "\n"
+    )
+    out = tmp_path / "out" / "d.jsonl"
+    for output, prompts, fragment in (
+        (out, data, "data.jsonl:2: the conversation opens with an answer"),
+        (tmp_path, "toy:2", f"--output {tmp_path} is a directory"),
+        (data / "d.jsonl", "toy:2", "data.jsonl is a file, not a directory"),
+    ):
+        rc = main(["distill", "--model", str(tiny_model_dir), "--output", str(output), "--prompts", str(prompts)])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("marslm distill: error: ") and err.count("\n") == 1, err
+        assert fragment in err, err
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]

@@ -10,16 +10,27 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from marslm import cli
-from marslm.train import CHECKPOINT_MARKER, NonFiniteTraining, TrainConfig, checkpoint_is_complete, train
+from marslm.errors import UserError
+from marslm.train import (
+    CHECKPOINT_MARKER,
+    RUN_SETTINGS,
+    NonFiniteTraining,
+    TrainConfig,
+    checkpoint_is_complete,
+    may_resume,
+    train,
+)
 
 # Patches Trainer (or marslm) so that the process SIGKILLs itself at POINT when the global step is
 # STEP, then runs `marslm ARGS...`. argv: POINT STEP ARGS...
@@ -141,7 +152,11 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_weights(base_model, 
         killed = run(point, step, out)
         assert killed.returncode == -9, (point, killed.stderr[-2000:])
         assert not out.exists()
-        found = {p.name: "complete" if checkpoint_is_complete(p) else "incomplete" for p in partial.iterdir()}
+        found = {
+            p.name: "complete" if checkpoint_is_complete(p) else "incomplete"
+            for p in partial.iterdir()
+            if p.name != RUN_SETTINGS
+        }
         assert found == expected, point
 
     finished = run("none", 0, out)
@@ -188,6 +203,8 @@ def test_completeness_is_the_marker_and_the_sizes(tmp_path):
         (["--data-n", "-3"], "--data-n must be >= 1"),
         (["--epochs", "nan"], "--epochs must be a finite number"),
         (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+        (["--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
+        (["--seed", str(2**32)], "--seed must be in 0..4294967295"),
     ],
 )
 def test_bad_hyperparameters_are_refused_before_training(tmp_path, flags, message):
@@ -245,7 +262,67 @@ def test_a_non_finite_run_stops_without_saving_garbage(base_model, write_chat_js
         train(cfg, callbacks=[poison_at(poisoned_step)])
     partial = tmp_path / "out.partial"
     assert not (tmp_path / "out").exists()
-    assert sorted(p.name for p in partial.iterdir()) == ["checkpoint-2"]
+    assert sorted(p.name for p in partial.iterdir()) == ["checkpoint-2", RUN_SETTINGS]
     assert all(torch.isfinite(t).all() for t in weights(partial / "checkpoint-2").values())
     log = json.loads((partial / "checkpoint-2" / "trainer_state.json").read_text())
     assert log["global_step"] == 2
+
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupt_at(step: int):
+    from transformers import TrainerCallback
+
+    class _Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                raise Interrupted
+
+    return _Interrupt()
+
+
+def test_checkpoints_are_resumed_only_by_the_run_they_belong_to(base_model, write_chat_jsonl, tmp_path, caplog):
+    data, other_data = write_chat_jsonl(tmp_path / "data.jsonl", 8), write_chat_jsonl(tmp_path / "other.jsonl", 8)
+    out = tmp_path / "out"
+    cfg = TrainConfig(
+        stage="ar",
+        model=str(base_model),
+        data=str(data),
+        output=str(out),
+        max_steps=3,
+        save_steps=1,
+        batch_size=2,
+        learning_rate=1e-3,
+        progress=False,
+    )
+    with pytest.raises(Interrupted):  # killed after its first checkpoint
+        train(cfg, callbacks=[interrupt_at(2)])
+    partial = tmp_path / "out.partial"
+    left = sorted(p.name for p in partial.iterdir())
+    assert "checkpoint-1" in left
+
+    run = ["train", "ar", "--model", base_model, "-o", out, "--batch-size", 2, "--save-steps", 1, "--quiet"]
+    same = ["--data", data, "--lr", 1e-3, "--max-steps", 3]
+    for changed, difference in (
+        (["--data", other_data, "--lr", 1e-3, "--max-steps", 3], f"--data {str(data)!r}, not {str(other_data)!r}"),
+        (["--data", data, "--lr", 2e-3, "--max-steps", 3], "--learning-rate 0.001, not 0.002"),
+        (["--data", data, "--lr", 1e-3, "--max-steps", 5], "--max-steps 3, not 5"),
+    ):
+        rc, _, err = run_cli(*run, *changed)
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        assert difference in err and "--no-resume" in err and "--overwrite" in err, err
+        assert sorted(p.name for p in partial.iterdir()) == left  # nothing deleted
+    assert may_resume(replace(cfg, learning_rate=2e-3, overwrite=True)) is False  # --overwrite: start afresh
+    assert may_resume(replace(cfg, logging_steps=1, progress=True)) is True  # what does not change the run
+    recorded = (partial / RUN_SETTINGS).read_text()
+    (partial / RUN_SETTINGS).unlink()  # checkpoints of unknown origin
+    with pytest.raises(UserError, match="settings were not recorded; pass --no-resume"):
+        may_resume(cfg)
+    (partial / RUN_SETTINGS).write_text(recorded)
+
+    with caplog.at_level(logging.WARNING, logger="marslm.train"):
+        rc, stdout, err = run_cli(*run, *same, "--logging-steps", 1)
+    assert rc == 0 and ", 3 steps," in stdout, err
+    assert "resuming from" in caplog.text and "checkpoint-" in caplog.text

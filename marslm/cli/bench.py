@@ -131,12 +131,12 @@ def run(args) -> int:
 def _cost_curve(args) -> int:
     from ..decode.costs import cost_curve
     from ..experiments.bench import format_cost_curve
-    from ..modeling import check_model_source, load_model, model_context, resolve_device, trained_block_size
+    from ..modeling import check_model_source, checkpoint_block_size, load_model, model_context, resolve_device
 
     if not args.contexts or min(args.contexts) < 1 or (args.block_size is not None and args.block_size < 1):
         raise UserError("every --contexts value and --block-size must be >= 1")
     check_model_source(args.model)
-    widths = list(range(1, 2 * (args.block_size or trained_block_size(args.model)) + 3))
+    widths = list(range(1, 2 * (args.block_size or checkpoint_block_size(args.model)) + 3))
     room = model_context(args.model)
     if room is not None and max(args.contexts) + widths[-1] > room:
         raise UserError(

@@ -75,19 +75,21 @@ def no_extra_args(args) -> None:
 
 
 def load_for_decoding(model_path: str, params, device: str = "auto"):
-    """``(model, tokenizer, params)`` for ``generate`` and ``show``: the settings checked before the
-    model loads, then against the block size it was trained with; a warning when an AR checkpoint
-    is asked to accept untrained mask guesses."""
+    """``(model, tokenizer, params)`` for ``generate`` and ``show``: the settings checked, also
+    against the block size the checkpoint was trained with, before the model loads, so that a
+    refusal is the only line (loading warns about a checkpoint without marslm.json); a warning
+    when an AR checkpoint is asked to accept untrained mask guesses."""
     import logging
 
-    from ..modeling import check_model_source, checkpoint_facts, load_model, resolve_device
+    from ..config import MarsConfig
+    from ..modeling import check_model_source, load_model, resolve_device, trained_block_size
 
     params.verify()
     check_model_source(model_path)
+    config = MarsConfig.load(model_path)
+    params = params.verify(trained_block_size(config))
     model, tokenizer, _ = load_model(model_path, device=resolve_device(device))
-    facts = checkpoint_facts(model, tokenizer)
-    params = params.verify(facts.block_size)
-    if facts.stage == "ar" and not params.one_token:
+    if config is not None and config.stage == "ar" and not params.one_token:
         logging.getLogger("marslm").warning(
             "%s is an AR checkpoint (marslm.json stage 'ar'): its masks were never trained, so tau %g accepts "
             "untrained guesses; use tau 1, or a MARS checkpoint",

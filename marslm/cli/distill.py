@@ -43,11 +43,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..distill import distill, load_prompts
+    from ..distill import check_output, distill, load_prompts
     from ..modeling import check_model_source, load_model, resolve_device
 
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    check_output(args.output)
     prompts = load_prompts(args.prompts, args.split, seed=args.seed)
     check_model_source(args.model)
     model, tokenizer, _ = load_model(args.model, device=resolve_device(args.device))

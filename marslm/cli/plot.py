@@ -6,6 +6,8 @@ COMMAND = "plot"
 
 
 def add_parser(sub) -> None:
+    from ..experiments.plots import IMAGE_NAME
+
     plot = sub.add_parser(
         COMMAND,
         help="accuracy vs tokens/forward frontier from eval reports (PNG)",
@@ -15,7 +17,13 @@ def add_parser(sub) -> None:
         "(a report file or a model label), else any stage-'ar' checkpoint or model with only tau=1 results.",
     )
     plot.add_argument("reports", nargs="+", metavar="REPORT", help="JSON report(s) written by marslm")
-    plot.add_argument("--out", "-o", default="frontier.png", help="image to write (default frontier.png)")
+    plot.add_argument(
+        "--out",
+        "-o",
+        default=IMAGE_NAME,
+        help=f"image to write: PNG unless its suffix names another format (.svg, .pdf); a name without "
+        f"suffix gets .png; an existing directory gets {IMAGE_NAME} inside (default {IMAGE_NAME})",
+    )
     plot.add_argument(
         "--baseline",
         action="append",

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import UserError
+from ..files import parse_json
 
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {
@@ -52,14 +53,11 @@ def read_jsonl_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read data file {path}: {exc.__class__.__name__}: {exc}") from None
     empty = True
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(jsonl_lines(text), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: malformed JSON ({exc.msg})") from None
+        record = parse_json(line, path, lineno)
         if not isinstance(record, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
         if _SURROGATE_ESCAPE.search(line):  # the file is UTF-8, so only an escape can make one
@@ -74,6 +72,12 @@ def read_jsonl_records(path: str | Path) -> Iterator[tuple[str, dict]]:
         yield where, record
     if empty:
         raise UserError(f"{path}: no records (the file is empty)")
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL text. Only "\\n" ends one: a JSON string may hold U+2028, U+2029 or
+    U+0085 unescaped, and ``str.splitlines`` splits there too."""
+    return text.split("\n")
 
 
 def first_record(path: str | Path) -> dict:

@@ -430,7 +430,7 @@ def _same_value(got: object, want: object) -> bool:
 def _score_json(meta: dict, response: str) -> bool:
     try:
         record = json.loads(_strip_fence(response).strip())
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # also nesting past the recursion limit, integers past int()'s
         return False
     want = meta["fields"]
     return (

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..evaluate import evaluate, load_eval_set, summarise_result
-from ..files import write_json_atomically, write_text_atomically
+from ..files import output_directory, read_json, write_json_atomically, write_text_atomically
 from ..train import TrainConfig, train
 from .demo import DemoPreset, build_base_model, resolve_preset, train_arguments
 
@@ -216,16 +216,19 @@ def run_ablation(
     block_sizes = tuple(block_sizes)
     if not block_sizes or min(block_sizes) < 1:
         raise UserError(f"block sizes must be >= 1, got {block_sizes}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-
+    out = output_directory(out, "--out")
     previous = {}
     if (out / "ablation.json").is_file():
-        saved = json.loads((out / "ablation.json").read_text())
+        saved = read_json(out / "ablation.json", hint="; remove it or use a new --out")
+        if not isinstance(saved, dict):
+            raise UserError(
+                f"{out / 'ablation.json'} holds a {type(saved).__name__}, not an ablation; remove it or use a new --out"
+            )
         if saved.get("preset") not in (None, json.loads(json.dumps(asdict(preset)))):
             # Mixing rows of different presets would make the table meaningless.
             raise UserError(f"{out} holds an ablation with another preset; use a new --out")
         previous = {k: v for k, v in saved.items() if isinstance(v, dict) and "results" in v}
+    out.mkdir(parents=True, exist_ok=True)
 
     if not (out / "base" / "config.json").is_file() or not (out / "base" / "tokenizer_config.json").is_file():
         _say("building the toy suite, tokenizer and base model")

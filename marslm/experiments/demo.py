@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..errors import UserError
+from ..files import output_directory, write_json_atomically
 
 
 @dataclass(frozen=True)
@@ -308,10 +309,47 @@ def format_checks(checks: list[dict]) -> str:
     return "\n".join(f"result {c['result']}: {c['claim']}: {c['detail']} -- {verdict[c['met']]}" for c in checks)
 
 
+# What run_demo writes in OUT: the marker first, then each stage (with train's OUT.partial and
+# OUT.old beside a stage's directory while it runs), the report last.
+DEMO_MARKER = "marslm-demo.json"
+DEMO_ENTRIES = (
+    "base",
+    *(f"{stage}{suffix}" for stage in ("ar", "mars", "ar_control") for suffix in ("", ".partial", ".old")),
+    "report.json",
+    DEMO_MARKER,
+)
+
+
+def prepare_output(out: str | Path, overwrite: bool) -> Path:
+    """``out`` ready for a fresh demo. Only with ``overwrite`` is anything deleted, and then only
+    the entries a demo writes, in a directory a demo wrote (its marker comes first, so an
+    interrupted demo has one too): OUT may be ``.`` or hold the user's own files."""
+    out = output_directory(out, "--out")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(
+                f"{out} is not empty; pass --overwrite to replace an earlier demo's output there "
+                f"(only the entries a demo writes: {', '.join(DEMO_ENTRIES)})"
+            )
+        ours = [out / name for name in DEMO_ENTRIES if (out / name).exists() or (out / name).is_symlink()]
+        if ours and not (out / DEMO_MARKER).is_file():
+            raise UserError(
+                f"{out} holds {ours[0].name} but no {DEMO_MARKER}: not a demo's output, so nothing there is "
+                "replaced; choose another --out"
+            )
+        for path in ours:  # the marker last: a demo interrupted here can still be replaced
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def run_demo(
     out: str | Path = "runs/demo",
     preset: str | DemoPreset = "default",
-    overwrite: bool = True,
+    overwrite: bool = False,
     progress: bool = True,
     **overrides,
 ) -> dict:
@@ -320,12 +358,8 @@ def run_demo(
     from ..train import TrainConfig, train
 
     preset = resolve_preset(preset, **overrides)
-    out = Path(out)
-    if out.exists():
-        if not overwrite:
-            raise UserError(f"{out} exists; pass --overwrite")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out = prepare_output(out, overwrite)
+    write_json_atomically(out / DEMO_MARKER, {"preset": asdict(preset)})
     started = time.time()
     timings = {}
 

@@ -16,13 +16,13 @@ A baseline with several one-token cells uses the first.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
 from ..evaluate import is_one_token, model_reports
+from ..files import output_file, read_json
 
 
 @dataclass
@@ -35,14 +35,11 @@ class Series:
     cells: list = field(default_factory=list)  # successful cells only
 
 
-def _read_json(path: str | Path) -> object:
+def _read_report(path: str | Path) -> object:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"report not found: {path}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: not a JSON report ({exc.__class__.__name__}: {exc})") from None
+    return read_json(path)
 
 
 def reports_in(payload, source: str) -> list[tuple[str | None, dict]]:
@@ -71,11 +68,11 @@ def load_series(paths: list[str], baseline: list[str] | None = None) -> list[Ser
     """Every model report of every file, labelled, with the baseline rule of the module docstring applied."""
     found: list[tuple[str | None, dict, bool]] = []
     for path in paths:
-        found += [(label, rep, False) for label, rep in reports_in(_read_json(path), str(path))]
+        found += [(label, rep, False) for label, rep in reports_in(_read_report(path), str(path))]
     baseline_labels = []
     for item in baseline or []:
         if Path(item).is_file():
-            found += [(label, rep, True) for label, rep in reports_in(_read_json(item), item)]
+            found += [(label, rep, True) for label, rep in reports_in(_read_report(item), item)]
         else:
             baseline_labels.append(item)
 
@@ -160,8 +157,24 @@ def _widen(ax, axis: str, min_span: float, lowest: float | None, highest: float 
     (ax.set_ylim if axis == "y" else ax.set_xlim)(low, high)
 
 
+IMAGE_NAME = "frontier.png"
+
+
+def image_path(out: str | Path) -> Path:
+    """The file :func:`plot_frontier` writes for ``out``: ``out`` itself, with ``.png`` added when it
+    has no suffix (as matplotlib would), or ``IMAGE_NAME`` inside it when it is a directory."""
+    out = Path(out)
+    if out.is_dir():
+        out = out / IMAGE_NAME
+    elif not out.suffix:
+        out = out.with_name(out.name + ".png")
+    return output_file(out, "--out")
+
+
 def plot_frontier(series: list[Series], out: str | Path, title: str | None = None) -> Path:
-    """Draw the panels to ``out`` (PNG, or any format matplotlib infers from the suffix)."""
+    """Draw the panels to :func:`image_path` of ``out`` (PNG, or any format matplotlib infers from
+    the suffix); returns that path."""
+    out = image_path(out)
     try:
         import matplotlib
 
@@ -244,7 +257,6 @@ def plot_frontier(series: list[Series], out: str | Path, title: str | None = Non
     )
     fig.suptitle(title or f"Accuracy vs tokens per forward: {', '.join(data)}", fontsize=13)
     fig.tight_layout(rect=(0, 0 if spare else 0.08, 1, 0.96))
-    out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)

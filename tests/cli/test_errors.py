@@ -70,7 +70,7 @@ PROMPT = "Sort the list [3, 1, 2] in ascending order."
     [
         ("truncated-weights", "cannot load model"),
         ("empty-weights", "cannot load model"),
-        ("invalid-marslm-json", "marslm.json is not valid JSON"),
+        ("invalid-marslm-json", "marslm.json:1: malformed JSON"),
         ("list-marslm-json", "marslm.json must hold a JSON object, got list"),
         ("mask-id-outside-vocab", "mask_token_id 99999, outside the model's vocabulary"),
         ("no-tokenizer-json", "turns text into no tokens"),
@@ -113,6 +113,15 @@ def test_a_checkpoint_without_marslm_json_warns_what_is_assumed(broken, capsys, 
         rc, out, _ = run(capsys, "generate", "--model", path, "--prompt", PROMPT, "--max-new-tokens", 4)
     assert rc == 0 and out.strip()
     assert "has no marslm.json" in caplog.text and "assumes block size 4" in caplog.text
+
+
+@pytest.mark.parametrize("command", ["generate", "show"])
+def test_a_checkpoint_without_marslm_json_refused_by_a_flag_shows_only_the_error(broken, capsys, caplog, command):
+    path = broken("no-marslm-json")
+    with caplog.at_level(logging.WARNING, logger="marslm"):
+        rc, _, err = run(capsys, command, "--model", path, "--prompt", PROMPT, "--block-size", 5)
+    assert_one_line_error(rc, err, "block size must be in 1..4")
+    assert caplog.records == []  # no "assumes block size 4" line before it
 
 
 def test_an_ar_checkpoint_below_tau_1_warns(trained_dirs, capsys, caplog):
@@ -210,3 +219,28 @@ def test_eval_exits_non_zero_when_a_cell_failed_after_writing_the_rest(mars_dir,
     monkeypatch.setattr(generation, "generate", real)  # the rerun retries the failed cell
     rc, _, err = run(capsys, "eval", "--model", mars_dir, "--n", 4, "--tau", "1,0.9", "--json", report, "--quiet")
     assert rc == 0, err
+
+
+DEEP = "[" * 100_000  # deeper than Python's recursion limit
+LONG_INTEGER = '{"n": ' + "7" * 5000 + "}"  # longer than int() converts
+
+
+@pytest.mark.parametrize("text, reason", [(DEEP, "nested too deeply"), (LONG_INTEGER, "an integer longer than")])
+def test_hostile_json_is_a_one_line_error_naming_file_and_line(tiny_model_dir, capsys, tmp_path, text, reason):
+    good = json.dumps({"prompt": "q", "completion": "a", "question": "q", "answer": "#### 1"})  # chat and GSM8K
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text(f"{good}\n{text}\n")
+    report = tmp_path / "report.json"
+    report.write_text(text)
+    out = tmp_path / "out"
+    commands = [
+        (["train", "ar", "--model", tiny_model_dir, "--data", jsonl, "-o", out, "--max-steps", 1], "data.jsonl:2"),
+        (["distill", "--model", tiny_model_dir, "--output", out / "d.jsonl", "--prompts", jsonl], "data.jsonl:2"),
+        (["eval", "--model", tiny_model_dir, "--data", f"gsm8k:{jsonl}", "--n", 2, "--quiet"], "data.jsonl:2"),
+        (["eval", "--model", tiny_model_dir, "--data", "reworded", "--n", 2, "--json", report], "report.json"),
+        (["plot", report, "--out", out / "plot.png"], "report.json"),
+    ]
+    for args, where in commands:
+        rc, _, err = run(capsys, *args)
+        assert_one_line_error(rc, err, f"{where}: malformed JSON ({reason}")
+    assert not out.exists()

@@ -74,6 +74,15 @@ def test_bad_records_name_file_and_line(tmp_path, bad_record, message):
     assert "\n" not in str(err.value)
 
 
+def test_line_separators_inside_strings_are_text(tmp_path):
+    # Valid JSON may hold these unescaped; str.splitlines would cut the record there.
+    content = "a\u2028b\u2029c\u0085d"
+    record = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl(tmp_path / "raw.jsonl", [json.dumps(record, ensure_ascii=False)])
+    assert "\u2028" in (tmp_path / "raw.jsonl").read_text(encoding="utf-8")
+    assert load_conversations(path) == [record["messages"]]
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(UserError, match="not found"):
         load_conversations(str(tmp_path / "nope.jsonl"))

@@ -198,6 +198,9 @@ def test_json_near_misses_are_rejected():
         assert not toy.score(ex, json.dumps(as_text))
     assert not toy.score(ex, json.dumps(fields)[:-1])  # truncated
     assert not toy.score(ex, json.dumps(list(fields.values())))
+    # what json.loads fails on outside JSONDecodeError is a wrong answer too, not a crash of the eval
+    assert not toy.score(ex, "[" * 100_000)
+    assert not toy.score(ex, json.dumps({**fields, first: 0}).replace(": 0", ": " + "7" * 5000))
 
 
 def test_json_int_field_must_not_be_a_string():

@@ -81,3 +81,25 @@ def test_ablation_writes_every_configuration_and_resumes(tmp_path, monkeypatch, 
     again = ablate.run_ablation(out, preset="quick", block_sizes=(2, 4), progress=False, **TINY)
     assert again == reports
     assert capsys.readouterr().out.count("done earlier, skipped") == len(labels)
+
+
+def test_bad_output_paths_are_one_line_errors(tmp_path, capsys):
+    from marslm.cli import main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    corrupt, listed = tmp_path / "corrupt", tmp_path / "listed"
+    for directory, text in ((corrupt, '{"preset": '), (listed, "[]")):
+        directory.mkdir()
+        (directory / "ablation.json").write_text(text)
+    for out, fragment in (
+        (a_file, "is a file; give a directory"),
+        (a_file / "sub", "a-file is a file, not a directory"),
+        (corrupt, "ablation.json:1: malformed JSON"),
+        (listed, "ablation.json holds a list, not an ablation"),
+    ):
+        assert main(["ablate", "--preset", "quick", "--out", str(out), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("marslm ablate: error: ") and err.count("\n") == 1 and fragment in err, err
+    assert a_file.read_text() == "mine"
+    assert [p.name for p in corrupt.iterdir()] == [p.name for p in listed.iterdir()] == ["ablation.json"]

@@ -107,3 +107,42 @@ def test_learning_curve_steps_are_even_and_end_at_the_last_step():
     assert curve_steps(4000, 8) == [500, 1000, 1500, 2000, 2500, 3000, 3500, 4000]
     assert curve_steps(5500, 8) == [688, 1375, 2062, 2750, 3438, 4125, 4812, 5500]  # no extra point at 5496
     assert curve_steps(3, 6) == [1, 2, 3]
+
+
+def test_demo_deletes_only_its_own_output_and_only_with_overwrite(tmp_path, monkeypatch, capsys):
+    import marslm.experiments.demo as demo
+    from marslm.errors import UserError
+
+    def stop_before_training(out, preset):
+        raise UserError("stopped before training")
+
+    monkeypatch.setattr(demo, "build_base_model", stop_before_training)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "main.py").write_text("mine")
+    users = ["notes.txt", "src"]
+
+    def demo_cli(*args) -> str:
+        assert main(["demo", "--preset", "quick", "--quiet", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("marslm demo: error: ") and err.count("\n") == 1, err
+        return err
+
+    assert "pass --overwrite" in demo_cli("--out", ".")
+    assert "is a file; give a directory" in demo_cli("--out", "notes.txt")
+    assert "is a file; give a directory" in demo_cli("--out", "notes.txt", "--preset", "smollm2-quick")
+    assert sorted(p.name for p in tmp_path.iterdir()) == users
+    # a `base` of the user's own is not the demo's: nothing is replaced
+    (tmp_path / "base").mkdir()
+    assert "not a demo's output" in demo_cli("--out", ".", "--overwrite")
+    assert (tmp_path / "base").is_dir()
+    # an earlier (interrupted) demo here: --overwrite replaces its entries, and only those
+    (tmp_path / demo.DEMO_MARKER).write_text("{}")
+    for name in ("ar", "mars.partial"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_text("old")
+    (tmp_path / "report.json").write_text("{}")
+    assert "stopped before training" in demo_cli("--out", ".", "--overwrite")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*users, demo.DEMO_MARKER])
+    assert (tmp_path / "notes.txt").read_text() == (tmp_path / "src" / "main.py").read_text() == "mine"

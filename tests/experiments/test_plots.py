@@ -139,7 +139,7 @@ def test_plot_cli_and_bad_input(tmp_path):
     (tmp_path / "broken.json").write_text("{oops")
     cases = [
         (tmp_path / "missing.json", "report not found"),
-        (tmp_path / "broken.json", "not a JSON report"),
+        (tmp_path / "broken.json", "broken.json:1: malformed JSON"),
         (write(tmp_path, "other.json", {"hello": 1}), "not a marslm report"),
         (write(tmp_path, "bad_results.json", {"model": "m", "results": "nope"}), "lacks a 'results' list"),
         (write(tmp_path, "no_numbers.json", {"model": "m", "results": [{"tau": 1.0}]}), "lacks tau, accuracy"),
@@ -148,3 +148,13 @@ def test_plot_cli_and_bad_input(tmp_path):
     for path, message in cases:
         rc, _, err = run_cli("plot", path, "--out", tmp_path / "x.png")
         assert rc == 2 and message in err and err.count("\n") == 1, (path, err)
+
+
+def test_plot_says_the_file_it_wrote(tmp_path):
+    good = write(tmp_path, "sweep.json", {"models": [AR, MARS]})
+    figures = tmp_path / "figures"
+    figures.mkdir()
+    for out, written in ((figures, figures / "frontier.png"), (tmp_path / "frontier-v2", tmp_path / "frontier-v2.png")):
+        rc, printed, _ = run_cli("plot", good, "--out", out)
+        assert rc == 0 and printed == f"wrote {written}\n" and written.stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures", "frontier-v2.png", "sweep.json"]
