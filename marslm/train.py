@@ -168,7 +168,7 @@ class TrainConfig:
     mask_lr: float | None = setting(
         None,
         "train the mask token's embedding row with this learning rate while the embeddings are "
-        "frozen (--train-layers, --freeze-embeddings, --mask-only; the default there: frozen, "
+        "frozen (--train-layers, --freeze-embeddings, --lora-rank, --mask-only; the default there: frozen, "
         "except under --mask-only, where it is --lr)",
         metavar="LR",
     )
@@ -203,10 +203,10 @@ class TrainConfig:
         _check_range(flag("max_grad_norm"), self.max_grad_norm, low=0)
         if self.mask_lr is not None:
             _check_range(flag("mask_lr"), self.mask_lr, low=0, low_open=True)
-            if not (self.mask_only or self.train_layers or self.freeze_embeddings):
+            if not (self.mask_only or self.train_layers or self.freeze_embeddings or self.lora_rank):
                 raise UserError(
-                    f"{flag('mask_lr')} needs frozen embeddings ({flag('train_layers')}, "
-                    f"{flag('freeze_embeddings')} or {flag('mask_only')}): otherwise the mask row trains "
+                    f"{flag('mask_lr')} needs frozen embeddings ({flag('train_layers')}, {flag('freeze_embeddings')}, "
+                    f"{flag('lora_rank')} or {flag('mask_only')}): otherwise the mask row trains "
                     f"with the embeddings at {flag('learning_rate')}"
                 )
         if self.mask_only and (self.train_layers or self.lora_rank or self.freeze_embeddings):
