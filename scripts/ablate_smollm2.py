@@ -93,7 +93,8 @@ def run_arm(name: str, out: Path, demo: Path, steps: int, probe_limit: int | Non
 
 def table(reports: list[dict]) -> str:
     lines = [
-        "| arm | what | fidelity (clean top-1) | tok/fwd paper-tf 0.95 | 0.9 | lossless-tf | offset-1 top-1 | masked CE |",
+        "| arm | what | fidelity (clean top-1) | tok/fwd paper-tf 0.95 | 0.9 | lossless-tf "
+        "| offset-1 top-1 | masked CE |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
