@@ -12,6 +12,7 @@ a temporary directory and renamed into place, so ``OUT`` is either complete or a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -591,6 +592,60 @@ def encode_dataset(tokenizer, conversations, max_length: int, stop_ids, eos_id: 
     return examples, truncated, dropped
 
 
+def cache_dir() -> Path:
+    """Where tokenised datasets are kept: ``$MARSLM_CACHE``, else ``~/.cache/marslm``."""
+    return Path(os.environ.get("MARSLM_CACHE") or Path.home() / ".cache" / "marslm") / "tokenized"
+
+
+def _encoding_key(cfg: TrainConfig, tokenizer) -> str:
+    """What the encoded examples depend on: the data's bytes, the tokenizer and the settings that
+    choose and cut examples. Two runs with the same key get the same examples."""
+    digest = hashlib.sha256()
+    for path in (
+        Path(cfg.data),
+        Path(cfg.data).with_name(Path(cfg.data).name.removesuffix(".jsonl") + ".unfinished.jsonl"),
+    ):
+        if path.is_file():
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+    settings = [cfg.data if not Path(cfg.data).is_file() else "", cfg.data_n, cfg.data_seed, cfg.data_mix]
+    settings += [
+        cfg.max_length,
+        cfg.answer_ids,
+        cfg.cut_answers,
+        tokenizer.chat_template,
+        sorted(tokenizer.get_vocab().items()),
+    ]
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:24]
+
+
+def cached_encoding(cfg: TrainConfig, tokenizer, encode):
+    """``encode()``'s ``(examples, truncated, dropped)``, computed once per dataset and tokenizer.
+
+    Under ``accelerate launch`` the main process encodes first and writes the cache; the other
+    ranks then read it instead of each tokenising the whole dataset again.
+    """
+    from accelerate import PartialState
+
+    path = cache_dir() / f"{_encoding_key(cfg, tokenizer)}.pt"
+    with PartialState().main_process_first():
+        if path.is_file():
+            try:
+                cached = torch.load(path, weights_only=True)
+                return cached["examples"], cached["truncated"], cached["dropped"]
+            except Exception:  # noqa: BLE001 - an unreadable cache is encoded again and replaced
+                log.warning("ignoring an unreadable tokenised-data cache %s", path)
+        examples, truncated, dropped = encode()
+        if PartialState().is_main_process:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save({"examples": examples, "truncated": truncated, "dropped": dropped}, tmp)
+            os.replace(tmp, path)
+    return examples, truncated, dropped
+
+
 def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSummary:
     """Run one training stage end to end; returns a summary. ``model``/``tokenizer`` skip loading."""
     started = time.time()
@@ -618,8 +673,11 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     eos_id = end_of_turn_id(tokenizer, stop_ids)  # what block padding repeats (objective.pad_to_block)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
 
-    generated = generated_answers(cfg)
-    examples, truncated, dropped = encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids, eos_id, generated)
+    examples, truncated, dropped = cached_encoding(
+        cfg,
+        tokenizer,
+        lambda: encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids, eos_id, generated_answers(cfg)),
+    )
     if truncated:
         log.warning(
             "%d of %d conversations were longer than --max-length %d and were truncated",

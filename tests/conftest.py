@@ -31,6 +31,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models gain nothing from intra-op threads, and on a small, busy CPU box OpenMP threads
 # contending with other processes can make each op 100x slower. Subprocesses inherit this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tokenised datasets are cached (train.cached_encoding): in a directory of the test session's own.
+os.environ.setdefault("MARSLM_CACHE", tempfile.mkdtemp(prefix="marslm-cache-"))
 
 import torch  # noqa: E402
 

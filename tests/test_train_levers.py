@@ -174,3 +174,20 @@ def test_distilled_answer_ids_are_trained_as_generated(tiny_tokenizer, tiny_mode
     cut = examples(cut_answers=True)[-1]
     assert cut["labels"][-1] != eos  # a cut answer does not learn to stop
     assert generated_answers(TrainConfig(stage="mars", model="m", data=str(data), output="o", answer_ids=False)) is None
+
+
+def test_a_tokenised_dataset_is_encoded_once(base, write_chat_jsonl, tmp_path, monkeypatch):
+    import marslm.train as train_module
+
+    monkeypatch.setenv("MARSLM_CACHE", str(tmp_path / "cache"))
+    data = write_chat_jsonl(tmp_path / "d.jsonl", 4)
+    calls = []
+    real = train_module.encode_dataset
+    monkeypatch.setattr(train_module, "encode_dataset", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _train(base, data, tmp_path / "a")
+    _train(base, data, tmp_path / "b")
+    assert len(calls) == 1 and len(list((tmp_path / "cache" / "tokenized").glob("*.pt"))) == 1
+    _train(base, data, tmp_path / "c", max_length=64)  # another cut: encoded again
+    data.write_text(data.read_text().splitlines()[0] + "\n")  # other data: encoded again
+    _train(base, data, tmp_path / "d")
+    assert len(calls) == 3
