@@ -49,6 +49,13 @@ class RealModelPreset:
     block_size: int = 4
     ar_weight: float = 1.0
     precision: str = "bf16"  # on a CPU, autocast to bfloat16 (fast on CPUs with AMX / AVX-512 BF16)
+    # The recipe's levers (marslm train's options of the same names; scripts/ablate_smollm2.py)
+    packing: bool = True
+    mask_lr: float | None = None
+    lora_rank: int | None = None
+    mask_only: bool = False
+    cut_answers: bool = False
+    warmup_ratio: float = 0.05
     save_steps: int = 25
     taus: tuple = (1.0, 0.95, 0.9, 0.8)
     curve_points: int = 6
@@ -348,6 +355,12 @@ def train_stage(
             save_steps=preset.save_steps,
             logging_steps=max(1, min(10, preset.steps // 10)),
             train_layers=preset.train_layers,
+            packing=preset.packing,
+            mask_lr=preset.mask_lr,
+            lora_rank=preset.lora_rank,
+            mask_only=preset.mask_only,
+            cut_answers=preset.cut_answers,
+            warmup_ratio=preset.warmup_ratio,
             progress=progress,
             extra={"demo_preset": asdict(preset)},
         ),
