@@ -113,8 +113,8 @@ class TrainConfig:
     logging_steps: int = setting(10, "log the losses every N steps")
     answer_ids: bool = setting(
         True,
-        "train on the token ids a `marslm distill` file records for each answer (default), not on its "
-        "text encoded again, which can split words differently from how the model generated them",
+        "encode a `marslm distill` file's answer text again instead of training on the token ids it "
+        "recorded (the default): re-encoding can split words differently from how the model generated them",
         negative="--retokenize",
     )
     cut_answers: bool = setting(

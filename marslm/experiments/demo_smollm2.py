@@ -67,7 +67,7 @@ class RealModelPreset:
 
 
 SMOLLM2_PRESETS = {
-    # The CPU recipe (docs/results.md, "Real model": the pilots it came from, the tokens it
+    # The CPU recipe (docs/results.md, "A real model": the pilots it came from, the tokens it
     # processes, and the time of each stage). Pilots on 193 answers repeated for 5 epochs mostly
     # memorised them, so the preset distills several times as many prompts and sees each answer
     # about twice. The top 16 of the 30 layers learn the masked stream faster per step than the
