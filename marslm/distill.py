@@ -228,5 +228,8 @@ def distill(
             mask_token_id=tokenizer.eos_token_id,
             on_finish=write,
         )
+    # A finished run leaves its output even when every answer was cut and went to the other file.
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.touch(exist_ok=True)
     bar.close()
     return counts
