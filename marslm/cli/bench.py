@@ -159,8 +159,9 @@ def _cost_curve(args) -> int:
 
 
 def _train_step(args) -> int:
+    from ..config import MarsConfig
     from ..experiments.train_step import build_shape, format_train_step, train_step_bench
-    from ..modeling import check_model_source, enable_activation_checkpointing, resolve_device
+    from ..modeling import check_model_source, checkpoint_block_size, enable_activation_checkpointing, resolve_device
 
     if (args.model is None) == (args.shape is None):
         raise UserError("--train-step needs exactly one of --model or --shape")
@@ -194,7 +195,7 @@ def _train_step(args) -> int:
         seq_lens=args.seq_lens,
         batch_size=args.batch_sizes[0],  # rows per step: the first --batch-sizes value
         prompt_share=args.prompt_share,
-        block_size=args.block_size or 4,
+        block_size=args.block_size or (checkpoint_block_size(args.model) if args.model else MarsConfig().block_size),
         repeats=args.repeats,
         target_logits=logits,
         bf16=args.bf16,
