@@ -50,6 +50,10 @@ ARMS = {
         "top16-masklr with B = 2",
         dict(train_layers=16, learning_rate=1e-4, mask_lr=1e-3, block_size=2),
     ),
+    "top16-masklr-ar4": (
+        "top16-masklr with the clean stream's loss weighted 4",
+        dict(train_layers=16, learning_rate=1e-4, mask_lr=1e-3, ar_weight=4.0),
+    ),
     "top16-masklr-cut": (
         "top16-masklr with the cut answers kept as truncated examples",
         dict(train_layers=16, learning_rate=1e-4, mask_lr=1e-3, cut_answers=True),
