@@ -10,6 +10,7 @@ of each row is ``1 - prompt_share``: the loss, and MARS's noisy stream, cover on
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import statistics
 import time
@@ -125,6 +126,16 @@ class _Peak:
         return False
 
 
+def _return_freed_memory() -> None:
+    """glibc keeps freed blocks under its mmap threshold in the heap and reuses them, so a step's
+    peak would not show in the resident set; from here on blocks over 64 KiB are mapped, and
+    unmapped when freed."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _status_kib(field: str) -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -137,6 +148,7 @@ def _status_kib(field: str) -> int | None:
 
 def _reset_cpu_peak() -> int | None:
     """Reset the peak resident set to the current one (Linux); returns the current one in bytes."""
+    _return_freed_memory()
     gc.collect()
     try:
         Path("/proc/self/clear_refs").write_text("5")
