@@ -126,7 +126,7 @@ def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", "int")
     if _field(body, "n", "int", 1) != 1:
-        raise APIError(400, "only n=1 is supported (decoding is greedy: more choices would be equal)", param="n")
+        raise APIError(400, "only n=1 is supported: send one request per choice", param="n")
     if _field(body, "best_of", "int", 1) != 1:
         raise APIError(400, "best_of is not supported", param="best_of")
     stop = body.get("stop")
