@@ -103,8 +103,6 @@ def _head_returns(model, replacement):
     """
     inner = unwrap_model(model)
     head = inner.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"target-only logits need a Linear output projection, got {type(head).__name__}")
     config = inner.config
     softcap = getattr(config, "final_logit_softcapping", None)
     head.forward = lambda hidden: replacement(head, hidden, softcap)
@@ -116,6 +114,12 @@ def _head_returns(model, replacement):
         del head.forward  # the instance attribute: the class's forward shows through again
         if softcap is not None:
             config.final_logit_softcapping = softcap
+
+
+def has_linear_head(model) -> bool:
+    """Whether the model's output projection is a plain Linear, which the fused loss needs (a
+    quantised or wrapped head is left to the model's own forward and full logits)."""
+    return isinstance(unwrap_model(model).get_output_embeddings(), torch.nn.Linear)
 
 
 def target_loss(model, inputs: dict, rows, columns, labels, weights) -> tuple[torch.Tensor, torch.Tensor]:

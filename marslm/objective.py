@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .chat import IGNORE
-from .head_loss import target_loss
+from .head_loss import has_linear_head, target_loss
 from .masks import packed_two_stream_mask, training_mask
 
 
@@ -279,8 +279,9 @@ def ar_loss(
     ``denominator``: what the summed losses are divided by; by default this batch's own
     :func:`normalizer`. The trainer passes the count over every micro-batch of an optimizer step,
     so that gradient accumulation gives the loss and gradients of the whole batch.
-    ``target_logits``: run the output projection only at the targets (head_loss.py); False
-    computes the full-vocabulary logits at every column, as the model's own forward does.
+    ``target_logits``: run the output projection only at the targets (head_loss.py; a model whose
+    head is not a plain Linear falls back); False computes the full-vocabulary logits at every
+    column, as the model's own forward does.
     """
     inputs = {"input_ids": input_ids}
     if segment_ids is not None:
@@ -292,7 +293,7 @@ def ar_loss(
     weights = target_weights(labels, segment_ids, normalization)
     if denominator is None:
         denominator = max(1.0, float(weights.sum()))
-    if target_logits:
+    if target_logits and has_linear_head(model):
         rows, columns, targets, target_w = _shifted_targets(labels, weights)
         loss, _ = target_loss(model, inputs, rows, columns, targets, target_w / denominator)
     else:
@@ -337,7 +338,7 @@ def mars_loss(
     # the noisy columns are copies of clean ones: their targets carry the same weights
     noisy_weights = torch.where(batch.noisy_columns >= 0, noisy_weights.gather(1, batch.noisy_columns.clamp(min=0)), 0)
 
-    if target_logits:
+    if target_logits and has_linear_head(model):
         clean = _shifted_targets(labels, weights)
         noisy = _shifted_targets(batch.noisy_labels, noisy_weights)
         rows = torch.cat([clean[0], noisy[0]])

@@ -165,3 +165,12 @@ def test_bench_train_step_reports_mars_against_ar(tiny_model_dir, tmp_path):
     assert all(r["seconds_vs_ar"] > 0 for r in rows if r["stage"] == "mars")
     rc, _ = run_cli("bench", "--train-step", "--shape", "qwen2.5-0.5b", "--layers", "99")
     assert rc == 2
+
+
+def test_a_head_that_is_not_a_plain_linear_falls_back_to_full_logits(tiny_tokenizer, make_tiny_model):
+    batch = collate(_examples(tiny_tokenizer, 3), pad_id=PAD_ID, block_size=4, eos_id=EOS_ID)
+    model = make_tiny_model()
+    expected = mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID)["loss"]
+    model.lm_head = torch.nn.Sequential(model.lm_head)  # a wrapped head, as some adapters leave it
+    got = mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID)["loss"]
+    torch.testing.assert_close(got, expected)
