@@ -122,3 +122,29 @@ def hf_greedy(model, tokenizer, prompt_ids, max_new_tokens):
             row = row[: row.index(tokenizer.eos_token_id)]
         results.append([t for t in row if t != pad])
     return results
+
+
+def stage_loss_and_grads(model, batch: dict, stage: str, **options):
+    """``(loss terms, {name: gradient})`` after one backward of a stage's loss on a collated batch
+    (padded or packed; B = 4 and mask id 3 for ``mars``); ``options`` go to the loss."""
+    from marslm.objective import ar_loss, mars_loss
+
+    extra = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+    if stage == "mars":
+        terms = mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=3, **extra, **options)
+    else:
+        terms = ar_loss(model, batch["input_ids"], batch["labels"], **extra, **options)
+    terms["loss"].backward()
+    return terms, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_loss_and_grads(got, want, loss_atol: float = 1e-5) -> None:
+    """Two :func:`stage_loss_and_grads` results agree: every loss term and every gradient."""
+    import torch
+
+    (got_terms, got_grads), (want_terms, want_grads) = got, want
+    for key in want_terms:
+        torch.testing.assert_close(got_terms[key], want_terms[key], rtol=1e-5, atol=loss_atol)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from marslm.chat import encode_conversation
 from marslm.head_loss import fused_cross_entropy
 from marslm.objective import ar_loss, collate, collate_packed, mars_loss
+from tests.helpers import assert_same_loss_and_grads, stage_loss_and_grads
 
 MASK_ID, EOS_ID, PAD_ID = 3, 2, 0
 
@@ -60,41 +61,15 @@ def test_target_only_logits_give_the_full_logits_loss_and_gradients(
     block_size = 4 if stage == "mars" else 1
     collate_fn = collate_packed if packed else collate
     batch = collate_fn(_examples(tiny_tokenizer), pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
-    extra = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
 
-    def loss_and_grads(target_logits):
+    def run(target_logits):
         model = make_tiny_model(seed=4).train()
-        if stage == "mars":
-            terms = mars_loss(
-                model,
-                batch["input_ids"],
-                batch["labels"],
-                block_size=4,
-                mask_token_id=MASK_ID,
-                ar_weight=0.7,
-                normalization=normalization,
-                target_logits=target_logits,
-                **extra,
-            )
-        else:
-            terms = ar_loss(
-                model,
-                batch["input_ids"],
-                batch["labels"],
-                normalization=normalization,
-                target_logits=target_logits,
-                **extra,
-            )
-        terms["loss"].backward()
-        return terms, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        options = {"ar_weight": 0.7} if stage == "mars" else {}
+        return stage_loss_and_grads(
+            model, batch, stage, normalization=normalization, target_logits=target_logits, **options
+        )
 
-    fused_terms, fused_grads = loss_and_grads(True)
-    full_terms, full_grads = loss_and_grads(False)
-    for key in full_terms:
-        torch.testing.assert_close(fused_terms[key], full_terms[key], rtol=1e-5, atol=1e-6)
-    assert fused_grads.keys() == full_grads.keys()
-    for name in full_grads:
-        torch.testing.assert_close(fused_grads[name], full_grads[name], rtol=1e-4, atol=1e-6)
+    assert_same_loss_and_grads(run(True), run(False), loss_atol=1e-6)
 
 
 def test_target_only_logits_under_cpu_bf16_autocast(tiny_tokenizer, make_tiny_model):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from marslm.chat import IGNORE, encode_conversation
 from marslm.masks import for_attention, two_stream_mask
 from marslm.objective import ar_loss, collate, collate_packed, mars_loss, pad_to_block, two_stream_batch
-from tests.helpers import chat_conversations
+from tests.helpers import assert_same_loss_and_grads, chat_conversations, stage_loss_and_grads
 
 MASK_ID = 3
 EOS_ID = 2
@@ -431,31 +431,10 @@ def test_packed_batches_give_the_padded_loss_and_gradients(tiny_tokenizer, make_
     packed = collate_packed(examples, pad_id=PAD_ID, block_size=block_size, eos_id=EOS_ID)
     assert packed["input_ids"].numel() < padded["input_ids"].numel()  # it did pack something
 
-    def loss_and_grads(batch):
-        model = make_tiny_model(seed=4)
-        extra = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
-        if stage == "mars":
-            terms = mars_loss(
-                model,
-                batch["input_ids"],
-                batch["labels"],
-                block_size=4,
-                mask_token_id=MASK_ID,
-                normalization=normalization,
-                **extra,
-            )
-        else:
-            terms = ar_loss(model, batch["input_ids"], batch["labels"], normalization=normalization, **extra)
-        terms["loss"].backward()
-        return terms, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    def run(batch):
+        return stage_loss_and_grads(make_tiny_model(seed=4), batch, stage, normalization=normalization)
 
-    padded_terms, padded_grads = loss_and_grads(padded)
-    packed_terms, packed_grads = loss_and_grads(packed)
-    for key in padded_terms:
-        torch.testing.assert_close(packed_terms[key], padded_terms[key], rtol=1e-5, atol=1e-5)
-    assert padded_grads.keys() == packed_grads.keys()
-    for name in padded_grads:
-        torch.testing.assert_close(packed_grads[name], padded_grads[name], rtol=1e-4, atol=1e-6)
+    assert_same_loss_and_grads(run(packed), run(padded))
 
 
 # ------------------------------------------------------------------ training
