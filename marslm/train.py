@@ -285,10 +285,21 @@ def _use_bf16(precision: str) -> bool:
 
 
 def _attn_implementation(attention: str) -> str:
-    """transformers' name of the attention back-end (``auto``: FlexAttention on CUDA, else sdpa)."""
+    """transformers' name of the attention back-end (``auto``: FlexAttention on CUDA where this
+    torch has it, else sdpa)."""
     if attention == "auto":
-        attention = "flex" if torch.cuda.is_available() else "sdpa"
+        attention = "flex" if torch.cuda.is_available() and _has_flex_attention() else "sdpa"
+    elif attention == "flex" and not _has_flex_attention():
+        raise UserError(f"--attention flex needs torch >= 2.5 (this is {torch.__version__}); use sdpa")
     return "flex_attention" if attention == "flex" else attention
+
+
+def _has_flex_attention() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _refuse_data_parallel() -> None:

@@ -191,3 +191,14 @@ def test_a_tokenised_dataset_is_encoded_once(base, write_chat_jsonl, tmp_path, m
     data.write_text(data.read_text().splitlines()[0] + "\n")  # other data: encoded again
     _train(base, data, tmp_path / "d")
     assert len(calls) == 3
+
+
+def test_auto_attention_falls_back_where_this_torch_has_no_flex(monkeypatch):
+    import marslm.train as train_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _attn_implementation("auto") == "flex_attention"
+    monkeypatch.setattr(train_module, "_has_flex_attention", lambda: False)
+    assert _attn_implementation("auto") == "sdpa"
+    with pytest.raises(UserError, match="torch >= 2.5"):
+        _attn_implementation("flex")
