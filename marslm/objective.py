@@ -14,6 +14,10 @@ x~ keeps only the columns some loss term depends on (from the block that holds t
 predicting the first target, to the last target), so a long prompt is not run through the model
 twice (``needed_noisy_columns``; a test checks loss and gradients against the literal form above).
 
+The loss reads the outputs at target columns only: ``head_loss.target_loss`` runs the output
+projection there alone, fused with the cross-entropy and chunked, so no ``[columns, vocabulary]``
+logits exist (``target_logits=False`` keeps the model's own full logits, for inspection).
+
 Batches are right-padded. Real tokens never attend to later columns, so right padding needs no
 key mask at all: only the padded query rows compute garbage, and they carry no target.
 
