@@ -17,6 +17,8 @@ from .files import read_json
 FILENAME = "marslm.json"
 STAGES = ("ar", "mars")
 MASK_TOKEN = "<|mask|>"
+# The MARS block size B when nothing says otherwise (the paper's main setting).
+DEFAULT_BLOCK_SIZE = 4
 # Learning-rate schedules `train` offers: Trainer's names for those that need nothing beyond the
 # warmup and the step count. Here rather than in train.py so the CLI can list them without torch.
 LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")
@@ -31,7 +33,7 @@ ATTENTIONS = ("auto", "sdpa", "eager", "flex")
 @dataclass
 class MarsConfig:
     stage: str = "ar"  # "ar" (plain SFT) or "mars"
-    block_size: int = 4  # B the model was trained with (1 for AR SFT)
+    block_size: int = DEFAULT_BLOCK_SIZE  # B the model was trained with (1 for AR SFT)
     mask_token: str = MASK_TOKEN
     mask_token_id: int | None = None
     ar_weight: float = 1.0

@@ -28,6 +28,7 @@ import torch
 from .chat import encode_conversation, encode_generated, end_of_turn_id, stop_token_ids
 from .config import (
     ATTENTIONS,
+    DEFAULT_BLOCK_SIZE,
     LR_SCHEDULES,
     MASK_TOKEN,
     MASKED_WEIGHTINGS,
@@ -77,7 +78,7 @@ class TrainConfig:
     model: str = setting(help="hub id or local HF model directory to start from")
     data: str = setting(help="chat JSONL ({\"messages\": [...]} per line; loss on assistant turns) or 'toy'")
     output: str = setting(help="directory for the finished checkpoint", aliases=("-o",))
-    block_size: int = setting(4, "MARS block size B")
+    block_size: int = setting(DEFAULT_BLOCK_SIZE, "MARS block size B")
     ar_weight: float = setting(1.0, "weight of the clean-stream (SFT) loss; 0 is the paper's ablation")
     epochs: float = setting(3.0, "training epochs")
     max_steps: int = setting(-1, "stop after this many optimizer steps (-1: run the epochs)")

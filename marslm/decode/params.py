@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
 from ..settings import setting
 
@@ -73,7 +74,7 @@ class DecodingParams:
         check_tau(self.tau, self.metric)
         if self.mode not in MODES:
             raise ParamError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", "mode")
-        block_size = self.block_size if self.block_size is not None else (trained_block_size or 4)
+        block_size = self.block_size if self.block_size is not None else (trained_block_size or DEFAULT_BLOCK_SIZE)
         if not isinstance(block_size, int) or block_size < 1:
             raise ParamError(f"block size must be an integer >= 1, got {block_size!r}", "block_size")
         if trained_block_size is not None and block_size > trained_block_size:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
 
 # Named model shapes (random weights): the configs of public checkpoints, so memory and time are
@@ -178,7 +179,7 @@ def train_step_bench(
     seq_lens,
     batch_size: int = 1,
     prompt_share: float = 0.3,
-    block_size: int = 4,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     repeats: int = 3,
     target_logits=(True,),
     bf16: bool = False,
