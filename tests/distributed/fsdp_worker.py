@@ -16,20 +16,13 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from marslm.objective import collate, mars_loss, normalizer
+from tests.helpers import TINY_SIZES
 
 out = sys.argv[1]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-config = Qwen2Config(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
+config = Qwen2Config(vocab_size=128, **TINY_SIZES)
 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 single = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 single.load_state_dict(model.state_dict())
