@@ -17,6 +17,7 @@ usual and hands them to the projection, which returns the weighted loss instead 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +28,43 @@ from .modeling import unwrap_model
 CHUNK_ELEMENTS = 2**26
 
 
+@dataclass
+class SparseTargets:
+    """``n`` target distributions, each ``probs[i]`` on the tokens ``ids[i]`` (``[n, k]`` each; a
+    token may repeat, its probabilities add up; what they leave is spread over the other tokens)."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    @classmethod
+    def hard(cls, labels: torch.Tensor) -> SparseTargets:
+        return cls(labels[:, None], torch.ones(len(labels), 1, device=labels.device))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """``sum_i weights_i * CE(hidden_i @ W^T + b, labels_i)``, and the per-target CE (not differentiable).
+    """``sum_i weights_i * CE(t_i, softmax(hidden_i @ W^T + b))``, and the per-target CE (not differentiable).
+
+    Each target ``t_i`` is a sparse distribution: probabilities ``probs_i`` on the tokens ``ids_i``
+    (a hard label is one token at probability 1). What they leave, ``r_i = 1 - sum(probs_i)``, is
+    the target's mass on every other token, matched as one bucket:
+
+        CE_i = - sum_j t_ij log q_ij - r_i log(1 - Q_i),    Q_i = q_i's mass on the tokens of t_i
+
+    so a top-k distribution kept from a model is a fixed point when the model still gives it: the
+    gradient with respect to the logits is ``q - t`` on the target's tokens and
+    ``q * (1 - r / (1 - Q))`` elsewhere, zero when ``q`` is the kept distribution.
 
     The gradients with respect to ``hidden``, ``W`` and ``b`` are computed in the forward, chunk
     by chunk, and scaled by the incoming gradient in the backward: no logits outlive their chunk.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, softcap, chunk_rows):
+    def forward(ctx, hidden, weight, bias, ids, probs, weights, softcap, chunk_rows):
         needs_grad = any(ctx.needs_input_grad[:3])
-        ce = torch.empty(len(labels), dtype=torch.float32, device=hidden.device)
+        ce = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
@@ -47,19 +74,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if bias is not None and ctx.needs_input_grad[2]
             else None
         )
-        for start in range(0, len(labels), chunk_rows):
-            end = min(start + chunk_rows, len(labels))
+        for start in range(0, len(ids), chunk_rows):
+            end = min(start + chunk_rows, len(ids))
             h = hidden[start:end]
             raw = F.linear(h, weight, bias).float()
             logits = softcap * torch.tanh(raw / softcap) if softcap else raw
-            lse = torch.logsumexp(logits, dim=-1)
-            y = labels[start:end]
-            ce[start:end] = lse - logits.gather(1, y[:, None])[:, 0]
+            ce[start:end], grad = _soft_cross_entropy(logits, ids[start:end], probs[start:end], needs_grad)
             if not needs_grad:
                 continue
-            # d CE / d logits = softmax - onehot, then through the softcap's tanh
-            grad = torch.exp(logits - lse[:, None])
-            grad[torch.arange(end - start, device=grad.device), y] -= 1
             if softcap:
                 grad *= 1 - (logits / softcap) ** 2
             grad *= weights[start:end, None]
@@ -81,17 +103,53 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grads = []
         for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.dtypes):
             grads.append((saved * grad_loss).to(dtype) if has else None)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
+
+
+def _soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, with_grad: bool):
+    """Per row, the cross-entropy of ``softmax(logits)`` against the sparse target ``(ids, probs)``
+    (its missing mass as one bucket: see _FusedLinearCrossEntropy), and the gradient with respect
+    to the logits (None without ``with_grad``)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    if ids.shape[1] == 1 and bool((probs == 1).all()):  # hard labels: the usual CE, no dense target
+        ce = lse - logits.gather(1, ids)[:, 0]
+        if not with_grad:
+            return ce, None
+        grad = torch.exp(logits - lse[:, None])
+        grad[torch.arange(len(ids), device=grad.device), ids[:, 0]] -= 1
+        return ce, grad
+    target = torch.zeros_like(logits).scatter_add_(1, ids, probs)
+    on = target > 0
+    rest = (1 - probs.sum(dim=-1)).clamp(min=0)
+    spread = rest > 0
+    ce = -(target * torch.where(on, logits - lse[:, None], 0)).sum(dim=-1)
+    log_outside = torch.zeros_like(lse)  # log(1 - Q), read only where some mass is left over
+    if spread.any():
+        log_outside = torch.logsumexp(logits.masked_fill(on, float("-inf")), dim=-1) - lse
+        ce = ce - torch.where(spread, rest * log_outside, 0)
+    if not with_grad:
+        return ce, None
+    grad = torch.exp(logits - lse[:, None])
+    if spread.any():
+        outside = 1 - torch.where(spread, rest * torch.exp(-log_outside), 0)
+        grad = torch.where(on, grad, grad * outside[:, None])
+    return ce, grad - target
 
 
 def chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab_size)
 
 
-def fused_cross_entropy(head, hidden, labels, weights, softcap=None, rows_per_chunk=None):
-    """``(weighted sum, per-target CE)`` of ``head`` (a Linear) applied to ``hidden [n, H]``."""
+def fused_cross_entropy(head, hidden, targets, weights, softcap=None, rows_per_chunk=None):
+    """``(weighted sum, per-target CE)`` of ``head`` (a Linear) applied to ``hidden [n, H]``.
+
+    ``targets``: ``[n]`` labels, or a :class:`SparseTargets` of ``n`` distributions.
+    """
+    targets = SparseTargets.hard(targets) if isinstance(targets, torch.Tensor) else targets
     rows = rows_per_chunk or chunk_rows(head.weight.shape[0])
-    return _FusedLinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, weights.float(), softcap, rows)
+    return _FusedLinearCrossEntropy.apply(
+        hidden, head.weight, head.bias, targets.ids, targets.probs.float(), weights.float(), softcap, rows
+    )
 
 
 @contextmanager
@@ -122,16 +180,16 @@ def has_linear_head(model) -> bool:
     return isinstance(unwrap_model(model).get_output_embeddings(), torch.nn.Linear)
 
 
-def target_loss(model, inputs: dict, rows, columns, labels, weights) -> tuple[torch.Tensor, torch.Tensor]:
+def target_loss(model, inputs: dict, rows, columns, targets, weights) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of ``model(**inputs)`` whose output projection runs only at ``(rows, columns)``.
 
     Returns ``(sum_i weights_i * CE_i, CE)``, where ``CE_i`` is the cross-entropy of the output at
-    ``(rows_i, columns_i)`` against ``labels_i``.
+    ``(rows_i, columns_i)`` against ``targets[i]`` (labels, or a :class:`SparseTargets`).
     """
     result = {}
 
     def loss_at_targets(head, hidden, softcap):
-        result["loss"], result["ce"] = fused_cross_entropy(head, hidden[rows, columns], labels, weights, softcap)
+        result["loss"], result["ce"] = fused_cross_entropy(head, hidden[rows, columns], targets, weights, softcap)
         return result["loss"]
 
     with _head_returns(model, loss_at_targets):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from marslm.chat import encode_conversation
-from marslm.head_loss import fused_cross_entropy
+from marslm.head_loss import SparseTargets, fused_cross_entropy
 from marslm.objective import ar_loss, collate, collate_packed, mars_loss
 from tests.helpers import assert_same_loss_and_grads, stage_loss_and_grads
 
@@ -40,6 +40,71 @@ def test_fused_cross_entropy_equals_the_literal_loss_in_small_chunks(bias, softc
     torch.testing.assert_close(loss.detach(), (literal_ce * weights).sum().detach())
     for got, want in zip(ours, literal):
         torch.testing.assert_close(got, want)
+
+
+def _literal_soft_ce(logits, targets: SparseTargets):
+    """The soft cross-entropy written out over the whole vocabulary (autograd gives its gradient)."""
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    dense = torch.zeros_like(log_q).scatter_add(1, targets.ids, targets.probs)
+    on = dense > 0
+    rest = (1 - targets.probs.sum(-1)).clamp(min=0)
+    outside = torch.log1p(-log_q.exp().masked_fill(~on, 0).sum(-1))
+    return -(dense * log_q.masked_fill(~on, 0)).sum(-1) - rest * outside
+
+
+def _soft_targets(n, vocab, k):
+    """Rows of every kind: a hard label, a top-k with mass left over, a token repeated, all mass."""
+    ids = torch.randint(0, vocab, (n, k))
+    probs = torch.rand(n, k)
+    probs = probs / probs.sum(-1, keepdim=True) * torch.rand(n, 1)  # each row keeps some mass back
+    probs[0] = torch.tensor([1.0] + [0.0] * (k - 1))
+    ids[1, 1] = ids[1, 0]
+    probs[2] = probs[2] / probs[2].sum()
+    return SparseTargets(ids, probs)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_fused_soft_cross_entropy_equals_the_literal_loss_in_small_chunks(bias, softcap):
+    torch.manual_seed(1)
+    head = torch.nn.Linear(8, 11, bias=bias)
+    hidden = torch.randn(7, 8, requires_grad=True)
+    targets = _soft_targets(7, 11, 4)
+    weights = torch.rand(7)
+
+    loss, ce = fused_cross_entropy(head, hidden, targets, weights, softcap, rows_per_chunk=3)
+    loss.backward()
+    ours = [hidden.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if bias else [])
+    hidden.grad = None
+    head.zero_grad()
+
+    logits = head(hidden)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    literal_ce = _literal_soft_ce(logits, targets)
+    (literal_ce * weights).sum().backward()
+    literal = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+
+    torch.testing.assert_close(ce, literal_ce.detach())
+    for got, want in zip(ours, literal):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_kept_top_k_is_a_fixed_point_of_the_soft_loss():
+    """The model whose distribution the targets were taken from gets no gradient: the anchor pulls
+    back from drift and does not sharpen (hard labels, or top-k renormalised, would)."""
+    torch.manual_seed(2)
+    head = torch.nn.Linear(8, 50)
+    hidden = torch.randn(5, 8, requires_grad=True)
+    top = torch.softmax(head(hidden), dim=-1).topk(6)
+    loss, _ = fused_cross_entropy(head, hidden, SparseTargets(top.indices, top.values.detach()), torch.ones(5))
+    loss.backward()
+    assert hidden.grad.abs().max() < 1e-6
+    assert head.weight.grad.abs().max() < 1e-6
+    renormalised = SparseTargets(top.indices, (top.values / top.values.sum(-1, keepdim=True)).detach())
+    hidden.grad = None
+    fused_cross_entropy(head, hidden, renormalised, torch.ones(5))[0].backward()
+    assert hidden.grad.abs().max() > 1e-3
 
 
 def _examples(tokenizer, n=8):
