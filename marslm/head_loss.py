@@ -16,6 +16,7 @@ usual and hands them to the projection, which returns the weighted loss instead 
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,6 +40,19 @@ class SparseTargets:
     @classmethod
     def hard(cls, labels: torch.Tensor) -> SparseTargets:
         return cls(labels[:, None], torch.ones(len(labels), 1, device=labels.device))
+
+    @classmethod
+    def cat(cls, *parts) -> torch.Tensor | SparseTargets:
+        """One set of targets from several (labels stay labels when every part is labels)."""
+        if all(isinstance(part, torch.Tensor) for part in parts):
+            return torch.cat(parts)
+        parts = [cls.hard(part) if isinstance(part, torch.Tensor) else part for part in parts]
+        k = max(part.ids.shape[1] for part in parts)
+        # zero-probability columns add nothing to a target: they only pad to a common width
+        return cls(
+            torch.cat([F.pad(part.ids, (0, k - part.ids.shape[1])) for part in parts]),
+            torch.cat([F.pad(part.probs, (0, k - part.probs.shape[1])) for part in parts]),
+        )
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -136,6 +150,13 @@ def _soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Te
     return ce, grad - target
 
 
+def cross_entropy(logits: torch.Tensor, targets) -> torch.Tensor:
+    """Per-row CE of ``logits [n, vocab]`` (differentiable) against labels or :class:`SparseTargets`:
+    the loss :func:`fused_cross_entropy` computes, written for logits that already exist."""
+    targets = SparseTargets.hard(targets) if isinstance(targets, torch.Tensor) else targets
+    return _soft_cross_entropy(logits.float(), targets.ids, targets.probs.float(), with_grad=False)[0]
+
+
 def chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab_size)
 
@@ -172,6 +193,16 @@ def _head_returns(model, replacement):
         del head.forward  # the instance attribute: the class's forward shows through again
         if softcap is not None:
             config.final_logit_softcapping = softcap
+
+
+def logits_at(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
+    """``[keep.sum(), vocab]``: the logits of the columns where ``keep [rows, columns]`` is True, in
+    row-major order; where the model takes ``logits_to_keep``, the other columns never reach the
+    output layer, whose output grows with the vocabulary."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        logits = model(**inputs, logits_to_keep=keep).logits
+        return logits.reshape(-1, logits.shape[-1])
+    return model(**inputs).logits[keep]
 
 
 def has_linear_head(model) -> bool:

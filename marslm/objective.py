@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .chat import IGNORE
-from .head_loss import has_linear_head, target_loss
+from .head_loss import SparseTargets, cross_entropy, has_linear_head, target_loss
 from .masks import packed_two_stream_mask, training_mask
 
 
@@ -50,27 +50,54 @@ def pad_to_block(input_ids: list[int], labels: list[int], block_size: int, eos_i
     return (input_ids + [eos_id] * missing, labels + [eos_id if trained else IGNORE] * missing)
 
 
-def _sequences(examples: list[dict], block_size: int, eos_id: int | None) -> list[tuple[list[int], list[int]]]:
-    """``(input_ids, labels)`` per example, each EOS-padded to a block multiple when B > 1."""
+# Optional per-token arrays an example may carry beside its labels: the original model's top-k
+# (ids, probabilities) for the token at each position (teacher.py). Rows are zero where none.
+TEACHER_KEYS = ("teacher_ids", "teacher_probs")
+
+
+def _sequences(examples: list[dict], block_size: int, eos_id: int | None) -> list[dict]:
+    """Each example's ``input_ids``, ``labels`` (and teacher rows), EOS-padded to a block multiple when B > 1."""
     seqs = []
     for ex in examples:
         ids, labels = list(ex["input_ids"]), list(ex["labels"])
         if block_size > 1:
             ids, labels = pad_to_block(ids, labels, block_size, eos_id)
-        seqs.append((ids, labels))
+        seq = {"input_ids": ids, "labels": labels}
+        for key in TEACHER_KEYS:
+            if key in ex:
+                rows = torch.as_tensor(ex[key])
+                seq[key] = torch.cat([rows, rows.new_zeros(len(ids) - len(rows), rows.shape[1])])
+        seqs.append(seq)
     return seqs
+
+
+def _empty_batch(seqs: list[dict], rows: int, width: int, pad_id: int) -> dict:
+    """Tensors for ``rows`` rows of ``width`` columns: padding, no targets, no teacher."""
+    batch = {
+        "input_ids": torch.full((rows, width), pad_id, dtype=torch.long),
+        "labels": torch.full((rows, width), IGNORE, dtype=torch.long),
+    }
+    for key in TEACHER_KEYS:
+        if key in seqs[0]:
+            batch[key] = seqs[0][key].new_zeros(rows, width, seqs[0][key].shape[1])
+    return batch
+
+
+def _place(batch: dict, seq: dict, row: int, start: int) -> int:
+    """Write one sequence into ``batch`` at ``row`` from column ``start``; returns where it ends."""
+    end = start + len(seq["input_ids"])
+    for key, value in seq.items():
+        batch[key][row, start:end] = torch.as_tensor(value)
+    return end
 
 
 def collate(examples: list[dict], pad_id: int, block_size: int = 1, eos_id: int | None = None) -> dict:
     """Right-pad ``{"input_ids", "labels"}`` examples into tensors; EOS-pad each to a block multiple."""
     seqs = _sequences(examples, block_size, eos_id)
-    width = max(len(ids) for ids, _ in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
-    for row, (ids, lab) in enumerate(seqs):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, : len(lab)] = torch.tensor(lab)
-    return {"input_ids": input_ids, "labels": labels}
+    batch = _empty_batch(seqs, len(seqs), max(len(seq["input_ids"]) for seq in seqs), pad_id)
+    for row, seq in enumerate(seqs):
+        _place(batch, seq, row, 0)
+    return batch
 
 
 def collate_packed(
@@ -85,34 +112,33 @@ def collate_packed(
     tail is padding (segment -1, no targets). Each sequence's first label is dropped: in a padded
     batch nothing predicts it, and here the previous sequence's last token would.
     """
-    seqs = [(ids, [IGNORE] + labels[1:]) for ids, labels in _sequences(examples, block_size, eos_id)]
-    longest = max(len(ids) for ids, _ in seqs)
+    seqs = _sequences(examples, block_size, eos_id)
+    for seq in seqs:
+        seq["labels"] = [IGNORE] + seq["labels"][1:]
+    longest = max(len(seq["input_ids"]) for seq in seqs)
     width = max(longest, row_width or -(-3 * longest // 2))
-    rows: list[list[tuple]] = []
+    rows: list[list[dict]] = []
     free: list[int] = []
-    for ids, labels in sorted(seqs, key=lambda seq: -len(seq[0])):
-        row = next((r for r, room in enumerate(free) if room >= len(ids)), None)
+    for seq in sorted(seqs, key=lambda seq: -len(seq["input_ids"])):
+        row = next((r for r, room in enumerate(free) if room >= len(seq["input_ids"])), None)
         if row is None:
             rows.append([])
             free.append(width)
             row = len(rows) - 1
-        rows[row].append((ids, labels))
-        free[row] -= len(ids)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    segment_ids = torch.full((len(rows), width), -1, dtype=torch.long)
+        rows[row].append(seq)
+        free[row] -= len(seq["input_ids"])
+    batch = _empty_batch(seqs, len(rows), width, pad_id)
+    batch["position_ids"] = torch.zeros((len(rows), width), dtype=torch.long)
+    batch["segment_ids"] = torch.full((len(rows), width), -1, dtype=torch.long)
     for r, row in enumerate(rows):
         start = 0
-        for segment, (ids, lab) in enumerate(row):
-            end = start + len(ids)
-            input_ids[r, start:end] = torch.tensor(ids)
-            labels[r, start:end] = torch.tensor(lab)
-            position_ids[r, start:end] = torch.arange(len(ids))
-            segment_ids[r, start:end] = segment
+        for segment, seq in enumerate(row):
+            end = _place(batch, seq, r, start)
+            batch["position_ids"][r, start:end] = torch.arange(end - start)
+            batch["segment_ids"][r, start:end] = segment
             start = end
-        position_ids[r, start:] = torch.arange(width - start)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "segment_ids": segment_ids}
+        batch["position_ids"][r, start:] = torch.arange(width - start)
+    return batch
 
 
 @dataclass
@@ -252,20 +278,36 @@ def inverse_t_factors(labels: torch.Tensor, segment_ids: torch.Tensor | None) ->
     return 1.0 / t[seq]
 
 
-def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Sum over targets of weight x CE(output t-1, target t) (right-shifted, as in AR)."""
-    shifted = logits[:, :-1].float()
-    ce = F.cross_entropy(
-        shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="none"
-    )
-    return (ce * weights[:, 1:].reshape(-1)).sum()
+def _targets_at(labels: torch.Tensor, weights: torch.Tensor, teacher: tuple | None, share: float):
+    """``(rows, columns, targets, weights)`` of every target: the output at column t-1 predicts label t.
 
-
-def _shifted_targets(labels: torch.Tensor, weights: torch.Tensor):
-    """``(rows, columns, labels, weights)`` of every target: the output at column t-1 predicts label t."""
+    ``targets`` are the labels, or with ``share`` > 0 and a ``teacher`` (``[rows, T, k]`` ids and
+    probabilities), the mixture ``(1 - share) * label + share * teacher`` as :class:`SparseTargets`
+    (a target without teacher rows keeps its label).
+    """
     target = labels[:, 1:] != IGNORE
     rows, columns = target.nonzero(as_tuple=True)
-    return rows, columns, labels[:, 1:][target], weights[:, 1:][target]
+    hard = labels[:, 1:][target]
+    if not share or teacher is None:
+        return rows, columns, hard, weights[:, 1:][target]
+    ids, probs = (t[:, 1:][target] for t in teacher)
+    mix = share * (probs.sum(-1) > 0).float()
+    targets = SparseTargets(
+        torch.cat([hard[:, None], ids.long()], dim=1), torch.cat([(1 - mix)[:, None], mix[:, None] * probs], dim=1)
+    )
+    return rows, columns, targets, weights[:, 1:][target]
+
+
+def _loss_at(model, inputs: dict, rows, columns, targets, weights, target_logits: bool):
+    """``(sum_i weights_i * CE_i, CE)`` of one forward's outputs at ``(rows, columns)``.
+
+    ``target_logits``: run the output projection only there (head_loss.py; a model whose head is
+    not a plain Linear falls back); False takes the model's own full logits.
+    """
+    if target_logits and has_linear_head(model):
+        return target_loss(model, inputs, rows, columns, targets, weights)
+    ce = cross_entropy(model(**inputs).logits[rows, columns], targets)
+    return (ce * weights).sum(), ce.detach()
 
 
 def ar_loss(
@@ -277,6 +319,9 @@ def ar_loss(
     normalization: str = "sequence",
     denominator: float | None = None,
     target_logits: bool = True,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_probs: torch.Tensor | None = None,
+    soft_clean: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """Plain SFT (stage 1). Returned in the same shape as :func:`mars_loss` for the trainer.
 
@@ -286,6 +331,8 @@ def ar_loss(
     ``target_logits``: run the output projection only at the targets (head_loss.py; a model whose
     head is not a plain Linear falls back); False computes the full-vocabulary logits at every
     column, as the model's own forward does.
+    ``teacher_ids``/``teacher_probs`` (``[rows, T, k]``, collate's) and ``soft_clean``: the share of
+    the original's distribution in each target (:func:`_targets_at`); 1 is a KL to the original.
     """
     inputs = {"input_ids": input_ids}
     if segment_ids is not None:
@@ -297,11 +344,9 @@ def ar_loss(
     weights = target_weights(labels, segment_ids, normalization)
     if denominator is None:
         denominator = max(1.0, float(weights.sum()))
-    if target_logits and has_linear_head(model):
-        rows, columns, targets, target_w = _shifted_targets(labels, weights)
-        loss, _ = target_loss(model, inputs, rows, columns, targets, target_w / denominator)
-    else:
-        loss = weighted_loss(model(**inputs).logits, labels, weights) / denominator
+    teacher = (teacher_ids, teacher_probs) if teacher_ids is not None else None
+    rows, columns, targets, target_w = _targets_at(labels, weights, teacher, soft_clean)
+    loss, _ = _loss_at(model, inputs, rows, columns, targets, target_w / denominator, target_logits)
     return {"loss": loss, "clean_loss": loss.detach()}
 
 
@@ -318,12 +363,17 @@ def mars_loss(
     masked_weighting: str = "uniform",
     denominator: float | None = None,
     target_logits: bool = True,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_probs: torch.Tensor | None = None,
+    soft_clean: float = 0.0,
+    soft_masked: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """``noisy + ar_weight * clean``, each normalised as :func:`target_weights` says.
 
     ``masked_weighting="inverse-t"`` multiplies each sequence's noisy-stream loss by 1/t, t drawn
-    per sequence: the reference's "w/o SFT loss" ablation. ``denominator`` and ``target_logits`` as
-    in :func:`ar_loss`.
+    per sequence: the reference's "w/o SFT loss" ablation. ``denominator``, ``target_logits``, the
+    teacher and ``soft_clean`` as in :func:`ar_loss`; ``soft_masked`` is the original's share in the
+    noisy stream's targets (a mask predicting token t learns the original's distribution at t).
     """
     batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids)
     inputs = {
@@ -342,22 +392,25 @@ def mars_loss(
     # the noisy columns are copies of clean ones: their targets carry the same weights
     noisy_weights = torch.where(batch.noisy_columns >= 0, noisy_weights.gather(1, batch.noisy_columns.clamp(min=0)), 0)
 
-    if target_logits and has_linear_head(model):
-        clean = _shifted_targets(labels, weights)
-        noisy = _shifted_targets(batch.noisy_labels, noisy_weights)
-        rows = torch.cat([clean[0], noisy[0]])
-        columns = torch.cat([clean[1], noisy[1] + seq_len])
-        targets = torch.cat([clean[2], noisy[2]])
-        loss_weights = torch.cat([ar_weight * clean[3], noisy[3]]) / denominator
-        loss, ce = target_loss(model, inputs, rows, columns, targets, loss_weights)
-        n_clean = len(clean[2])
-        clean_loss = (ce[:n_clean] * clean[3]).sum() / denominator
-        noisy_loss = (ce[n_clean:] * noisy[3]).sum() / denominator
-        return {"loss": loss, "noisy_loss": noisy_loss.detach(), "clean_loss": clean_loss.detach()}
-
-    logits = model(**inputs).logits
-    clean_logits, noisy_logits = logits[:, :seq_len], logits[:, seq_len:]
-    noisy_loss = weighted_loss(noisy_logits, batch.noisy_labels, noisy_weights) / denominator
-    clean_loss = weighted_loss(clean_logits, labels, weights) / denominator
-    loss = noisy_loss + ar_weight * clean_loss if ar_weight else noisy_loss
+    teacher = noisy_teacher = None
+    if teacher_ids is not None:
+        teacher = (teacher_ids, teacher_probs)
+        noisy_teacher = tuple(_copied_columns(t, batch.noisy_columns) for t in teacher)
+    clean = _targets_at(labels, weights, teacher, soft_clean)
+    noisy = _targets_at(batch.noisy_labels, noisy_weights, noisy_teacher, soft_masked)
+    rows = torch.cat([clean[0], noisy[0]])
+    columns = torch.cat([clean[1], noisy[1] + seq_len])
+    targets = SparseTargets.cat(clean[2], noisy[2])
+    loss_weights = torch.cat([ar_weight * clean[3], noisy[3]]) / denominator
+    loss, ce = _loss_at(model, inputs, rows, columns, targets, loss_weights, target_logits)
+    n_clean = len(clean[0])
+    clean_loss = (ce[:n_clean] * clean[3]).sum() / denominator
+    noisy_loss = (ce[n_clean:] * noisy[3]).sum() / denominator
     return {"loss": loss, "noisy_loss": noisy_loss.detach(), "clean_loss": clean_loss.detach()}
+
+
+def _copied_columns(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``values [rows, T, ...]`` at the clean columns the noisy columns copy; zero at padding (-1)."""
+    index = columns.clamp(min=0).reshape(*columns.shape, *[1] * (values.dim() - 2))
+    picked = values.gather(1, index.expand(-1, -1, *values.shape[2:]))
+    return picked * (columns >= 0).reshape(index.shape).to(picked.dtype)

@@ -28,7 +28,6 @@ one stopped). The paper reports the same quantity from decoding: ``marslm eval``
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 
 from .chat import IGNORE, encode_conversation, stop_token_ids
 from .errors import UserError
+from .head_loss import logits_at
 
 DEFAULT_TAUS = (0.9, 0.95)
 PROB = 0  # acceptance.py's code for the top-1 probability metric
@@ -127,19 +127,6 @@ def _gather(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return values.gather(1, index.clamp(0, values.shape[1] - 1).flatten(1)).view(index.shape)
 
 
-def _keeps_only_some_logits(model) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def _scored_logits(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
-    """``[keep.sum(), vocab]``: the logits of the kept columns, row by row; the others never reach
-    the output layer, whose output grows with the vocabulary."""
-    if _keeps_only_some_logits(model):
-        logits = model(**inputs, logits_to_keep=keep).logits
-        return logits.reshape(-1, logits.shape[-1])
-    return model(**inputs).logits[keep]
-
-
 def _stats(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, ...]:
     """Top-1, its probability and the cross-entropy per kept column, a chunk at a time."""
     from .decode.acceptance import confidence
@@ -193,7 +180,7 @@ def _measure_batch(model, items: list[ProbeItem], block_size: int, mask_token_id
             "position_ids": two.position_ids,
             "attention_mask": for_attention(two.attention_mask, model),
         }
-    tok_flat, conf_flat, ce_flat = _stats(_scored_logits(model, keep, **inputs), targets_z[keep])
+    tok_flat, conf_flat, ce_flat = _stats(logits_at(model, keep, **inputs), targets_z[keep])
 
     def unflatten(values, fill):
         out = torch.full(keep.shape, fill, dtype=values.dtype, device=device)
