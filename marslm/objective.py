@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .chat import IGNORE
 from .head_loss import SparseTargets, cross_entropy, has_linear_head, target_loss

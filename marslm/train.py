@@ -52,7 +52,7 @@ from .modeling import (
     merge_lora,
     train_embedding_rows,
 )
-from .objective import ar_loss, collate, collate_packed, mars_loss, normalizer
+from .objective import TEACHER_KEYS, ar_loss, collate, collate_packed, mars_loss, normalizer
 from .settings import flag_of, setting
 
 log = logging.getLogger("marslm.train")
@@ -181,6 +181,21 @@ class TrainConfig:
         metavar="R",
     )
     lora_alpha: float | None = setting(None, "LoRA scaling alpha (default: 2x the rank)")
+    soft_clean: float = setting(
+        0.0,
+        "share of the original model's own next-token distribution in the clean stream's targets, "
+        "the rest the data's token: 1 is a KL to the original, an anchor that pulls drift back "
+        "instead of sharpening (its top-k is kept in one pass before training: --teacher-top-k)",
+        metavar="S",
+    )
+    soft_masked: float = setting(
+        0.0,
+        "share of the original's distribution in the masks' targets, beside the data's token (stage mars)",
+        metavar="S",
+    )
+    teacher_top_k: int = setting(
+        16, "how many of the original's most likely tokens each soft target keeps (the rest as one bucket)"
+    )
     vocab_multiple: int = setting(
         64,
         "when the mask token needs a new embedding row, grow the vocabulary to a multiple of this "
@@ -203,6 +218,10 @@ class TrainConfig:
         _check_range(flag("weight_decay"), self.weight_decay, low=0)
         _check_range(flag("epochs"), self.epochs)
         _check_range(flag("max_grad_norm"), self.max_grad_norm, low=0)
+        _check_range(flag("soft_clean"), self.soft_clean, low=0, high=1)
+        _check_range(flag("soft_masked"), self.soft_masked, low=0, high=1)
+        if self.soft_masked and self.stage != "mars":
+            raise UserError(f"{flag('soft_masked')} is for stage mars (stage ar has no masks)")
         if self.mask_lr is not None:
             _check_range(flag("mask_lr"), self.mask_lr, low=0, low_open=True)
             if not (self.mask_only or self.train_layers or self.freeze_embeddings or self.lora_rank):
@@ -234,6 +253,7 @@ class TrainConfig:
             "train_layers",
             "lora_rank",
             "vocab_multiple",
+            "teacher_top_k",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -526,12 +546,12 @@ class MarsTrainer:
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
                 if not self._sums:
                     self._window_start = self.state.global_step
-                packing = {k: inputs[k] for k in ("position_ids", "segment_ids") if k in inputs}
+                extra = {k: inputs[k] for k in ("position_ids", "segment_ids", *TEACHER_KEYS) if k in inputs}
                 terms = loss_fn(
                     model,
                     inputs["input_ids"],
                     inputs["labels"],
-                    **packing,
+                    **extra,
                     denominator=None if num_items_in_batch is None else float(num_items_in_batch),
                 )
                 for key, value in terms.items():
@@ -633,29 +653,64 @@ def _encoding_key(cfg: TrainConfig, tokenizer) -> str:
     return digest.hexdigest()[:24]
 
 
-def cached_encoding(cfg: TrainConfig, tokenizer, encode):
-    """``encode()``'s ``(examples, truncated, dropped)``, computed once per dataset and tokenizer.
+def cached(key: str, compute):
+    """``compute()``, kept under ``cache_dir()/key.pt`` and read from there the next time.
 
-    Under ``accelerate launch`` the main process encodes first and writes the cache; the other
-    ranks then read it instead of each tokenising the whole dataset again.
+    Under ``accelerate launch`` the main process computes first and writes the cache; the other
+    ranks then read it instead of each computing it again.
     """
     from accelerate import PartialState
 
-    path = cache_dir() / f"{_encoding_key(cfg, tokenizer)}.pt"
+    path = cache_dir() / f"{key}.pt"
     with PartialState().main_process_first():
         if path.is_file():
             try:
-                cached = torch.load(path, weights_only=True)
-                return cached["examples"], cached["truncated"], cached["dropped"]
-            except Exception:  # noqa: BLE001 - an unreadable cache is encoded again and replaced
-                log.warning("ignoring an unreadable tokenised-data cache %s", path)
-        examples, truncated, dropped = encode()
+                return torch.load(path, weights_only=True)
+            except Exception:  # noqa: BLE001 - an unreadable cache is computed again and replaced
+                log.warning("ignoring an unreadable cache %s", path)
+        value = compute()
         if PartialState().is_main_process:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save({"examples": examples, "truncated": truncated, "dropped": dropped}, tmp)
+            torch.save(value, tmp)
             os.replace(tmp, path)
-    return examples, truncated, dropped
+    return value
+
+
+def cached_encoding(cfg: TrainConfig, tokenizer, encode):
+    """``encode()``'s ``(examples, truncated, dropped)``, computed once per dataset and tokenizer."""
+
+    def compute():
+        examples, truncated, dropped = encode()
+        return {"examples": examples, "truncated": truncated, "dropped": dropped}
+
+    value = cached(_encoding_key(cfg, tokenizer), compute)
+    return value["examples"], value["truncated"], value["dropped"]
+
+
+def _model_identity(model_name: str) -> list:
+    """What tells one starting model from another: the hub id, or a directory's weight files."""
+    path = Path(model_name)
+    if not path.is_dir():
+        return [model_name]
+    weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
+    return [str(path.resolve())] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
+
+
+def with_teacher(cfg: TrainConfig, tokenizer, model, examples: list[dict], pad_id: int) -> list[dict]:
+    """The examples with the starting model's top-k at every label (teacher.py), when a soft
+    target asks for it; computed once per dataset, model and k."""
+    if not (cfg.soft_clean or cfg.soft_masked):
+        return examples
+    from accelerate import PartialState
+
+    from .teacher import teacher_top_k
+
+    key = json.dumps([_encoding_key(cfg, tokenizer), cfg.teacher_top_k, _model_identity(cfg.model)], default=str)
+    digest = "teacher-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+    model.to(PartialState().device)
+    tops = cached(digest, lambda: teacher_top_k(model, examples, cfg.teacher_top_k, pad_id, cfg.progress))
+    return [ex | top for ex, top in zip(examples, tops)]
 
 
 def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSummary:
@@ -668,18 +723,11 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         check_model_source(cfg.model)
     conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed, mix=cfg.data_mix)
     # Imported only once the input is known to be good: bad input fails in a fraction of a second.
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
+    from transformers import set_seed
 
     set_seed(cfg.seed)
-    bf16 = _use_bf16(cfg.precision)
-
     if model is None:
-        with loading_errors(cfg.model):
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.model, dtype=torch.float32, attn_implementation=_attn_implementation(cfg.attention)
-            )
-        check_tokenizer(tokenizer, cfg.model)
+        model, tokenizer = _load(cfg)
     parameters_before = count_parameters(model)
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     eos_id = end_of_turn_id(tokenizer, stop_ids)  # what block padding repeats (objective.pad_to_block)
@@ -697,76 +745,25 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
             len(conversations),
             cfg.max_length,
         )
-
-    collate_fn = collate_packed if cfg.packing else collate
-    if cfg.stage == "mars":
-        mask_id = ensure_mask_token(model, tokenizer, vocab_multiple=cfg.vocab_multiple)
-        loss_fn = partial(
-            mars_loss,
-            block_size=cfg.block_size,
-            mask_token_id=mask_id,
-            ar_weight=cfg.ar_weight,
-            normalization=cfg.loss_normalization,
-            masked_weighting=cfg.masked_weighting,
-        )
-        collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
-        block_size = cfg.block_size
-    else:
-        mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
-        loss_fn = partial(ar_loss, normalization=cfg.loss_normalization)
-        collator = partial(collate_fn, pad_id=pad_id)
-        block_size = 1
+    examples = with_teacher(cfg, tokenizer, model, examples, pad_id)  # the model as it starts
+    loss_fn, collator, mask_id, block_size = _objective(cfg, model, tokenizer, pad_id, eos_id)
     model, mask_row = _trainable_part(model, cfg, mask_id)
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(model.get_base_model() if cfg.lora_rank else model)
 
     partial_dir = partial_dir_of(cfg.output)
-    args = TrainingArguments(
-        output_dir=str(partial_dir),
-        num_train_epochs=cfg.epochs if cfg.epochs > 0 else 1.0,
-        max_steps=cfg.max_steps,
-        learning_rate=cfg.learning_rate,
-        lr_scheduler_type=cfg.lr_schedule,
-        warmup_steps=cfg.warmup_ratio,
-        weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm,
-        per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.grad_accum,
-        seed=cfg.seed,
-        data_seed=cfg.seed,
-        bf16=bf16,
-        # bf16 without a GPU is CPU autocast, which Trainer only allows when told the CPU is meant
-        use_cpu=bf16 and not torch.cuda.is_available(),
-        save_strategy="steps",
-        save_steps=cfg.save_steps,
-        save_total_limit=2,
-        logging_steps=cfg.logging_steps,
-        report_to=[],
-        remove_unused_columns=False,
-        disable_tqdm=not cfg.progress,
-        dataloader_num_workers=0,
-        dataloader_pin_memory=torch.cuda.is_available(),
-    )
     trainer = MarsTrainer.build(
         model,
         tokenizer,
         examples,
-        args,
+        _training_arguments(cfg, partial_dir),
         loss_fn,
         collator,
         cfg.loss_normalization,
         callbacks,
         own_lr={mask_row: cfg.mask_lr or cfg.learning_rate} if mask_row is not None else None,
     )
-    resume_from = resume_point(partial_dir, resume) if trainer.is_world_process_zero() else None
-    if trainer.is_world_process_zero():
-        record_run(partial_dir, cfg)
-    trainer.accelerator.wait_for_everyone()  # rank 0 has cleaned up before any rank looks
-    if not trainer.is_world_process_zero():
-        resume_from = resume_point(partial_dir, True)  # read-only now: nothing incomplete is left
-    if resume_from is not None:
-        log.warning("resuming from %s", resume_from)
-    steps = _train_from(trainer, resume_from)
+    steps = _train_from(trainer, _resume_point(trainer, partial_dir, cfg, resume))
 
     summary = TrainSummary(
         stage=cfg.stage,
@@ -795,6 +792,85 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     )
     _save_atomically(trainer, mars_config, Path(cfg.output), partial_dir, overwrite=cfg.overwrite)
     return summary
+
+
+def _load(cfg: TrainConfig):
+    """``(model, tokenizer)`` to start from, in float32 (mixed precision keeps float32 master weights)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with loading_errors(cfg.model):
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model, dtype=torch.float32, attn_implementation=_attn_implementation(cfg.attention)
+        )
+    check_tokenizer(tokenizer, cfg.model)
+    return model, tokenizer
+
+
+def _objective(cfg: TrainConfig, model, tokenizer, pad_id: int, eos_id: int):
+    """``(loss_fn, collator, mask_id, block_size)`` of the stage; stage mars adds the mask token."""
+    collate_fn = collate_packed if cfg.packing else collate
+    soft = {"soft_clean": cfg.soft_clean, "normalization": cfg.loss_normalization}
+    if cfg.stage == "mars":
+        mask_id = ensure_mask_token(model, tokenizer, vocab_multiple=cfg.vocab_multiple)
+        loss_fn = partial(
+            mars_loss,
+            block_size=cfg.block_size,
+            mask_token_id=mask_id,
+            ar_weight=cfg.ar_weight,
+            masked_weighting=cfg.masked_weighting,
+            soft_masked=cfg.soft_masked,
+            **soft,
+        )
+        collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
+        return loss_fn, collator, mask_id, cfg.block_size
+    mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
+    return partial(ar_loss, **soft), partial(collate_fn, pad_id=pad_id), mask_id, 1
+
+
+def _training_arguments(cfg: TrainConfig, partial_dir: Path):
+    from transformers import TrainingArguments
+
+    bf16 = _use_bf16(cfg.precision)
+    return TrainingArguments(
+        output_dir=str(partial_dir),
+        num_train_epochs=cfg.epochs if cfg.epochs > 0 else 1.0,
+        max_steps=cfg.max_steps,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_schedule,
+        warmup_steps=cfg.warmup_ratio,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+        per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        bf16=bf16,
+        # bf16 without a GPU is CPU autocast, which Trainer only allows when told the CPU is meant
+        use_cpu=bf16 and not torch.cuda.is_available(),
+        save_strategy="steps",
+        save_steps=cfg.save_steps,
+        save_total_limit=2,
+        logging_steps=cfg.logging_steps,
+        report_to=[],
+        remove_unused_columns=False,
+        disable_tqdm=not cfg.progress,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+
+
+def _resume_point(trainer, partial_dir: Path, cfg: TrainConfig, resume: bool) -> Path | None:
+    """The checkpoint to continue from (None: from the start), agreed by every process."""
+    resume_from = resume_point(partial_dir, resume) if trainer.is_world_process_zero() else None
+    if trainer.is_world_process_zero():
+        record_run(partial_dir, cfg)
+    trainer.accelerator.wait_for_everyone()  # rank 0 has cleaned up before any rank looks
+    if not trainer.is_world_process_zero():
+        resume_from = resume_point(partial_dir, True)  # read-only now: nothing incomplete is left
+    if resume_from is not None:
+        log.warning("resuming from %s", resume_from)
+    return resume_from
 
 
 def _train_from(trainer, checkpoint: Path | None) -> int:

@@ -14,11 +14,11 @@ from tests.test_train import load, run_cli, tokenizer_without_mask
 
 def _train(base, data, out, callbacks=(), **options):
     cfg = TrainConfig(
-        stage="mars",
+        stage=options.pop("stage", "mars"),
         model=str(base),
         data=str(data),
         output=str(out),
-        max_steps=3,
+        max_steps=options.pop("max_steps", 3),
         batch_size=2,
         learning_rate=options.pop("learning_rate", 1e-2),
         progress=False,
@@ -202,3 +202,37 @@ def test_auto_attention_falls_back_where_this_torch_has_no_flex(monkeypatch):
     assert _attn_implementation("auto") == "sdpa"
     with pytest.raises(UserError, match="torch >= 2.5"):
         _attn_implementation("flex")
+
+
+def _first_grad_norm(base, data, out, **options) -> float:
+    """The gradient norm Trainer logs at the first step, at the starting weights."""
+    from transformers import TrainerCallback
+
+    norms = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                norms.append(float(logs["grad_norm"]))
+
+    _train(base, data, out, callbacks=[Record()], logging_steps=1, max_steps=1, **options)
+    return norms[0]
+
+
+def test_soft_clean_anchors_to_the_starting_model_through_the_trainer(base, write_chat_jsonl, tmp_path):
+    """--soft-clean 1 on stage ar is a KL to the model training starts from: no gradient at the
+    first step, where hard labels on the same data pull. Covers the teacher pass, its cache,
+    the collator and the trainer's loss call."""
+    data = write_chat_jsonl(tmp_path / "d.jsonl", 6)
+    anchored = _first_grad_norm(base, data, tmp_path / "soft", stage="ar", soft_clean=1.0, teacher_top_k=4)
+    hard = _first_grad_norm(base, data, tmp_path / "hard", stage="ar")
+    again = _first_grad_norm(base, data, tmp_path / "soft2", stage="ar", soft_clean=1.0, teacher_top_k=4)
+    assert anchored < 1e-4 < 1e-2 < hard
+    assert again == anchored  # the second run read the teacher's cache
+
+
+def test_soft_masked_needs_stage_mars(base, write_chat_jsonl, tmp_path):
+    with pytest.raises(UserError, match="--soft-masked"):
+        TrainConfig(stage="ar", model=str(base), data="toy", output=str(tmp_path / "o"), soft_masked=0.5).validate()
+    with pytest.raises(UserError, match="--soft-clean"):
+        TrainConfig(stage="mars", model=str(base), data="toy", output=str(tmp_path / "o"), soft_clean=1.5).validate()
