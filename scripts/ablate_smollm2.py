@@ -54,6 +54,22 @@ ARMS = {
         "top16-masklr with the clean stream's loss weighted 4",
         dict(train_layers=16, learning_rate=1e-4, mask_lr=1e-3, ar_weight=4.0),
     ),
+    "all-kl": (
+        "all-lr5e-5 with the clean stream's targets the original's distribution (KL anchor)",
+        dict(learning_rate=5e-5, soft_clean=1.0),
+    ),
+    "all-kl-soft": (
+        "all-kl, the masks' targets half the original's distribution",
+        dict(learning_rate=5e-5, soft_clean=1.0, soft_masked=0.5),
+    ),
+    "all-kl-soft-lr2e-4": (
+        "all-kl-soft at lr 2e-4",
+        dict(learning_rate=2e-4, soft_clean=1.0, soft_masked=0.5),
+    ),
+    "top16-masklr-kl-soft": (
+        "top16-masklr with the KL anchor and half-soft masks",
+        dict(train_layers=16, learning_rate=1e-4, mask_lr=1e-3, soft_clean=1.0, soft_masked=0.5),
+    ),
     "top16-masklr-cut": (
         "top16-masklr with the cut answers kept as truncated examples",
         dict(train_layers=16, learning_rate=1e-4, mask_lr=1e-3, cut_answers=True),
