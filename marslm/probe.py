@@ -141,9 +141,25 @@ def _stats(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> tu
     return torch.cat(tokens), torch.cat(confs), torch.cat(ces)
 
 
-@torch.no_grad()
-def _measure_batch(model, items: list[ProbeItem], block_size: int, mask_token_id: int | None, pad_id: int):
-    """Per-item clean tensors and per-block tensors for one batch (``mask_token_id`` None: clean only).
+@dataclass
+class _Outputs:
+    """One batch's forward, per column: top-1, its probability and the CE against the reference
+    (``[rows, T + N]``, zeros where nothing is scored), and where the noisy columns come from."""
+
+    input_ids: torch.Tensor  # [rows, T]
+    token: torch.Tensor
+    conf: torch.Tensor
+    ce: torch.Tensor
+    noisy_keep: torch.Tensor | None  # [rows, N] a mask with a reference token after it
+    noisy_columns: torch.Tensor | None  # [rows, N] the clean column each noisy column copies
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def _forward(model, items: list[ProbeItem], block_size: int, mask_token_id: int | None, pad_id: int) -> _Outputs:
+    """The batch's teacher-forced forward: the clean stream, and the masked one under the training mask.
 
     No EOS padding to a block multiple, unlike training: a masked position sees nothing after its
     own column, so the padding would change no output the probe scores (its EOS targets are no
@@ -152,7 +168,6 @@ def _measure_batch(model, items: list[ProbeItem], block_size: int, mask_token_id
     from .masks import for_attention
     from .objective import collate, two_stream_batch
 
-    B = block_size
     examples = [
         {"input_ids": it.prompt_ids + it.answer_ids, "labels": [IGNORE] * len(it.prompt_ids) + it.answer_ids}
         for it in items
@@ -160,52 +175,53 @@ def _measure_batch(model, items: list[ProbeItem], block_size: int, mask_token_id
     batch = collate(examples, pad_id)  # right padding: real columns never see it, and nothing scores it
     device = next(model.parameters()).device
     input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-    rows, width = input_ids.shape
     # the output at p predicts the token at p + 1
     next_label = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
     clean_keep = next_label != IGNORE
-
+    noisy_keep = columns = None
     if mask_token_id is None:
-        keep, targets_z = clean_keep, next_label
+        keep, targets = clean_keep, next_label
         inputs = {"input_ids": input_ids}
     else:
-        two = two_stream_batch(input_ids, labels, B, mask_token_id)
+        two = two_stream_batch(input_ids, labels, block_size, mask_token_id)
         columns = two.noisy_columns
-        # a mask (its own column is an answer token) with a reference token after it
         noisy_keep = (columns >= 0) & _gather(clean_keep & (labels != IGNORE), columns)
         keep = torch.cat([clean_keep, noisy_keep], dim=1)
-        targets_z = torch.cat([next_label, torch.where(noisy_keep, _gather(next_label, columns), IGNORE)], dim=1)
+        targets = torch.cat([next_label, torch.where(noisy_keep, _gather(next_label, columns), IGNORE)], dim=1)
         inputs = {
             "input_ids": two.input_ids,
             "position_ids": two.position_ids,
             "attention_mask": for_attention(two.attention_mask, model),
         }
-    tok_flat, conf_flat, ce_flat = _stats(logits_at(model, keep, **inputs), targets_z[keep])
+    stats = _stats(logits_at(model, keep, **inputs), targets[keep])
 
     def unflatten(values, fill):
         out = torch.full(keep.shape, fill, dtype=values.dtype, device=device)
         out[keep] = values
         return out
 
-    tok_z, conf_z, ce_z = unflatten(tok_flat, -1), unflatten(conf_flat, 0.0), unflatten(ce_flat, 0.0)
-    prompt_len = torch.tensor([len(it.prompt_ids) for it in items], device=device)
-    seq_len = prompt_len + torch.tensor([len(it.answer_ids) for it in items], device=device)
-    clean_tok, clean_conf, clean_ce = tok_z[:, :width], conf_z[:, :width], ce_z[:, :width]
-    clean_token = [clean_tok[r, prompt_len[r] - 1 : seq_len[r] - 1].cpu() for r in range(rows)]
-    clean_ces = [clean_ce[r, prompt_len[r] - 1 : seq_len[r] - 1].cpu() for r in range(rows)]
-    if mask_token_id is None:
-        return clean_token, clean_ces, None
+    token, conf, ce = (unflatten(v, fill) for v, fill in zip(stats, (-1, 0.0, 0.0)))
+    return _Outputs(input_ids, token, conf, ce, noisy_keep, columns)
 
-    # the masked stream's outputs, back at the clean positions they copy
-    noisy_tok = torch.full_like(clean_tok, -1)
-    noisy_conf, noisy_ce = torch.zeros_like(clean_conf), torch.zeros_like(clean_ce)
-    r_idx, c_idx = noisy_keep.nonzero(as_tuple=True)
-    p_idx = columns[r_idx, c_idx]
-    noisy_tok[r_idx, p_idx] = tok_z[:, width:][r_idx, c_idx]
-    noisy_conf[r_idx, p_idx] = conf_z[:, width:][r_idx, c_idx]
-    noisy_ce[r_idx, p_idx] = ce_z[:, width:][r_idx, c_idx]
 
-    # answer blocks: from the block holding the first answer token to the one holding the last
+def _at_clean_positions(out: _Outputs) -> tuple[torch.Tensor, ...]:
+    """The masked stream's top-1, probability and CE moved back to the clean columns they copy."""
+    w = out.width
+    token = torch.full_like(out.token[:, :w], -1)
+    conf, ce = torch.zeros_like(out.conf[:, :w]), torch.zeros_like(out.ce[:, :w])
+    r_idx, c_idx = out.noisy_keep.nonzero(as_tuple=True)
+    p_idx = out.noisy_columns[r_idx, c_idx]
+    for dest, src in ((token, out.token), (conf, out.conf), (ce, out.ce)):
+        dest[r_idx, p_idx] = src[:, w:][r_idx, c_idx]
+    return token, conf, ce
+
+
+def _blocks(out: _Outputs, prompt_len: torch.Tensor, seq_len: torch.Tensor, block_size: int) -> dict:
+    """Per answer block (from the block holding the first answer token to the one holding the
+    last), per offset 0..B: what the block's decoding step would see."""
+    B, w, device = block_size, out.width, out.input_ids.device
+    clean = (out.token[:, :w], out.conf[:, :w], out.ce[:, :w])
+    noisy = _at_clean_positions(out)
     first_blk, last_blk = prompt_len // B, (seq_len - 1) // B
     blk = first_blk[:, None] + torch.arange(int((last_blk - first_blk).max()) + 1, device=device)
     has_block = blk <= last_blk[:, None]
@@ -220,22 +236,37 @@ def _measure_batch(model, items: list[ProbeItem], block_size: int, mask_token_id
     )
     is_clean = offset == 0
 
-    def pick(clean, noisy):
-        return torch.where(is_clean, _gather(clean, out_pos), _gather(noisy, out_pos))
+    def pick(clean_values, noisy_values):
+        return torch.where(is_clean, _gather(clean_values, out_pos), _gather(noisy_values, out_pos))
 
-    token = pick(clean_tok, noisy_tok)
-    reference = _gather(input_ids, target_pos)
+    token = pick(clean[0], noisy[0])
+    reference = _gather(out.input_ids, target_pos)
     measured = {
-        "item": torch.arange(rows, device=device)[:, None].expand_as(blk)[has_block],
+        "item": torch.arange(len(blk), device=device)[:, None].expand_as(blk)[has_block],
         "start": start[has_block],
         "valid": valid[has_block],
         "token": token[has_block],
-        "conf": pick(clean_conf, noisy_conf)[has_block],
+        "conf": pick(clean[1], noisy[1])[has_block],
         "correct": (valid & (token == reference))[has_block],
-        "ce": pick(clean_ce, noisy_ce)[has_block],
-        "matches_clean": (valid & (token == _gather(clean_tok, out_pos)))[has_block],
+        "ce": pick(clean[2], noisy[2])[has_block],
+        "matches_clean": (valid & (token == _gather(clean[0], out_pos)))[has_block],
     }
-    return clean_token, clean_ces, {k: v.cpu() for k, v in measured.items()}
+    return {k: v.cpu() for k, v in measured.items()}
+
+
+@torch.no_grad()
+def _measure_batch(model, items: list[ProbeItem], block_size: int, mask_token_id: int | None, pad_id: int):
+    """Per-item clean tensors and per-block tensors for one batch (``mask_token_id`` None: clean only)."""
+    out = _forward(model, items, block_size, mask_token_id, pad_id)
+    device = out.input_ids.device
+    prompt_len = torch.tensor([len(it.prompt_ids) for it in items], device=device)
+    seq_len = prompt_len + torch.tensor([len(it.answer_ids) for it in items], device=device)
+    answer = [slice(int(p) - 1, int(s) - 1) for p, s in zip(prompt_len, seq_len)]
+    clean_token = [out.token[r, answer[r]].cpu() for r in range(len(items))]
+    clean_ces = [out.ce[r, answer[r]].cpu() for r in range(len(items))]
+    if mask_token_id is None:
+        return clean_token, clean_ces, None
+    return clean_token, clean_ces, _blocks(out, prompt_len, seq_len, block_size)
 
 
 def measure(
