@@ -190,65 +190,10 @@ def plot_frontier(series: list[Series], out: str | Path, title: str | None = Non
     spare = nrows * ncols - len(panels)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows + (0 if spare else 1.0)), squeeze=False)
     curves = _curves(series)
-    colours = plt.get_cmap("tab10")
-    markers = "osD^vP*X"
     baselines = [s for s in series if s.baseline]
-
     for ax, panel in zip(axes.flat, panels):
-        for i, (label, cells) in enumerate(curves):
-            pts = [(v, c) for c in cells if (v := _panel_values(c, panel)) is not None]
-            if not pts:
-                continue
-            colour, marker = colours(i % 10), markers[i % len(markers)]
-            ax.scatter(
-                [v[0] for v, _ in pts], [v[1] for v, _ in pts], color=colour, marker=marker, alpha=0.45, s=28, zorder=3
-            )
-            front = pareto_front([v for v, _ in pts])
-            ax.plot(
-                [p[0] for p in front],
-                [p[1] for p in front],
-                color=colour,
-                marker=marker,
-                linewidth=1.8,
-                markersize=6,
-                label=label,
-                zorder=4,
-            )
-            if panel == "overall":  # taus that land on the same point share one label
-                at: dict[tuple, list[str]] = {}
-                for v, c in pts:
-                    at.setdefault((round(v[0], 3), round(v[1], 2)), []).append(f"{c['tau']:g}")
-                for v, taus in at.items():
-                    ax.annotate(",".join(taus), v, textcoords="offset points", xytext=(4, 4), fontsize=7, color=colour)
-        for j, s in enumerate(baselines):
-            one_token = next(c for c in s.cells if is_one_token(c))
-            value = _panel_values(one_token, panel)
-            if value is not None:
-                ax.axhline(
-                    value[1],
-                    color=("black", "dimgray", "gray")[j % 3],
-                    linestyle=":",
-                    linewidth=1.8,
-                    label=f"AR SFT baseline: {s.label}",
-                    zorder=2,
-                )
-        ax.set_title(panel, fontsize=12, fontweight="bold" if panel == "overall" else "normal")
-        ax.set_xlabel("tokens per forward")
-        ax.set_ylabel("accuracy (%)")
-        ax.grid(True, alpha=0.3)
-        _widen(ax, axis="y", min_span=10, lowest=-2, highest=102)  # no magnified noise, no 0.01% grid
-        _widen(ax, axis="x", min_span=0.5, lowest=0.9, highest=None)
-
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    if spare:
-        for ax in list(axes.flat)[len(panels) :]:
-            ax.axis("off")
-        list(axes.flat)[len(panels)].legend(
-            handles, labels, loc="center", fontsize=9, frameon=False, title="(overall panel: tau beside each point)"
-        )
-    else:
-        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=9, frameon=False)
-
+        _draw_panel(ax, panel, curves, baselines, plt.get_cmap("tab10"))
+    _legend(fig, axes, len(panels), spare)
     data = sorted(
         {
             f"{s.report.get('data', '?')}" + (f" (n={s.report['data_n']})" if s.report.get("data_n") else "")
@@ -265,3 +210,66 @@ def plot_frontier(series: list[Series], out: str | Path, title: str | None = Non
     finally:
         plt.close(fig)
     return out
+
+
+MARKERS = "osD^vP*X"
+
+
+def _draw_panel(ax, panel: str, curves, baselines: list[Series], colours) -> None:
+    """One panel: each curve's points and Pareto front, and each baseline's one-token accuracy."""
+    for i, (label, cells) in enumerate(curves):
+        pts = [(v, c) for c in cells if (v := _panel_values(c, panel)) is not None]
+        if not pts:
+            continue
+        colour, marker = colours(i % 10), MARKERS[i % len(MARKERS)]
+        ax.scatter(
+            [v[0] for v, _ in pts], [v[1] for v, _ in pts], color=colour, marker=marker, alpha=0.45, s=28, zorder=3
+        )
+        front = pareto_front([v for v, _ in pts])
+        ax.plot(
+            [p[0] for p in front],
+            [p[1] for p in front],
+            color=colour,
+            marker=marker,
+            linewidth=1.8,
+            markersize=6,
+            label=label,
+            zorder=4,
+        )
+        if panel == "overall":  # taus that land on the same point share one label
+            at: dict[tuple, list[str]] = {}
+            for v, c in pts:
+                at.setdefault((round(v[0], 3), round(v[1], 2)), []).append(f"{c['tau']:g}")
+            for v, taus in at.items():
+                ax.annotate(",".join(taus), v, textcoords="offset points", xytext=(4, 4), fontsize=7, color=colour)
+    for j, s in enumerate(baselines):
+        one_token = next(c for c in s.cells if is_one_token(c))
+        value = _panel_values(one_token, panel)
+        if value is not None:
+            ax.axhline(
+                value[1],
+                color=("black", "dimgray", "gray")[j % 3],
+                linestyle=":",
+                linewidth=1.8,
+                label=f"AR SFT baseline: {s.label}",
+                zorder=2,
+            )
+    ax.set_title(panel, fontsize=12, fontweight="bold" if panel == "overall" else "normal")
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("accuracy (%)")
+    ax.grid(True, alpha=0.3)
+    _widen(ax, axis="y", min_span=10, lowest=-2, highest=102)  # no magnified noise, no 0.01% grid
+    _widen(ax, axis="x", min_span=0.5, lowest=0.9, highest=None)
+
+
+def _legend(fig, axes, n_panels: int, spare: int) -> None:
+    """In the first spare panel when the grid has one, else under the figure."""
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if spare:
+        for ax in list(axes.flat)[n_panels:]:
+            ax.axis("off")
+        list(axes.flat)[n_panels].legend(
+            handles, labels, loc="center", fontsize=9, frameon=False, title="(overall panel: tau beside each point)"
+        )
+    else:
+        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=9, frameon=False)
