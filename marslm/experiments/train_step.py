@@ -14,6 +14,7 @@ import ctypes
 import gc
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -204,44 +205,8 @@ def train_step_bench(
     for length in seq_lens:
         batch = random_batch(vocab, batch_size, length, prompt_share, mask_id)
         batch = {k: v.to(device) for k, v in batch.items()}
-        times = {c: [] for c in configs}
-        peaks = {c: [] for c in configs}
-        errors = {}
-        for repeat in range(repeats + 1):  # the first round warms up and is not kept
-            for config in configs:
-                if config in errors:
-                    bar.update(1)
-                    continue
-                setting, stage = config
-                try:
-                    with _Peak(device) as peak:
-                        started = time.perf_counter()
-                        with autocast:
-                            _step(model, batch, stage, block_size, mask_id, setting)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        seconds = time.perf_counter() - started
-                except torch.OutOfMemoryError:
-                    errors[config] = "out of memory"
-                    torch.cuda.empty_cache()
-                    bar.update(1)
-                    continue
-                if repeat:
-                    times[config].append(seconds)
-                    if peak.bytes is not None:
-                        peaks[config].append(peak.bytes)
-                bar.update(1)
-        for setting, stage in configs:
-            row = {
-                "seq_len": length,
-                "logits": "targets" if setting else "full",
-                "stage": stage,
-                "seconds": statistics.median(times[(setting, stage)]) if times[(setting, stage)] else None,
-                "peak_mib": round(max(peaks[(setting, stage)]) / 2**20, 1) if peaks[(setting, stage)] else None,
-            }
-            if (setting, stage) in errors:
-                row["error"] = errors[(setting, stage)]
-            rows.append(row)
+        step = partial(_step, model, batch, block_size=block_size, mask_id=mask_id)
+        rows += _measure_length(step, length, configs, repeats, autocast, device, bar)
     bar.close()
     _add_ratios(rows)
     return {
@@ -261,6 +226,50 @@ def train_step_bench(
         },
         "rows": rows,
     }
+
+
+def _measure_length(step, length: int, configs, repeats: int, autocast, device, bar) -> list[dict]:
+    """One row per (setting, stage) at one length: the median seconds and the largest peak over
+    ``repeats`` rounds after a warm-up round; the settings take turns within each round."""
+    times = {c: [] for c in configs}
+    peaks = {c: [] for c in configs}
+    errors = {}
+    for repeat in range(repeats + 1):  # the first round warms up and is not kept
+        for config in configs:
+            bar.update(1)
+            if config in errors:
+                continue
+            setting, stage = config
+            try:
+                with _Peak(device) as peak:
+                    started = time.perf_counter()
+                    with autocast:
+                        step(stage=stage, target_logits=setting)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    seconds = time.perf_counter() - started
+            except torch.OutOfMemoryError:
+                errors[config] = "out of memory"
+                torch.cuda.empty_cache()
+                continue
+            if repeat:
+                times[config].append(seconds)
+                if peak.bytes is not None:
+                    peaks[config].append(peak.bytes)
+    rows = []
+    for config in configs:
+        setting, stage = config
+        row = {
+            "seq_len": length,
+            "logits": "targets" if setting else "full",
+            "stage": stage,
+            "seconds": statistics.median(times[config]) if times[config] else None,
+            "peak_mib": round(max(peaks[config]) / 2**20, 1) if peaks[config] else None,
+        }
+        if config in errors:
+            row["error"] = errors[config]
+        rows.append(row)
+    return rows
 
 
 def _add_ratios(rows: list[dict]) -> None:
