@@ -55,6 +55,8 @@ class RealModelPreset:
     lora_rank: int | None = None
     mask_only: bool = False
     cut_answers: bool = False
+    soft_clean: float = 0.0
+    soft_masked: float = 0.0
     warmup_ratio: float = 0.05
     save_steps: int = 25
     taus: tuple = (1.0, 0.95, 0.9, 0.8)
@@ -367,6 +369,8 @@ def train_stage(
             lora_rank=preset.lora_rank,
             mask_only=preset.mask_only,
             cut_answers=preset.cut_answers,
+            soft_clean=preset.soft_clean,
+            soft_masked=preset.soft_masked,
             warmup_ratio=preset.warmup_ratio,
             progress=progress,
             extra={"demo_preset": asdict(preset)},
