@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .chat import encode_conversation, encode_generated, end_of_turn_id, stop_token_ids
+from .checkpoints import checkpoint_is_complete, resume_point
 from .config import (
     ATTENTIONS,
     DEFAULT_BLOCK_SIZE,
@@ -52,7 +53,7 @@ from .modeling import (
     merge_lora,
     train_embedding_rows,
 )
-from .objective import TEACHER_KEYS, ar_loss, collate, collate_packed, mars_loss, normalizer
+from .objective import ar_loss, collate, collate_packed, mars_loss
 from .settings import flag_of, setting
 
 log = logging.getLogger("marslm.train")
@@ -375,88 +376,6 @@ class TrainSummary:
     masked_weighting: str = "uniform"
 
 
-# ------------------------------------------------------------------------ crash-safe checkpoints
-CHECKPOINT_MARKER = "marslm-complete.json"
-
-
-class CrashSafeCheckpoints:
-    """Trainer mixin: no checkpoint counts until it is complete, and no garbage is saved.
-
-    Trainer writes ``checkpoint-N/`` file by file, so a kill part way leaves a directory that looks
-    like a checkpoint (and resuming from it fails for good). Once Trainer has written everything,
-    a marker listing every file and its size is renamed into place, last: a checkpoint is complete
-    iff the marker is there and every file it lists has that size (:func:`checkpoint_is_complete`).
-    A loss that is not finite stops the run, and weights that are not finite are never saved.
-    """
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if not torch.isfinite(loss).all():
-            raise NonFiniteTraining(f"the loss became {float(loss)} at step {self.state.global_step + 1}")
-        return loss
-
-    def _save_checkpoint(self, model, trial):
-        require_finite_parameters(self.model, self.state.global_step)
-        super()._save_checkpoint(model, trial)
-        self.accelerator.wait_for_everyone()  # every rank's shards are written
-        if self.args.should_save:
-            mark_checkpoint_complete(Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}")
-
-
-class NonFiniteTraining(UserError):
-    """Training diverged (NaN or inf); the run stops before saving from it."""
-
-
-def require_finite_parameters(model, step: int) -> None:
-    for name, param in model.named_parameters():
-        if param.numel() and not torch.isfinite(param).all():
-            raise NonFiniteTraining(f"parameter {name} is not finite after step {step}")
-
-
-def mark_checkpoint_complete(directory: Path) -> None:
-    files = {
-        str(p.relative_to(directory)): p.stat().st_size
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != CHECKPOINT_MARKER
-    }
-    tmp = directory / (CHECKPOINT_MARKER + ".tmp")
-    tmp.write_text(json.dumps({"files": files}, indent=1))
-    os.replace(tmp, directory / CHECKPOINT_MARKER)
-
-
-def checkpoint_is_complete(directory: Path) -> bool:
-    try:
-        files = json.loads((directory / CHECKPOINT_MARKER).read_text())["files"]
-        return bool(files) and all((directory / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def _checkpoint_step(path: Path) -> int:
-    suffix = path.name.removeprefix("checkpoint-")
-    return int(suffix) if suffix.isdigit() else -1
-
-
-def resume_point(partial_dir: Path, resume: bool) -> Path | None:
-    """The newest complete checkpoint to resume from (None: start afresh). What a kill left
-    half-written is deleted: incomplete checkpoints and an unfinished final directory. Without
-    ``resume`` everything from an earlier run goes."""
-    if not partial_dir.is_dir():
-        return None
-    if not resume:
-        shutil.rmtree(partial_dir)
-        return None
-    shutil.rmtree(partial_dir / "final", ignore_errors=True)
-    newest = None
-    for path in sorted(partial_dir.glob("checkpoint-*"), key=_checkpoint_step, reverse=True):
-        if newest is None and checkpoint_is_complete(path):
-            newest = path
-        elif not checkpoint_is_complete(path):
-            log.warning("removing %s: an interrupted run left it incomplete", path)
-            shutil.rmtree(path)
-    return newest
-
-
 RUN_SETTINGS = "marslm-run.json"
 # Fields that change nothing a run computes: a rerun may change them and still resume.
 _NOT_THE_RUN = ("output", "overwrite", "resume", "progress", "save_steps", "logging_steps", "extra")
@@ -498,89 +417,6 @@ def may_resume(cfg: TrainConfig) -> bool:
 
 def record_run(partial_dir: Path, cfg: TrainConfig) -> None:
     write_json_atomically(partial_dir / RUN_SETTINGS, run_settings(cfg))
-
-
-class MarsTrainer:
-    """Builds a ``transformers.Trainer`` whose loss is the stage's objective (AR or MARS)."""
-
-    @staticmethod
-    def build(model, tokenizer, dataset, args, loss_fn, collator, normalization: str, callbacks=(), own_lr=None):
-        """``own_lr``: ``{parameter: learning rate}`` for parameters that get an optimizer group of
-        their own, without weight decay (the mask token's row: train.train_embedding_rows)."""
-        from transformers import Trainer
-
-        class _Trainer(CrashSafeCheckpoints, Trainer):
-            """Trainer with our loss, normalised over the whole optimizer step; logs the noisy/clean
-            terms next to the total.
-
-            Trainer fetches all micro-batches of an optimizer step before running them
-            (``get_batch_samples``). The step's denominator (its targets, or its sequences, over
-            every micro-batch and every process) is counted there, and each micro-batch's summed
-            losses are divided by it, so the micro-batch losses add up to the loss of the whole
-            batch and gradient accumulation changes nothing. Trainer must then not divide again.
-            """
-
-            loss_is_scaled_for_ga = True
-
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                self._sums: dict[str, float] = {}
-                self._window_start = 0  # the global step the per-term sums started at
-
-            def create_optimizer(self, model=None):
-                optimizer = super().create_optimizer(model)
-                for param, lr in (own_lr or {}).items():
-                    for group in optimizer.param_groups:
-                        group["params"] = [p for p in group["params"] if p is not param]
-                    optimizer.add_param_group({"params": [param], "lr": lr, "weight_decay": 0.0})
-                return optimizer
-
-            def get_batch_samples(self, epoch_iterator, num_batches, device):
-                batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-                count = sum(normalizer(b["labels"], b.get("segment_ids"), normalization) for b in batches)
-                count = torch.tensor(float(count), device=device)
-                if self.accelerator.num_processes > 1:
-                    count = self.accelerator.reduce(count, reduction="sum")
-                return batches, count
-
-            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-                if not self._sums:
-                    self._window_start = self.state.global_step
-                extra = {k: inputs[k] for k in ("position_ids", "segment_ids", *TEACHER_KEYS) if k in inputs}
-                terms = loss_fn(
-                    model,
-                    inputs["input_ids"],
-                    inputs["labels"],
-                    **extra,
-                    denominator=None if num_items_in_batch is None else float(num_items_in_batch),
-                )
-                for key, value in terms.items():
-                    if key != "loss":
-                        self._sums[key] = self._sums.get(key, 0.0) + float(value)
-                # Data-parallel training averages gradients over processes; the denominator
-                # already counts every process's batch, so scale the sum back up.
-                return terms["loss"] * self.accelerator.num_processes
-
-            def log(self, logs, *a, **kw):
-                steps = self.state.global_step - self._window_start
-                if self._sums and "loss" in logs and steps > 0:
-                    # Every rank logs at the same step (Trainer gathers the loss there too): each
-                    # rank's share of a term sums to the term over ranks.
-                    names = sorted(self._sums)
-                    local = torch.tensor([self._sums[k] / steps for k in names], device=self.args.device)
-                    total = self.accelerator.reduce(local, reduction="sum")
-                    logs.update({k: round(float(v), 4) for k, v in zip(names, total)})
-                    self._sums = {}
-                super().log(logs, *a, **kw)
-
-        return _Trainer(
-            model=model,
-            args=args,
-            train_dataset=dataset,
-            data_collator=collator,
-            processing_class=tokenizer,
-            callbacks=list(callbacks),
-        )
 
 
 def generated_answers(cfg: TrainConfig) -> list[dict] | None:
@@ -751,16 +587,18 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(model.get_base_model() if cfg.lora_rank else model)
 
+    from .trainer import MarsTrainer
+
     partial_dir = partial_dir_of(cfg.output)
-    trainer = MarsTrainer.build(
-        model,
-        tokenizer,
-        examples,
-        _training_arguments(cfg, partial_dir),
-        loss_fn,
-        collator,
-        cfg.loss_normalization,
-        callbacks,
+    trainer = MarsTrainer(
+        model=model,
+        args=_training_arguments(cfg, partial_dir),
+        train_dataset=examples,
+        data_collator=collator,
+        processing_class=tokenizer,
+        callbacks=list(callbacks),
+        loss_fn=loss_fn,
+        normalization=cfg.loss_normalization,
         own_lr={mask_row: cfg.mask_lr or cfg.learning_rate} if mask_row is not None else None,
     )
     steps = _train_from(trainer, _resume_point(trainer, partial_dir, cfg, resume))
@@ -899,6 +737,8 @@ def _last_loss(trainer) -> float | None:
 
 def _save_atomically(trainer, mars_config: MarsConfig, output: Path, partial_dir: Path, overwrite: bool) -> None:
     """Write the final model next to ``output`` and rename it into place (process 0 only)."""
+    from .trainer import require_finite_parameters
+
     staging = partial_dir / "final"
     require_finite_parameters(trainer.model, trainer.state.global_step)
     model = merge_lora(trainer.model)

@@ -21,16 +21,10 @@ import pytest
 import torch
 
 from marslm import cli
+from marslm.checkpoints import CHECKPOINT_MARKER, checkpoint_is_complete
 from marslm.errors import UserError
-from marslm.train import (
-    CHECKPOINT_MARKER,
-    RUN_SETTINGS,
-    NonFiniteTraining,
-    TrainConfig,
-    checkpoint_is_complete,
-    may_resume,
-    train,
-)
+from marslm.train import RUN_SETTINGS, TrainConfig, may_resume, train
+from marslm.trainer import NonFiniteTraining
 
 # Patches Trainer (or marslm) so that the process SIGKILLs itself at POINT when the global step is
 # STEP, then runs `marslm ARGS...`. argv: POINT STEP ARGS...
@@ -42,7 +36,7 @@ def die(*_):
     os.kill(os.getpid(), signal.SIGKILL)
 
 from transformers import Trainer
-import marslm.train as train_module
+import marslm.trainer as trainer_module
 from marslm.config import MarsConfig
 
 def wrap(owner, name, before=None, after=None):
@@ -65,11 +59,11 @@ def make_empty_dir(self, output_dir=None, _internal_call=False):
         die()
 
 hooks = {
-    "before-save": lambda: wrap(train_module.CrashSafeCheckpoints, "_save_checkpoint", before=die),
+    "before-save": lambda: wrap(trainer_module.CrashSafeCheckpoints, "_save_checkpoint", before=die),
     "empty-dir": lambda: wrap(Trainer, "save_model", before=make_empty_dir),
     "weights-without-state": lambda: wrap(Trainer, "_save_rng_state", before=die),
     "state-without-marker": lambda: wrap(Trainer, "_save_checkpoint", after=die),
-    "after-save": lambda: wrap(train_module.CrashSafeCheckpoints, "_save_checkpoint", after=die),
+    "after-save": lambda: wrap(trainer_module.CrashSafeCheckpoints, "_save_checkpoint", after=die),
     "final-dir": lambda: wrap(MarsConfig, "save", before=die),
     "none": lambda: None,
 }
@@ -170,7 +164,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_weights(base_model, 
 
 
 def test_completeness_is_the_marker_and_the_sizes(tmp_path):
-    from marslm.train import mark_checkpoint_complete, resume_point
+    from marslm.checkpoints import mark_checkpoint_complete, resume_point
 
     partial = tmp_path / "out.partial"
     for step in (2, 4, 6):

@@ -2,7 +2,7 @@
 shards a model (each decoder layer, then the root), on gloo.
 
 Each rank takes its half of the batch and divides by the targets of the whole batch, as the
-trainer does (train.MarsTrainer); FSDP sums the gradients. Rank 0 then compares the full
+trainer does (trainer.MarsTrainer); FSDP sums the gradients. Rank 0 then compares the full
 gradients with one process's on the whole batch, gathers the full state dict and saves it.
 """
 
