@@ -87,6 +87,11 @@ class TrainConfig:
     lr_schedule: str = setting("cosine", "learning-rate schedule after the warmup", choices=LR_SCHEDULES)
     warmup_ratio: float = setting(0.03, "warmup share of the steps")
     weight_decay: float = setting(0.0, "AdamW weight decay")
+    adam_epsilon: float = setting(
+        1e-8,
+        "AdamW epsilon: parameters whose gradient is far below it move in proportion to it instead of "
+        "by the full learning rate, so gradient noise (bf16 rounding, a loss at its minimum) moves them little",
+    )
     max_grad_norm: float = setting(1.0, "gradient clipping norm; 0 turns clipping off")
     batch_size: int = setting(8, "per-device batch size")
     grad_accum: int = setting(1, "gradient accumulation steps")
@@ -217,6 +222,7 @@ class TrainConfig:
         _check_range(flag("ar_weight"), self.ar_weight, low=0)
         _check_range(flag("warmup_ratio"), self.warmup_ratio, low=0, high=1, high_open=True)
         _check_range(flag("weight_decay"), self.weight_decay, low=0)
+        _check_range(flag("adam_epsilon"), self.adam_epsilon, low=0, low_open=True)
         _check_range(flag("epochs"), self.epochs)
         _check_range(flag("max_grad_norm"), self.max_grad_norm, low=0)
         _check_range(flag("soft_clean"), self.soft_clean, low=0, high=1)
@@ -678,6 +684,7 @@ def _training_arguments(cfg: TrainConfig, partial_dir: Path):
         lr_scheduler_type=cfg.lr_schedule,
         warmup_steps=cfg.warmup_ratio,
         weight_decay=cfg.weight_decay,
+        adam_epsilon=cfg.adam_epsilon,
         max_grad_norm=cfg.max_grad_norm,
         per_device_train_batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
