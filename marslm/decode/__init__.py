@@ -11,7 +11,7 @@ _EXPORTS = {
     "accept_length": "acceptance",
     "confidence": "acceptance",
     "DecodeBatch": "batch",
-    "FinishedRow": "batch",
+    "FinishedRow": "rows",
     "BlockCachedBatch": "block_cache",
     "GenerationResult": "generation",
     "generate": "generation",

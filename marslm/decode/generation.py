@@ -6,9 +6,10 @@ from dataclasses import dataclass, field, replace
 
 from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
-from .batch import BatchStats, DecodeBatch, FinishedRow
+from .batch import DecodeBatch
 from .block_cache import BlockCachedBatch
 from .params import ADAPTIVE_WIDTH, CACHE_MODES, DecodingParams, check_mask_batch_limit
+from .rows import BatchStats, FinishedRow
 from .text import TextStream
 
 
