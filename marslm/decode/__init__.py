@@ -18,6 +18,7 @@ _EXPORTS = {
     "ADAPTIVE_WIDTH": "params",
     "CACHE_MODES": "params",
     "MODES": "params",
+    "DecoderOptions": "params",
     "DecodingParams": "params",
     "ParamError": "params",
     "check_tau": "params",

@@ -51,6 +51,18 @@ class TextStream:
                 self._find_stop(searched)
         return self._emit(len(self.text))
 
+    def found_stop(self, ids: list[int]) -> bool:
+        """Add a step's tokens; whether the text now holds a stop string (the row can end)."""
+        self.push(ids)
+        return self.stopped
+
+    def close(self, token_ids: list[int]) -> list[int]:
+        """The row ended with ``token_ids`` (all of them, those pushed before included): take the
+        rest, finish, and return the ids the final :attr:`text` covers (a stop string cuts both)."""
+        self.push(token_ids[len(self.ids) :])
+        self.finish()
+        return token_ids[: self.token_count()]
+
     def token_count(self) -> int:
         """How many of the ids the final text covers: the longest prefix whose text fits inside it."""
         if not self.stopped:
