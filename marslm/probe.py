@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from .chat import IGNORE, encode_conversation, stop_token_ids
+from .decode.acceptance import PROB
 from .errors import UserError
 
 DEFAULT_TAUS = (0.9, 0.95)
-PROB = 0  # acceptance.py's code for the top-1 probability metric
 
 
 @dataclass(frozen=True)
