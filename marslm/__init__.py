@@ -12,11 +12,11 @@ from .config import MarsConfig
 from .errors import UserError
 
 __version__ = "0.1.0"
-__all__ = ["GenerationResult", "MarsConfig", "UserError", "generate", "__version__"]
+__all__ = ["DecoderOptions", "DecodingParams", "GenerationResult", "MarsConfig", "UserError", "generate", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("generate", "GenerationResult"):
+    if name in ("generate", "GenerationResult", "DecodingParams", "DecoderOptions"):
         from . import decode
 
         return getattr(decode, name)

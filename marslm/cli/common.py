@@ -33,15 +33,17 @@ def add_device(parser) -> None:
 
 
 def add_adaptive_width(parser) -> None:
-    from ..decode.params import ADAPTIVE_WIDTH
+    """``--adaptive-width`` and ``--no-adaptive-width``, with ``DecoderOptions``' default and help."""
+    import dataclasses
 
+    from ..decode.params import DecoderOptions
+
+    field = {f.name: f for f in dataclasses.fields(DecoderOptions)}["adaptive_width"]
     parser.add_argument(
         "--adaptive-width",
         action=argparse.BooleanOptionalAction,
-        default=ADAPTIVE_WIDTH,
-        help="rest a row from masks (1, 2, 4 .. 16 steps) after steps running that accepted none of them: "
-        "cheaper where masks are rarely confident, but at tau < 1 it changes the text, not only the reach "
-        "(off: every step reads its masks, the paper's rule)",
+        default=field.default,
+        help=field.metadata["help"],
     )
 
 

@@ -6,6 +6,8 @@ COMMAND = "convert"
 
 
 def add_parser(sub) -> None:
+    from ..convert import OUTPUT_DTYPES
+
     conv = sub.add_parser(
         COMMAND,
         help="a GGUF file (llama.cpp) to a plain Hugging Face checkpoint",
@@ -18,7 +20,7 @@ def add_parser(sub) -> None:
     conv.add_argument("--output", "-o", required=True, help="directory for the checkpoint (written atomically)")
     conv.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=OUTPUT_DTYPES,
         default="float32",
         help="dtype of the saved weights (default float32)",
     )

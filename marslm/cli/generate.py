@@ -10,7 +10,7 @@ COMMAND = "generate"
 
 
 def add_parser(sub) -> None:
-    from ..decode.params import CACHE_MODES, DecodingParams
+    from ..decode.params import DecoderOptions, DecodingParams
     from ..settings import add_options
 
     parser = sub.add_parser(
@@ -23,22 +23,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--prompt", required=True, help="the user message")
     add_options(parser, DecodingParams, defaults={"tau": 0.95})
     decoder = parser.add_argument_group("decoder")
-    decoder.add_argument(
-        "--cache",
-        choices=CACHE_MODES,
-        default="cursor",
-        help="KV cache policy: cursor (default), block (the paper's) or none (recompute)",
-    )
-    decoder.add_argument("--block-cache-size", type=int, default=16, help="positions per block of --cache block")
-    decoder.add_argument(
-        "--draft-groups", action="store_true", help="lossless: one mask group per possible accepted-draft count"
-    )
-    decoder.add_argument(
-        "--no-last-mask",
-        dest="use_last_mask",
-        action="store_false",
-        help="ignore the last mask's prediction (the authors' sampler; default: use it, B+1 candidates per step)",
-    )
+    add_options(decoder, DecoderOptions, skip=("adaptive_width", "mask_batch_limit"))
     add_adaptive_width(decoder)
     add_device(decoder)
     parser.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
@@ -48,32 +33,13 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..decode import generate
-    from ..decode.params import DecodingParams
+    from ..decode.params import DecoderOptions, DecodingParams
     from ..settings import from_args
     from .common import load_for_decoding
 
+    decoder = from_args(DecoderOptions, args)
     model, tokenizer, params = load_for_decoding(args.model, from_args(DecodingParams, args), args.device)
-    result = generate(
-        model,
-        tokenizer,
-        [args.prompt],
-        tau=params.tau,
-        block_size=params.block_size,
-        metric=params.metric,
-        max_new_tokens=params.max_new_tokens,
-        mode=params.mode,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        stop=params.stop,
-        apply_chat_template=not args.no_chat_template,
-        cache=args.cache,
-        block_cache_size=args.block_cache_size,
-        use_last_mask=args.use_last_mask,
-        draft_groups=args.draft_groups,
-        adaptive_width=args.adaptive_width,
-    )
+    result = generate(model, tokenizer, [args.prompt], params, decoder, apply_chat_template=not args.no_chat_template)
     if args.json:
         print(
             json.dumps(

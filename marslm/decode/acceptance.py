@@ -27,15 +27,18 @@ import torch
 
 from .params import METRICS
 
-PROB, ENTROPY, MARGIN = range(3)
-
 
 def metric_code(metric: str) -> int:
+    """A metric's code in the per-row arrays: its place in ``METRICS``."""
     return METRICS.index(metric)
 
 
+PROB, ENTROPY, MARGIN = map(metric_code, ("prob", "entropy", "margin"))
+
+
 def one_token_rows(tau: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
-    """Rows whose setting means plain AR decoding: exactly one token per forward."""
+    """Rows whose setting means plain AR decoding: exactly one token per forward. The one
+    definition of one-token mode: tau and metric codes per row (torch or numpy), or one of each."""
     return _namespace(tau).where(metric == ENTROPY, tau <= 0, tau >= 1)
 
 
@@ -83,4 +86,4 @@ def accept_length(
 
 
 def _namespace(array):
-    return np if isinstance(array, np.ndarray) else torch
+    return torch if isinstance(array, torch.Tensor) else np

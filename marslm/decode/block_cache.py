@@ -25,8 +25,8 @@ import torch
 
 from ..masks import causal_step_mask, for_attention
 from .acceptance import accept_length, confidence, metric_code
-from .batch import BatchStats, FinishedRow
 from .params import DecodingParams
+from .rows import BatchStats, FinishedRow
 
 
 class BlockCachedBatch:

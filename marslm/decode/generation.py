@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
-from .batch import BatchStats, DecodeBatch, FinishedRow
+from .batch import DecodeBatch
 from .block_cache import BlockCachedBatch
-from .params import ADAPTIVE_WIDTH, CACHE_MODES, DecodingParams, check_mask_batch_limit
+from .params import DecoderOptions, DecodingParams
+from .rows import BatchStats, FinishedRow
 from .text import TextStream
 
 
@@ -63,15 +64,10 @@ def run_to_completion(
         for row in batch.step():
             done(row)
         if streams:
-            hit = [rid for rid, ids in batch.new_tokens().items() if rid in streams and _push(streams[rid], ids)]
-            for row in batch.stop(hit):
+            new = batch.new_tokens().items()
+            for row in batch.stop([rid for rid, ids in new if rid in streams and streams[rid].found_stop(ids)]):
                 done(row)
     return [finished[i] for i in range(len(prompt_ids))]
-
-
-def _push(stream: TextStream, ids: list[int]) -> bool:
-    stream.push(ids)
-    return stream.stopped
 
 
 def run_static_batches(
@@ -97,118 +93,77 @@ def generate(
     model,
     tokenizer,
     prompts,
+    params: DecodingParams | None = None,
+    decoder: DecoderOptions | None = None,
     *,
-    tau: float = 1.0,
-    block_size: int | None = None,
-    metric: str = "prob",
-    max_new_tokens: int = 256,
     apply_chat_template: bool = True,
-    cache: str = "cursor",
-    mode: str = "threshold",
-    block_cache_size: int = 16,
-    use_last_mask: bool = True,
-    draft_groups: bool = False,
-    adaptive_width: bool = ADAPTIVE_WIDTH,
-    mask_batch_limit: int | None = None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop=(),
-    mask_token_id: int | None = None,
     batch_size: int | None = None,
+    mask_token_id: int | None = None,
     on_finish=None,
+    **overrides,
 ) -> GenerationResult:
     """Decode ``prompts`` (strings, message lists or token-id lists) with the MARS sliding window.
 
-    ``tau`` >= 1 (prob/margin) is one-token mode and equals greedy AR decoding. ``block_size`` and
-    the mask token default to what the checkpoint's ``marslm.json`` records.
+    ``params`` (:class:`DecodingParams`) is how each prompt decodes; ``decoder``
+    (:class:`DecoderOptions`) how the decoder runs. Keywords override a field of either:
+    ``generate(model, tokenizer, prompts, tau=0.9, cache="none")``. The defaults are plain greedy AR
+    decoding (tau 1) with the cursor cache; ``block_size`` defaults to the one the checkpoint's
+    ``marslm.json`` records, and a larger one is refused, as the CLI and the server refuse it.
 
-    ``cache``: ``cursor`` (each row commits every step), ``block`` (the paper's block-level cache:
-    blocks of ``block_cache_size`` masks filled left to right and committed in lockstep, static
-    batches, greedy threshold mode) or ``none`` (recompute everything).
     ``mode="lossless"`` ignores tau: the masks draft, the next forward verifies, and the output is
-    the AR model's: greedy token for token, or at ``temperature`` > 0 sampled exactly from its
-    distribution (speculative sampling). ``draft_groups`` adds one mask group per possible
-    accepted-draft count. ``use_last_mask`` (default) also reads the last mask, whose prediction is
-    B+1 tokens ahead: training teaches exactly that case. ``adaptive_width`` (off by default: every
-    step reads its masks, as the paper's sampler does) rests a row from masks while its recent steps
-    accepted none; at tau < 1 that changes the text, not only the reach (batch.py). ``mask_batch_limit``: while more
-    rows than this decode together, none reads masks (plain AR steps; batch.py says when it pays).
-
-    ``temperature``, ``top_p``, ``top_k``: sampling (threshold mode samples the AR token of each
-    step; the masks keep the tau rule). ``seed``: prompt i samples with seed ``seed + i``, so its
-    answer does not depend on the other prompts. ``stop``: up to 4 strings; an answer ends before
-    the first one it produces, which is not part of its text.
+    the AR model's (greedy, or at ``temperature`` > 0 exactly its distribution). Threshold mode at
+    ``temperature`` > 0 samples the AR token of each step; the masks keep the tau rule. ``seed``:
+    prompt i samples with seed ``seed + i``, so its answer does not depend on the other prompts.
+    ``stop``: up to 4 strings; an answer ends before the first one it produces.
 
     ``batch_size`` caps the rows decoded together (default: all prompts at once); finished rows
     are replaced by waiting prompts between steps. ``on_finish(row)`` is called as rows finish.
+    ``mask_token_id`` overrides the checkpoint's mask token.
     """
     from ..modeling import checkpoint_facts
 
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
+    params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
     facts = checkpoint_facts(model, tokenizer, mask_token_id)
-    params = DecodingParams(
-        tau=tau,
-        metric=metric,
-        block_size=block_size or facts.block_size,
-        max_new_tokens=max_new_tokens,
-        mode=mode,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-    ).verify()
-    if cache not in CACHE_MODES:
-        raise UserError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
+    params = params.verify(facts.block_size)
+    decoder.check(params)
     if facts.mask_token_id is None and not params.one_token:
         raise UserError(
             "the tokenizer has no mask token (<|mask|>); is this a MARS checkpoint? "
             "Only tau = 1 (plain AR decoding) works without one"
         )
-    if cache == "block" and (mode != "threshold" or temperature > 0 or params.stop):
-        raise UserError("the block cache decodes greedily in threshold mode, without stop strings; use cache='cursor'")
-    if block_cache_size < 1:
-        raise UserError(f"block_cache_size must be >= 1, got {block_cache_size}")
-    check_mask_batch_limit(mask_batch_limit, "mask_batch_limit")
-
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
-    per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompts))]
     common = dict(
         mask_token_id=facts.mask_token_id if facts.mask_token_id is not None else facts.pad_id,
         pad_id=facts.pad_id,
         stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
     streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
-    if cache == "block":
-        batch = BlockCachedBatch(model, block_cache_size=block_cache_size, **common)
+    if decoder.cache == "block":
+        batch = BlockCachedBatch(model, block_cache_size=decoder.block_cache_size, **common)
         rows = run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
     else:
         batch = DecodeBatch(
             model,
-            cache=cache,
-            use_last_mask=use_last_mask,
-            draft_groups=draft_groups,
-            adaptive_width=adaptive_width,
-            mask_batch_limit=mask_batch_limit,
+            cache=decoder.cache,
+            use_last_mask=decoder.use_last_mask,
+            draft_groups=decoder.draft_groups,
+            adaptive_width=decoder.adaptive_width,
+            mask_batch_limit=decoder.mask_batch_limit,
             **common,
         )
-        rows = run_to_completion(
-            batch, prompt_ids, per_prompt, max_batch=batch_size, streams=streams, on_finish=on_finish
-        )
+        seed = params.seed
+        per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompts))]
+        rows = run_to_completion(batch, prompt_ids, per_prompt, batch_size, streams, on_finish)
     texts, token_ids = [], []
     for i, row in enumerate(rows):
         if i in streams:
-            stream = streams[i]
-            stream.push(row.token_ids[len(stream.ids) :])
-            stream.finish()
-            texts.append(stream.text)
-            token_ids.append(row.token_ids[: stream.token_count()])
+            token_ids.append(streams[i].close(row.token_ids))
+            texts.append(streams[i].text)
         else:
-            texts.append(tokenizer.decode(row.token_ids, skip_special_tokens=True))
             token_ids.append(row.token_ids)
+            texts.append(tokenizer.decode(row.token_ids, skip_special_tokens=True))
     return GenerationResult(
         texts=texts,
         token_ids=token_ids,
@@ -216,3 +171,14 @@ def generate(
         accepted_per_step=[r.accepted_per_step for r in rows],
         stats=batch.stats,
     )
+
+
+def with_overrides(params: DecodingParams, decoder: DecoderOptions, overrides: dict):
+    """``params`` and ``decoder`` with each keyword put into the one whose field it names."""
+    request, run = ({f.name for f in fields(cls)} for cls in (DecodingParams, DecoderOptions))
+    unknown = set(overrides) - request - run
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+    params = replace(params, **{k: v for k, v in overrides.items() if k in request})
+    decoder = replace(decoder, **{k: v for k, v in overrides.items() if k in run})
+    return params, decoder

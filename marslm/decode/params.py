@@ -1,8 +1,10 @@
-"""How to decode one request, validated in one place (in the manner of vLLM's ``SamplingParams``).
+"""How to decode, validated in one place: per request and per decoder.
 
-Every surface that decodes (``marslm.generate``, the CLI, evaluation, the server, the lm-eval
-adapter) builds a :class:`DecodingParams` and calls :meth:`DecodingParams.verify`; none of them
-checks a decoding setting itself.
+:class:`DecodingParams` is one request's settings (in the manner of vLLM's ``SamplingParams``):
+every surface that decodes (``marslm.generate``, the CLI, evaluation, the server, the lm-eval
+adapter) builds one and calls :meth:`DecodingParams.verify`. :class:`DecoderOptions` is how the
+decoder runs for every request of a call (cache policy, which masks a step reads), checked when
+it is made. None of the surfaces checks a decoding setting itself.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
 from ..settings import setting
 
-METRICS = ("prob", "entropy", "margin")  # acceptance.py computes them, in this order
+METRICS = ("prob", "entropy", "margin")  # acceptance.py's metric codes are their places here
 MODES = ("threshold", "lossless")
-CACHE_MODES = ("none", "block", "cursor")  # none: recompute; block: the paper's; cursor: ours (generation.py)
+CACHE_MODES = ("none", "block", "cursor")  # none: recompute; block: the paper's; cursor: ours (batch.py)
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
 # A temperature below this samples the argmax in all but rounding, and dividing logits by it can
 # overflow float32 into NaN probabilities: it is greedy decoding (vLLM's _SAMPLING_EPS does the same).
@@ -109,7 +111,59 @@ class DecodingParams:
     @property
     def one_token(self) -> bool:
         """Plain AR decoding: threshold mode at tau 1 (prob/margin) or 0 (entropy)."""
-        return self.mode == "threshold" and (self.tau <= 0 if self.metric == "entropy" else self.tau >= 1)
+        return one_token(self.tau, self.metric, self.mode)
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """How the decoder runs, the same for every prompt of a call; checked when made."""
+
+    cache: str = setting(
+        "cursor",
+        "KV cache policy: cursor (each row commits every step), block (the paper's: blocks committed in "
+        "lockstep, static batches, greedy threshold mode, no stop strings) or none (recompute)",
+        choices=CACHE_MODES,
+    )
+    block_cache_size: int = setting(16, "positions per block of --cache block")
+    use_last_mask: bool = setting(
+        True,
+        "ignore the last mask's prediction (the authors' sampler; default: use it, B+1 candidates per step: "
+        "training teaches exactly that case)",
+        negative="--no-last-mask",
+    )
+    draft_groups: bool = setting(False, "lossless: one mask group per possible accepted-draft count")
+    adaptive_width: bool = setting(
+        ADAPTIVE_WIDTH,
+        "rest a row from masks (1, 2, 4 .. 16 steps) after steps running that accepted none of them: "
+        "cheaper where masks are rarely confident, but at tau < 1 it changes the text, not only the reach "
+        "(off: every step reads its masks, the paper's rule)",
+    )
+    mask_batch_limit: int | None = setting(
+        None, "while more rows than this decode together, none reads masks: plain AR steps (default: no limit)"
+    )
+
+    def __post_init__(self):
+        if self.cache not in CACHE_MODES:
+            raise UserError(f"cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
+        if isinstance(self.block_cache_size, bool) or not isinstance(self.block_cache_size, int):
+            raise UserError(f"block_cache_size must be an integer >= 1, got {self.block_cache_size!r}")
+        if self.block_cache_size < 1:
+            raise UserError(f"block_cache_size must be >= 1, got {self.block_cache_size}")
+        check_mask_batch_limit(self.mask_batch_limit, "mask_batch_limit")
+
+    def check(self, params: DecodingParams) -> None:
+        """Refuse request settings this decoder cannot run."""
+        if self.cache == "block" and (params.mode != "threshold" or params.temperature > 0 or params.stop):
+            raise UserError(
+                "the block cache decodes greedily in threshold mode, without stop strings; use cache='cursor'"
+            )
+
+
+def one_token(tau: float, metric: str, mode: str = "threshold") -> bool:
+    """Whether a setting is plain AR decoding, one token per forward (acceptance.one_token_rows)."""
+    from .acceptance import metric_code, one_token_rows  # torch: not at import, the CLI parses without it
+
+    return mode == "threshold" and bool(one_token_rows(tau, metric_code(metric)))
 
 
 def check_tau(tau: float, metric: str) -> None:

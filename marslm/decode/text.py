@@ -51,6 +51,18 @@ class TextStream:
                 self._find_stop(searched)
         return self._emit(len(self.text))
 
+    def found_stop(self, ids: list[int]) -> bool:
+        """Add a step's tokens; whether the text now holds a stop string (the row can end)."""
+        self.push(ids)
+        return self.stopped
+
+    def close(self, token_ids: list[int]) -> list[int]:
+        """The row ended with ``token_ids`` (all of them, those pushed before included): take the
+        rest, finish, and return the ids the final :attr:`text` covers (a stop string cuts both)."""
+        self.push(token_ids[len(self.ids) :])
+        self.finish()
+        return token_ids[: self.token_count()]
+
     def token_count(self) -> int:
         """How many of the ids the final text covers: the longest prefix whose text fits inside it."""
         if not self.stopped:
@@ -60,10 +72,16 @@ class TextStream:
             count -= 1
         return count
 
+    @staticmethod
+    def cut(text: str, stop) -> str:
+        """``text`` before the first of the ``stop`` strings in it (all of it if none is)."""
+        at = _first_stop(text, stop)
+        return text if at is None else text[:at]
+
     def _find_stop(self, start: int) -> None:
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+        at = _first_stop(self.text, self.stop, start)
+        if at is not None:
+            self.text = self.text[:at]
             self.stopped = True
 
     def _emit(self, upto: int) -> str:
@@ -72,3 +90,9 @@ class TextStream:
         delta = self.text[len(self.emitted) : upto]
         self.emitted += delta
         return delta
+
+
+def _first_stop(text: str, stop, start: int = 0) -> int | None:
+    """Where the first of the ``stop`` strings found at or after ``start`` begins (None: none is)."""
+    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(hits) if hits else None

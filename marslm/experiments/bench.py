@@ -191,59 +191,11 @@ def run_bench(
     rows = []
     bar = tqdm(total=len(batch_sizes) * len(contenders) * (repeats + 1), desc="bench", disable=not progress)
     for batch_size in batch_sizes:
-        seconds = {c.name: [] for c in contenders}
-        results = {}
-        for round_ in range(repeats + 1):  # round 0 is the warm-up, on one batch
-            for c in contenders:
-                model, tokenizer = models[c.checkpoint]
-                if "refused" in results.get(c.name, {}):
-                    bar.update(1)
-                    continue
-                runner = _run_hf if c.kind.startswith("hf") else _run_mars
-                prompt_ids = prompts[c.checkpoint][:batch_size] if round_ == 0 else prompts[c.checkpoint]
-                started = time.perf_counter()
-                result = runner(model, tokenizer, prompt_ids, batch_size, max_new_tokens, c.options)
-                if round_ or "refused" in result:
-                    seconds[c.name].append(time.perf_counter() - started)
-                    results[c.name] = result
-                bar.update(1)
+        results, seconds = _timed_rounds(models, prompts, contenders, batch_size, repeats, max_new_tokens, bar)
         for c in contenders:
-            model, tokenizer = models[c.checkpoint]
-            result = results[c.name]
-            row = {"contender": c.name, "batch_size": batch_size, "options": c.options, "checkpoint": c.checkpoint}
-            if "refused" in result:
-                rows.append({**row, "refused": result["refused"]})
-                continue
-            texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in result["token_ids"]]
-            correct = eval_set.score_many(examples, texts)
-            rates = [result["tokens"] / s for s in seconds[c.name]]
-            rows.append(
-                {
-                    **row,
-                    "tokens": result["tokens"],
-                    "tokens_per_second": statistics.median(rates),
-                    "tokens_per_second_min": min(rates),
-                    "tokens_per_second_max": max(rates),
-                    "tokens_per_forward": result["tokens_per_forward"],
-                    "accuracy": sum(correct) / len(correct),
-                    "peak_kv_mib": result["kv_slots"] * _kv_bytes_per_slot(model) / 2**20,
-                    "token_ids": result["token_ids"],
-                }
-            )
+            rows.append(_row(c, batch_size, results[c.name], seconds[c.name], models, eval_set, examples))
     bar.close()
-    for row in rows:
-        base = next(
-            (
-                r
-                for r in rows
-                if r["batch_size"] == row["batch_size"]
-                and r["contender"] == "HF generate (AR ckpt)"
-                and "tokens_per_second" in r
-            ),
-            None,
-        )
-        if base and "tokens_per_second" in row:
-            row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
+    _add_speedups(rows)
     _mark_identical_outputs(rows)
     for row in rows:
         row.pop("token_ids", None)
@@ -259,6 +211,67 @@ def run_bench(
     }
     report["targets"] = check_targets(report)
     return report
+
+
+def _timed_rounds(models, prompts, contenders, batch_size, repeats, max_new_tokens, bar):
+    """Each contender's result and the seconds of each repeat, after a warm-up round on one batch;
+    the repeats go round the contenders in turn."""
+    seconds = {c.name: [] for c in contenders}
+    results = {}
+    for round_ in range(repeats + 1):  # round 0 is the warm-up, on one batch
+        for c in contenders:
+            model, tokenizer = models[c.checkpoint]
+            if "refused" in results.get(c.name, {}):
+                bar.update(1)
+                continue
+            runner = _run_hf if c.kind.startswith("hf") else _run_mars
+            prompt_ids = prompts[c.checkpoint][:batch_size] if round_ == 0 else prompts[c.checkpoint]
+            started = time.perf_counter()
+            result = runner(model, tokenizer, prompt_ids, batch_size, max_new_tokens, c.options)
+            if round_ or "refused" in result:
+                seconds[c.name].append(time.perf_counter() - started)
+                results[c.name] = result
+            bar.update(1)
+    return results, seconds
+
+
+def _row(c: Contender, batch_size: int, result: dict, seconds: list[float], models, eval_set, examples) -> dict:
+    """One contender's report row at one batch size."""
+    model, tokenizer = models[c.checkpoint]
+    row = {"contender": c.name, "batch_size": batch_size, "options": c.options, "checkpoint": c.checkpoint}
+    if "refused" in result:
+        return {**row, "refused": result["refused"]}
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in result["token_ids"]]
+    correct = eval_set.score_many(examples, texts)
+    rates = [result["tokens"] / s for s in seconds]
+    return {
+        **row,
+        "tokens": result["tokens"],
+        "tokens_per_second": statistics.median(rates),
+        "tokens_per_second_min": min(rates),
+        "tokens_per_second_max": max(rates),
+        "tokens_per_forward": result["tokens_per_forward"],
+        "accuracy": sum(correct) / len(correct),
+        "peak_kv_mib": result["kv_slots"] * _kv_bytes_per_slot(model) / 2**20,
+        "token_ids": result["token_ids"],
+    }
+
+
+def _add_speedups(rows) -> None:
+    """Each row's speed-up over HF generate on the AR checkpoint at the same batch size."""
+    for row in rows:
+        base = next(
+            (
+                r
+                for r in rows
+                if r["batch_size"] == row["batch_size"]
+                and r["contender"] == "HF generate (AR ckpt)"
+                and "tokens_per_second" in r
+            ),
+            None,
+        )
+        if base and "tokens_per_second" in row:
+            row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
 
 
 def _mark_identical_outputs(rows) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
+from ..modeling import count_parameters
 
 # Named model shapes (random weights): the configs of public checkpoints, so memory and time are
 # those of the real model without downloading it. ``layers`` may be cut with --layers.
@@ -212,7 +213,7 @@ def train_step_bench(
     return {
         "setup": {
             "device": str(device),
-            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameters": count_parameters(model),
             "layers": model.config.num_hidden_layers,
             "vocab": vocab,
             "batch_size": batch_size,

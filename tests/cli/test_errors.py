@@ -204,10 +204,10 @@ def test_eval_exits_non_zero_when_a_cell_failed_after_writing_the_rest(mars_dir,
 
     real = generation.generate
 
-    def failing_below_tau_1(*args, tau, **kwargs):
-        if tau < 1:
+    def failing_below_tau_1(model, tokenizer, prompts, params, *args, **kwargs):
+        if params.tau < 1:
             raise RuntimeError("CUDA out of memory (simulated)")
-        return real(*args, tau=tau, **kwargs)
+        return real(model, tokenizer, prompts, params, *args, **kwargs)
 
     monkeypatch.setattr(generation, "generate", failing_below_tau_1)
     report = tmp_path / "sweep.json"

@@ -133,14 +133,16 @@ def test_every_surface_takes_the_one_default(make_tiny_model, tiny_tokenizer):
     import inspect
 
     from marslm.cli import build_parser
-    from marslm.decode import ADAPTIVE_WIDTH, DecodeBatch
+    from marslm.decode import ADAPTIVE_WIDTH, DecodeBatch, DecoderOptions
     from marslm.engine import Engine
-    from marslm.evaluate import evaluate, plan_cells, sweep
+    from marslm.evaluate import EvalConfig, plan_cells
     from marslm.serve_config import ServeConfig
 
     assert ADAPTIVE_WIDTH is False
-    for fn in (generate, DecodeBatch.__init__, evaluate, plan_cells, sweep):
+    for fn in (DecodeBatch.__init__, plan_cells):
         assert inspect.signature(fn).parameters["adaptive_width"].default is ADAPTIVE_WIDTH, fn
+    assert DecoderOptions().adaptive_width is ADAPTIVE_WIDTH  # generate's and evaluate's default decoder
+    assert EvalConfig(models=["m"]).adaptive_width is ADAPTIVE_WIDTH
     assert ServeConfig().adaptive_width is ADAPTIVE_WIDTH
     model = make_tiny_model()
     assert Engine(model, tiny_tokenizer, ServeConfig())._batch.adaptive_width is ADAPTIVE_WIDTH  # not started

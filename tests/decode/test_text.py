@@ -72,3 +72,13 @@ def test_generate_stops_on_strings_mid_step(trained_checkpoints):
         assert text.startswith(tokenizer.decode(ids, skip_special_tokens=True))
         assert forwards <= all_forwards  # the row ended early, not after decoding everything
     assert sum(cut.forwards) < sum(full.forwards)
+
+
+def test_close_returns_the_tokens_the_stopped_text_covers(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("12 + 34 = 46", add_special_tokens=False)
+    stream = TextStream(tiny_tokenizer, ("=",))
+    assert not stream.found_stop(ids[:1])
+    kept = stream.close(ids)
+    assert stream.stopped and stream.text == "12 + 34 "
+    assert tiny_tokenizer.decode(kept) == "12 + 34 " and len(kept) < len(ids)
+    assert TextStream.cut("12 + 34 = 46", ("4", "+")) == "12 "

@@ -1,0 +1,182 @@
+"""The decoding batch's per-row state, declared once (as vLLM's ``InputBatch`` holds its requests').
+
+Row i of every field belongs to one request. Rows join by stacking a :class:`RowState` built for
+them under the running one (:meth:`RowState.extend`) and leave by indexing every field at once
+(:meth:`RowState.keep`), so a new field is written in one place: its declaration here and its
+value in :meth:`RowState.joining`.
+
+Row state lives on the host, in numpy arrays: a step's bookkeeping is many tiny array operations,
+cheaper in numpy than as torch ops, and a GPU would sync once per step anyway to learn what was
+accepted. The device runs the forward and turns each read column into a token and a confidence
+(sampling rows: probabilities too); the step's inputs and mask go out in one copy each. No Python
+loop runs over rows, positions or vocabulary per step, except to draw samples from per-request
+generators (draws.py). Rows persist in the cache's buffer: a leaving row's place goes to the last
+row and a joining row takes a free one, so neither copies the whole cache (kv.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from .acceptance import metric_code
+from .params import DecodingParams
+
+
+@dataclass
+class FinishedRow:
+    request_id: object
+    token_ids: list[int]  # new tokens, the stop token excluded
+    stopped: bool  # ended on a stop token (else: hit max_new_tokens)
+    accepted_per_step: list[int]  # tokens accepted in each forward this row took part in
+    error: str | None = None  # why decoding this row failed (the other rows went on without it)
+
+    @property
+    def forwards(self) -> int:
+        return len(self.accepted_per_step)
+
+
+@dataclass
+class BatchStats:
+    forwards: int = 0  # model calls
+    peak_cache_slots: int = 0  # widest the cache got, holes included
+    masked_row_steps: int = 0  # rows that took part in steps that fed masks, summed over those steps
+    masked_row_tokens: int = 0  # and the tokens they accepted there
+
+
+@dataclass
+class RowState:
+    request_ids: list
+    generators: list  # torch.Generator of the row's own seed, or None (the batch's generator)
+    tokens: np.ndarray  # [rows, room] prompt, then accepted tokens
+    prompt_len: np.ndarray
+    seq_len: np.ndarray  # prompt + accepted
+    cached_len: np.ndarray  # leading tokens with cached keys/values
+    max_len: np.ndarray  # prompt + max_new_tokens
+    tau: np.ndarray
+    metric: np.ndarray  # acceptance.py's metric codes
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    max_masks: np.ndarray  # most masks the row may read per step
+    lossless: np.ndarray
+    draft: np.ndarray  # [rows, K] lossless: tokens to verify
+    draft_len: np.ndarray
+    draft_q: torch.Tensor  # [rows, K, vocab] lossless sampling: what the drafts were drawn from (device)
+    accept_log: np.ndarray  # [rows, steps] tokens accepted per forward
+    forwards: np.ndarray
+    slot_valid: np.ndarray  # [rows, slots] which cache slots hold the row's keys/values
+    last_accept: np.ndarray  # tokens accepted in the last step
+    misses: np.ndarray  # adaptive width: steps running whose masks were all refused
+    pause: np.ndarray  # adaptive width: steps left that read no masks
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    @classmethod
+    def empty(cls, device) -> RowState:
+        return cls.joining([], [], [], pad_id=0, use_last_mask=False, slots=0, device=device)
+
+    @classmethod
+    def joining(
+        cls,
+        prompts: list[list[int]],
+        settings: list[DecodingParams],
+        request_ids: list,
+        *,
+        pad_id: int,
+        use_last_mask: bool,
+        slots: int,
+        device,
+    ) -> RowState:
+        """Rows for new requests (``settings`` verified), with ``slots`` cache slots, none valid."""
+        long, n = np.int64, len(prompts)
+        prompt_len = np.array([len(p) for p in prompts], long)
+        max_new = np.array([s.max_new_tokens for s in settings], long)
+        max_masks = np.array([s.block_size - 1 + use_last_mask for s in settings], long)
+        room = int((prompt_len + max_new).max(initial=0)) + 2 * int(max_masks.max(initial=0)) + 2
+        tokens = np.full((n, room), pad_id, long)
+        for row, prompt in enumerate(prompts):  # once per request, not per step
+            tokens[row, : len(prompt)] = prompt
+        zeros = np.zeros(n, long)
+        return cls(
+            request_ids=list(request_ids),
+            generators=[_generator(s.seed, device) for s in settings],
+            tokens=tokens,
+            prompt_len=prompt_len,
+            seq_len=prompt_len.copy(),
+            cached_len=zeros,
+            max_len=prompt_len + max_new,
+            tau=np.array([s.tau for s in settings], np.float64),
+            metric=np.array([metric_code(s.metric) for s in settings], long),
+            temperature=np.array([s.temperature for s in settings], np.float32),
+            top_p=np.array([s.top_p for s in settings], np.float32),
+            top_k=np.array([s.top_k for s in settings], long),
+            max_masks=max_masks,
+            lossless=np.array([s.mode == "lossless" for s in settings], bool),
+            draft=np.zeros((n, 0), long),
+            draft_len=zeros,
+            draft_q=torch.zeros(n, 0, 0, device=device),
+            accept_log=np.zeros((n, int(max_new.max(initial=-1)) + 1), long),
+            forwards=zeros,
+            slot_valid=np.zeros((n, slots), bool),
+            last_accept=zeros,
+            misses=zeros,
+            pause=zeros,
+        )
+
+    def extend(self, new: RowState) -> None:
+        """Stack ``new`` rows under these; per-row widths (room, draft, slots) pad to the wider."""
+        for f in fields(self):
+            setattr(self, f.name, _cat_rows(getattr(self, f.name), getattr(new, f.name)))
+
+    def keep(self, keep: np.ndarray, device) -> torch.Tensor:
+        """Keep the rows ``keep`` (ascending); returns where each kept row came from, on ``device``,
+        for the cache to follow. Kept rows move only to fill the places of rows that leave, from
+        the end, so that the cache copies the fewest rows."""
+        n = len(keep)
+        holes = np.setdiff1d(np.arange(n), keep[keep < n], assume_unique=True)  # as many as kept rows >= n
+        order = np.arange(n)
+        order[holes] = keep[keep >= n]
+        on_device = torch.from_numpy(order).to(device, non_blocking=True)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                setattr(self, f.name, [value[i] for i in order])
+            else:
+                setattr(self, f.name, value[on_device if isinstance(value, torch.Tensor) else order])
+        return on_device
+
+
+def _generator(seed: int | None, device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _cat_rows(old, new):
+    """Stack ``new`` rows under ``old`` (lists, numpy arrays or tensors), zero-padding trailing
+    dimensions to the wider of the two."""
+    if isinstance(old, list):
+        return old + new
+    shape = [max(a, b) for a, b in zip(old.shape[1:], new.shape[1:])]
+    if isinstance(old, np.ndarray):
+
+        def pad(a):
+            if list(a.shape[1:]) == shape:
+                return a
+            out = np.zeros((len(a), *shape), a.dtype)
+            out[(slice(None), *(slice(0, size) for size in a.shape[1:]))] = a
+            return out
+
+        return np.concatenate([pad(old), pad(new)])
+
+    def pad_tensor(t):
+        widths = [w for size, want in zip(reversed(t.shape[1:]), reversed(shape)) for w in (0, want - size)]
+        return torch.nn.functional.pad(t, widths) if any(widths) else t
+
+    return torch.cat([pad_tensor(old), pad_tensor(new)], dim=0)

@@ -1,0 +1,142 @@
+"""The rules of one decoding step, as plain functions over per-row host arrays (batch.py runs them).
+
+Threshold rows accept a confident left-to-right prefix of ``[AR token, mask predictions]``
+(acceptance.py holds the confidence rule). Lossless rows keep the drafts the AR outputs confirm,
+then the AR token after them, and draft their next step from the masks.
+
+Adaptive width (``adaptive_width``, off by default: every step reads its masks, the paper's rule):
+a row whose masks were all refused in ``REST_AFTER`` steps running rests: it reads no masks for 1
+step, then, after each further refused try, for 2, 4, 8 and at most 16 steps; one accepted mask
+ends the streak. A resting row decodes one token per step at the cost of a plain AR step, so off
+the training distribution, where masks are rarely confident, MARS costs about what AR does. The
+policy is all or nothing on purpose: where a forward is overhead-bound, the first mask a step feeds
+costs far more than the next ones, so narrowing a step saves little and loses reach. Under causal
+attention a mask never sees the masks after it, so resting changes no mask's prediction; it does
+change the output at tau < 1: where a resting row emits the AR token alone, the paper's sampler
+could have accepted mask predictions after it, and the two then continue from different prefixes.
+
+Batch limit (``mask_batch_limit``, off by default): while more rows run than this, no row reads
+masks, and every row decodes one token per step, as AR. Where a forward is compute-bound a mask
+costs about what a token does, so masks can make a step slower than they make it productive;
+vLLM's speculative decoding has the same switch (``disable_by_batch_size``). ``marslm bench
+--cost-curve`` tells where it pays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .acceptance import accept_length, one_token_rows
+from .rows import RowState
+
+REST_AFTER = 2  # adaptive width: refused steps running before a row rests from masks
+MAX_PAUSE_DOUBLINGS = 4  # and it rests at most 2**4 = 16 steps between tries
+
+
+def masks_to_read(rows: RowState, mask_batch_limit: int | None) -> np.ndarray:
+    """``[rows]`` masks each row reads this step: none above the batch limit, none for a resting
+    row or a threshold row in one-token mode (a batch of only those is plain AR), else its most."""
+    if mask_batch_limit is not None and len(rows) > mask_batch_limit:
+        return np.zeros(len(rows), np.int64)
+    reads = (rows.lossless | ~one_token_rows(rows.tau, rows.metric)) & (rows.pause == 0)
+    return np.where(reads, rows.max_masks, 0)
+
+
+def threshold_accept(predicted, conf, rows: RowState, masks_read, first_mask: int, masks_per_group: int):
+    """``[AR token, first group's masks]`` and how many of them each row accepts.
+
+    ``predicted``/``conf``: ``[rows, read columns]``, column 0 the AR output at the last pending
+    token, ``first_mask`` the column of the first mask's output.
+    """
+    if masks_per_group == 0:  # the AR token alone, always accepted
+        return predicted[:, :1].copy(), np.ones(len(rows), np.int64)
+    columns = np.concatenate([[0], np.arange(first_mask, first_mask + masks_per_group)])
+    return predicted[:, columns], accept_length(conf[:, columns], rows.tau, rows.metric, masks_read + 1)
+
+
+def verify_drafts(ar_tokens, draft, draft_valid):
+    """Greedy verification: how many leading drafts equal the AR output before them, and the AR
+    token after the last one kept. ``ar_tokens``: ``[rows, K + 1]``; ``draft``: ``[rows, K]``."""
+    matches = (ar_tokens[:, : draft.shape[1]] == draft) & draft_valid
+    verified = np.cumprod(matches, axis=1).sum(axis=1)
+    return verified, ar_tokens[np.arange(len(draft)), verified]
+
+
+def lossless_candidates(draft, verified, correction, width: int):
+    """The kept drafts, then the token after them, in ``width`` columns."""
+    return np.where(np.arange(width) == verified[:, None], correction[:, None], pad_cols(draft, width))
+
+
+def cut_at_stop(candidates, accept, stop_ids):
+    """Accept lengths that end at the first stop token accepted, and which rows stopped."""
+    is_stop = (candidates[:, :, None] == stop_ids).any(axis=2) & (np.arange(candidates.shape[1]) < accept[:, None])
+    stopped = is_stop.any(axis=1)
+    return np.where(stopped, is_stop.argmax(axis=1) + 1, accept), stopped
+
+
+def back_off(misses, pause, tried, used):
+    """Adaptive width: count each row's steps running whose masks (lossless: drafts) were all
+    refused; from ``REST_AFTER`` of them on, the row rests, twice as long after each miss.
+
+    ``tried``: masks (drafts) each row had this step; ``used``: how many of them it accepted.
+    Returns the new ``(misses, pause)``.
+    """
+    missed = (tried > 0) & (used == 0)
+    misses = np.where(tried > 0, np.where(missed, misses + 1, 0), misses)
+    backoff = 2 ** np.minimum(np.maximum(misses - REST_AFTER, 0), MAX_PAUSE_DOUBLINGS)
+    return misses, np.where(missed & (misses >= REST_AFTER), backoff, np.maximum(pause - 1, 0))
+
+
+def next_draft(rows: RowState, mask_tokens, verified, masks_read, probs, *, draft_groups: bool, draw):
+    """Lossless rows' drafts for the next step, from the masks of the group that saw exactly the
+    drafts that were accepted: ``(draft, draft_len, draft_q)``.
+
+    Without draft groups the one group saw the whole draft, so it is valid only when the whole
+    draft was accepted; otherwise the next step drafts afresh. Sampling rows draw their drafts
+    from the masks' distributions (``draw(probs, selected)``, one token per selected entry) and
+    keep those distributions (``draft_q``) for the next step's verification.
+    """
+    n, groups, per_group = mask_tokens.shape
+    if not rows.lossless.any():  # threshold rows never draft
+        if rows.draft.shape[1] or rows.draft_q.numel():
+            return np.zeros((n, 0), np.int64), np.zeros(n, np.int64), rows.draft_q.new_zeros(n, 0, 0)
+        return rows.draft, rows.draft_len, rows.draft_q
+    if draft_groups:
+        group, usable = np.minimum(verified, groups - 1), rows.lossless
+    else:
+        group, usable = np.zeros_like(verified), rows.lossless & (verified == rows.draft_len)
+    chosen = mask_tokens[np.arange(n), group]
+    draft_len = np.where(usable, masks_read, 0)
+    # only as wide as the longest usable draft: a column no row drafts would be fed as padding
+    width = int(draft_len.max())
+    draft_q = rows.draft_q.new_zeros(n, 0, 0) if rows.draft_q.numel() else rows.draft_q
+    speculative = rows.lossless & (rows.temperature > 0)
+    if probs is not None and speculative.any():
+        vocab = probs.shape[-1]
+        mask_probs = probs[:, rows.draft.shape[1] + 1 :].reshape(n, groups, per_group, vocab)
+        at = torch.from_numpy(group).to(probs.device)[:, None, None, None].expand(-1, 1, per_group, vocab)
+        q = mask_probs.gather(1, at)[:, 0]
+        # each sampling row draws exactly its own draft's tokens: its samples do not depend on the batch
+        wanted = speculative[:, None] & (np.arange(per_group) < draft_len[:, None])
+        drawn = draw(q.reshape(n * per_group, vocab), wanted.reshape(-1))
+        chosen = np.where(speculative[:, None], drawn.reshape(n, per_group), chosen)
+        draft_q = q[:, :width]
+    return chosen[:, :width], draft_len, draft_q
+
+
+def compaction_order(slot_valid, cached_len) -> np.ndarray | None:
+    """Where each row's valid cache slots are, first to last, once holes (padding slots of rows that
+    fed fewer tokens than the widest row) are more than half of the cache; else None. Keys carry
+    their rotary positions with them, so slot order does not matter to attention."""
+    widest = int(cached_len.max())  # a row's valid slots are its cached tokens
+    if slot_valid.shape[1] <= 2 * widest + 8:
+        return None
+    return np.ascontiguousarray(np.argsort(~slot_valid, axis=1, kind="stable")[:, :widest])
+
+
+def pad_cols(t: np.ndarray, width: int) -> np.ndarray:
+    """Right-pad (or keep) ``t`` to at least ``width`` columns with zeros."""
+    if t.shape[1] >= width:
+        return t
+    return np.concatenate([t, np.zeros((len(t), width - t.shape[1]), t.dtype)], axis=1)
