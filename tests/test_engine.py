@@ -13,9 +13,9 @@ import pytest
 from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
-from marslm.engine import Engine, EngineError, InvalidRequest, QueueFull, SamplingParams, TauController
 from marslm.errors import UserError
-from marslm.serve_config import ServeConfig
+from marslm.serve.config import ServeConfig
+from marslm.serve.engine import Engine, EngineError, InvalidRequest, QueueFull, SamplingParams, TauController
 from tests.trained import TRAIN_N, find_long_prompt
 
 

@@ -31,7 +31,7 @@ MIB = 2**20
 LAUNCHER = r"""
 import sys, time
 from pathlib import Path
-import marslm.server as server
+import marslm.serve.app as server
 
 release = Path(sys.argv[1])
 real_sampling, real_completion = server.parse_sampling, server.completion_prompt_ids

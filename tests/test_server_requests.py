@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from marslm import generate
-from marslm.engine import Engine
-from marslm.serve_config import ServeConfig
+from marslm.serve.config import ServeConfig
+from marslm.serve.engine import Engine
 
 pytest.importorskip("fastapi")
 
@@ -22,7 +22,7 @@ PROMPT = "Sort the list"
 
 @pytest.fixture(scope="module")
 def app(trained_checkpoints):
-    from marslm.server import create_app
+    from marslm.serve.app import create_app
 
     model, tokenizer = trained_checkpoints["mars64"]
     engine = Engine(model, tokenizer, ServeConfig(max_batch=4), model_name="toy")

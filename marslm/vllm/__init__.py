@@ -11,7 +11,9 @@ Install it into vLLM's own environment (``make vllm-env``) and serve a MARS chec
     plugin.py        the entry points vLLM loads in every process
     middleware.py    HTTP: tau/metric/mode as top-level request fields, tokens per forward in usage
     serve.py         `python -m marslm.vllm.serve`, run inside vLLM's environment
-    launch.py, bench.py   marslm's side: find that environment, start servers, load-test them
+
+marslm's own side (finding that environment and starting servers there) is
+``marslm/serve/vllm_launch.py``; the load test against vLLM is ``marslm/experiments/vllm_loadtest.py``.
 
 The plugin imports, of marslm, only modules that need no transformers (config, errors and the
 pure-torch acceptance rule), so it runs with the transformers release vLLM pins.

@@ -31,7 +31,7 @@ from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
 from marslm.errors import UserError
-from marslm.vllm.launch import vllm_python
+from marslm.serve.vllm_launch import vllm_python
 from tests.trained import TRAIN_N
 
 pytestmark = pytest.mark.slow

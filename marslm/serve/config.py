@@ -7,9 +7,9 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from .decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
-from .errors import UserError
-from .settings import flag_of, setting
+from ..decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
+from ..errors import UserError
+from ..settings import flag_of, setting
 
 POLICIES = ("fixed", "adaptive")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")

@@ -43,11 +43,11 @@ from pathlib import Path
 
 import torch
 
-from .chat import stop_token_ids
-from .decode import METRICS, DecodeBatch, DecodingParams, ParamError, TextStream, check_tau
-from .decode.costs import MaskBatchLimit, masked_step_costs
-from .errors import UserError
-from .serve_config import POLICIES, ServeConfig
+from ..chat import stop_token_ids
+from ..decode import METRICS, DecodeBatch, DecodingParams, ParamError, TextStream, check_tau
+from ..decode.costs import MaskBatchLimit, masked_step_costs
+from ..errors import UserError
+from .config import POLICIES, ServeConfig
 
 log = logging.getLogger("marslm.engine")
 
@@ -333,7 +333,7 @@ class Engine:
         self.max_batch, self.max_queue = config.max_batch, config.max_queue
         self.default_max_tokens = min(config.max_tokens, config.max_tokens_limit)
         self.max_tokens_limit = config.max_tokens_limit
-        from .modeling import checkpoint_facts
+        from ..modeling import checkpoint_facts
 
         facts = checkpoint_facts(model, tokenizer)
         self.trained_block_size = facts.block_size
@@ -372,7 +372,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, config: ServeConfig | None = None) -> Engine:
-        from .modeling import cpu_threads, load_model, resolve_device
+        from ..modeling import cpu_threads, load_model, resolve_device
 
         config = (config or ServeConfig()).validate()
         model, tokenizer, _ = load_model(path, dtype=DTYPES[config.dtype], device=resolve_device(config.device))

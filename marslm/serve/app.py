@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP front end over :class:`marslm.engine.Engine` (FastAPI + uvicorn).
+"""An OpenAI-compatible HTTP front end over :class:`marslm.serve.engine.Engine` (FastAPI + uvicorn).
 
     POST /v1/chat/completions   POST /v1/completions      (``stream: true``: server-sent events)
     GET  /v1/models             GET  /health               GET /metrics (Prometheus text format)
@@ -48,11 +48,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .chat import encode_prompt
-from .decode import TextStream
+from ..chat import encode_prompt
+from ..decode import TextStream
+from ..errors import UserError
+from .config import ServeConfig
 from .engine import Engine, EngineError, EngineStopped, Histogram, InvalidRequest, QueueFull, Result, SamplingParams
-from .errors import UserError
-from .serve_config import ServeConfig
 
 log = logging.getLogger("marslm.server")
 
