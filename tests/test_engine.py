@@ -15,7 +15,8 @@ from marslm.chat import encode_prompt
 from marslm.data import toy
 from marslm.errors import UserError
 from marslm.serve.config import ServeConfig
-from marslm.serve.engine import Engine, EngineError, InvalidRequest, QueueFull, SamplingParams, TauController
+from marslm.serve.engine import Engine, EngineError, InvalidRequest, QueueFull, SamplingParams
+from marslm.serve.tau import TauController
 from tests.trained import TRAIN_N, find_long_prompt
 
 

@@ -52,7 +52,8 @@ from ..chat import encode_prompt
 from ..decode import TextStream
 from ..errors import UserError
 from .config import ServeConfig
-from .engine import Engine, EngineError, EngineStopped, Histogram, InvalidRequest, QueueFull, Result, SamplingParams
+from .engine import Engine, EngineError, EngineStopped, InvalidRequest, QueueFull, Result, SamplingParams
+from .metrics import render_metrics
 
 log = logging.getLogger("marslm.server")
 
@@ -291,92 +292,6 @@ def max_token_chars(tokenizer) -> int:
     """The most text characters one token can stand for: a byte-level token's string has one
     character per byte, a SentencePiece piece one per character (a byte-fallback piece more)."""
     return max(map(len, tokenizer.get_vocab()), default=1)
-
-
-# ------------------------------------------------------------------------------ Prometheus text
-def render_metrics(snap: dict, model_name: str) -> str:
-    lines: list[str] = []
-
-    def metric(name, kind, help_text, samples):
-        lines.append(f"# HELP marslm_{name} {help_text}")
-        lines.append(f"# TYPE marslm_{name} {kind}")
-        for labels, value in samples:
-            label_text = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-            lines.append(f"marslm_{name}{label_text} {_num(value)}")
-
-    tau = snap["tau"]
-    metric(
-        "requests_total",
-        "counter",
-        "Requests by outcome (rejected: queue full).",
-        [({"status": k}, v) for k, v in snap["requests"].items()],
-    )
-    metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [({}, snap["prompt_tokens"])])
-    metric(
-        "generation_tokens_total",
-        "counter",
-        "Tokens generated (stop tokens excluded).",
-        [({}, snap["generation_tokens"])],
-    )
-    metric(
-        "forwards_total",
-        "counter",
-        "Model forwards (one per engine step, for the whole batch).",
-        [({}, snap["forwards"])],
-    )
-    metric("row_forwards_total", "counter", "Forwards summed over finished requests.", [({}, snap["row_forwards"])])
-    metric(
-        "tokens_per_forward",
-        "gauge",
-        "Tokens accepted per forward, over finished requests.",
-        [({}, snap["tokens_per_forward"])],
-    )
-    metric("queue_depth", "gauge", "Requests waiting for a batch row.", [({}, snap["queue_depth"])])
-    metric("active_batch", "gauge", "Requests in the running batch.", [({}, snap["active_batch"])])
-    metric("max_batch", "gauge", "Rows the batch may hold.", [({}, snap["max_batch"])])
-    metric("default_tau", "gauge", "Default tau, for requests that name none.", [({}, tau["tau"])])
-    metric("tau_ceiling", "gauge", "Default tau at low load (adaptive) or always (fixed).", [({}, tau["ceiling"])])
-    metric("tau_floor", "gauge", "Lowest default tau the adaptive policy may set.", [({}, tau["floor"])])
-    metric(
-        "tau_policy",
-        "gauge",
-        "Active default-tau policy (1 = active).",
-        [({"policy": p}, int(p == tau["policy"])) for p in ("fixed", "adaptive")],
-    )
-    metric(
-        "tau_changes_total",
-        "counter",
-        "Changes of the default tau, by direction.",
-        [({"direction": d}, n) for d, n in tau["changes"].items()],
-    )
-    metric("model_info", "gauge", "The served model.", [({"model": model_name}, 1)])
-    for name, hist in snap["histograms"].items():
-        _histogram(lines, name, hist)
-    return "\n".join(lines) + "\n"
-
-
-_HISTOGRAM_HELP = {
-    "request_latency_seconds": "Arrival to last token, per finished request.",
-    "time_to_first_token_seconds": "Arrival to first token, per finished request.",
-    "queue_wait_seconds": "Arrival to admission into the batch.",
-    "step_latency_seconds": "Wall time of one engine step (one forward).",
-}
-
-
-def _histogram(lines: list[str], name: str, hist: Histogram) -> None:
-    lines.append(f"# HELP marslm_{name} {_HISTOGRAM_HELP.get(name, name)}")
-    lines.append(f"# TYPE marslm_{name} histogram")
-    cumulative = 0
-    for bound, count in zip(hist.buckets, hist.counts):
-        cumulative += count
-        lines.append(f'marslm_{name}_bucket{{le="{bound}"}} {cumulative}')
-    lines.append(f'marslm_{name}_bucket{{le="+Inf"}} {hist.count}')
-    lines.append(f"marslm_{name}_sum {_num(hist.sum)}")
-    lines.append(f"marslm_{name}_count {hist.count}")
-
-
-def _num(value) -> str:
-    return str(value) if isinstance(value, int) else repr(round(float(value), 6))
 
 
 # ------------------------------------------------------------------------------------ the app
