@@ -3,7 +3,8 @@
 A settings dataclass (``TrainConfig``, ``ServeConfig``) gives each field a :func:`setting`; the
 CLI builds its options from the fields with :func:`add_options` and the object back from the
 parsed arguments with :func:`from_args`, so a default or a help text is never written twice, and
-the object's own ``validate()`` is the only check.
+the object's own check (``TrainConfig.validate()``, ``ServeConfig``'s constructor) is the only
+one.
 """
 
 from __future__ import annotations

@@ -267,10 +267,10 @@ def test_tau_controller_honours_exact_bounds_and_refuses_non_finite():
 
 def test_the_mask_batch_limit_reaches_the_batch(mars64):
     model, tokenizer = mars64
-    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit=8).validate())  # not started
+    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit=8))  # not started
     assert engine._batch.mask_batch_limit == 8
     with pytest.raises(UserError, match="--mask-batch-limit"):
-        ServeConfig(mask_batch_limit=0).validate()
+        ServeConfig(mask_batch_limit=0)
 
 
 def test_cpu_threads_leave_a_core_for_the_front_end(monkeypatch):
@@ -283,12 +283,12 @@ def test_cpu_threads_leave_a_core_for_the_front_end(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert cpu_threads() == 1
     with pytest.raises(UserError, match="--threads"):
-        ServeConfig(threads=0).validate()
+        ServeConfig(threads=0)
 
 
 def test_an_auto_mask_batch_limit_is_measured_at_start(mars64):
     model, tokenizer = mars64
-    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit="auto", max_batch=6).validate())
+    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit="auto", max_batch=6))
     engine.start(warmup=False)
     try:
         assert sorted(engine.mask_limit.step_cost) == [1, 2, 4, 6]
@@ -297,4 +297,4 @@ def test_an_auto_mask_batch_limit_is_measured_at_start(mars64):
     finally:
         engine.stop()
     with pytest.raises(UserError, match="auto"):
-        ServeConfig(mask_batch_limit="sometimes").validate()
+        ServeConfig(mask_batch_limit="sometimes")

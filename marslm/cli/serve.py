@@ -38,7 +38,7 @@ def run(args) -> int:
     from ..serve.config import ServeConfig
     from ..settings import from_args
 
-    config = from_args(ServeConfig, args).validate()
+    config = from_args(ServeConfig, args)
     check_model_source(args.model)
     if config.engine == "vllm":
         return _serve_vllm(args.model, config, args.vllm_args)

@@ -335,7 +335,7 @@ COMPLETION = _Endpoint(
 def create_app(engine: Engine, config: ServeConfig | None = None):
     """The ASGI app: FastAPI inside :class:`_Guard`. Its lifespan starts the engine (if not yet
     running) and stops it."""
-    config = limits = (config or engine.config).validate()
+    config = limits = config or engine.config
     api_key = config.api_key
     model_name = config.served_model_name or engine.model_name
     tokenizer = engine.tokenizer
@@ -705,7 +705,7 @@ def serve(model: str, config: ServeConfig | None = None) -> None:
     """
     import uvicorn
 
-    config = (config or ServeConfig()).validate()
+    config = config or ServeConfig()
     shutdown_timeout = config.shutdown_timeout
     logging.getLogger("marslm").setLevel(config.log_level.upper())  # disconnects and timeouts are info lines
     sock = _bind(config.host, config.port)  # before the slow model load: a taken port fails at once

@@ -1,5 +1,6 @@
-"""Every ``marslm serve`` knob in one validated object: the CLI's options, the engine's and the
-HTTP server's settings are its fields (settings.py), so each default is written once."""
+"""Every ``marslm serve`` knob in one object, checked once as it is made: the CLI's options, the
+engine's and the HTTP server's settings are its fields (settings.py), so each default is written
+once, and whatever holds a ``ServeConfig`` holds a valid one (it is frozen)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeConfig:
     host: str = setting("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
     port: int = setting(8000, "port (0 picks a free one)")
@@ -87,7 +88,7 @@ class ServeConfig:
     keep_alive_timeout: float = setting(5.0, "seconds an idle keep-alive connection stays open")
     max_connections: int = setting(1024, "open connections; one more is answered 503 and closed")
 
-    def validate(self) -> ServeConfig:
+    def __post_init__(self) -> None:
         def flag(name):
             return flag_of(ServeConfig, name)
 
@@ -130,4 +131,3 @@ class ServeConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        return self

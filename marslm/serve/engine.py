@@ -183,7 +183,7 @@ class Engine:
         model_name: str = "marslm",
         idle_tick_s: float = 0.05,
     ):
-        config = (config or ServeConfig()).validate()
+        config = config or ServeConfig()
         self.config = config
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.max_batch, self.max_queue = config.max_batch, config.max_queue
@@ -230,7 +230,7 @@ class Engine:
     def from_pretrained(cls, path: str, config: ServeConfig | None = None) -> Engine:
         from ..modeling import cpu_threads, load_model, resolve_device
 
-        config = (config or ServeConfig()).validate()
+        config = config or ServeConfig()
         model, tokenizer, _ = load_model(path, dtype=DTYPES[config.dtype], device=resolve_device(config.device))
         if model.device.type == "cpu":
             torch.set_num_threads(cpu_threads(config.threads))
