@@ -43,7 +43,7 @@ def run(args) -> int:
     if config.engine == "vllm":
         return _serve_vllm(args.model, config, args.vllm_args)
     no_extra_args(args)
-    from ..serve.app import serve
+    from ..serve.http import serve
 
     serve(args.model, config)
     return 0
