@@ -13,9 +13,10 @@ import pytest
 from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
+from marslm.decode import ParamError
 from marslm.errors import UserError
 from marslm.serve.config import ServeConfig
-from marslm.serve.engine import Engine, EngineError, InvalidRequest, QueueFull, SamplingParams
+from marslm.serve.engine import Engine, EngineError, QueueFull, SamplingParams
 from marslm.serve.tau import TauController
 from tests.trained import TRAIN_N, find_long_prompt
 
@@ -208,13 +209,13 @@ def test_validation(mars64):
         (SamplingParams(temperature=-1.0), "temperature"),
     ]
     for params, field in bad:
-        with pytest.raises(InvalidRequest) as err:
+        with pytest.raises(ParamError) as err:
             engine.validate(ids, params)
         assert err.value.param == field, params
-    with pytest.raises(InvalidRequest) as err:
+    with pytest.raises(ParamError) as err:
         engine.validate([5] * 1000, SamplingParams(max_tokens=100))
     assert err.value.code == "context_length_exceeded"
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ParamError):
         engine.validate([], SamplingParams())
     # defaults: the trained block size, the default tau, max_tokens capped by what the context has left
     row = engine.validate([5] * 1000, SamplingParams())

@@ -77,3 +77,25 @@ def test_completion_fields_it_cannot_honour_are_refused(app, fields, param):
     response = post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **fields})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path, prompt_field", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_a_prompt_too_long_in_tokens_is_named_as_its_endpoint_took_it(app, path, prompt_field):
+    text = "word " * 1100  # more tokens than the context holds, though few enough characters
+    prompt = {"prompt": text} if prompt_field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    response = post(app, path, {**prompt, "max_tokens": 8})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "tokens" in error["message"] and "characters" not in error["message"]  # the engine's check
+    assert (error["param"], error["code"]) == (prompt_field, "context_length_exceeded")
+
+
+def test_an_admin_field_of_the_wrong_type_is_named(app):
+    response = post(app, "/admin/policy", {"policy": 5})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] | {"message": None} == {
+        "message": None,
+        "type": "invalid_request_error",
+        "param": "policy",
+        "code": "invalid_type",
+    }

@@ -43,10 +43,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..decode import TextStream
+from ..decode import ParamError, TextStream
 from ..errors import UserError
 from .config import ServeConfig
-from .engine import Engine, EngineError, EngineStopped, InvalidRequest, QueueFull, Result, SamplingParams
+from .engine import Engine, EngineError, EngineStopped, QueueFull, Result
 from .metrics import render_metrics
 from .openai import (
     CHAT,
@@ -123,13 +123,10 @@ def _add_routes(app: FastAPI, service: _Service, auth: list) -> None:
     async def admin_policy(request: Request):
         body = await service.json_body(request)
         slo = read_field(body, "slo_ms", "number") if "slo_ms" in body else "keep"  # null switches the SLO off
+        policy, tau = read_field(body, "policy", "str"), read_field(body, "tau", "number")
+        floor = read_field(body, "tau_floor", "number")
         try:
-            return engine.set_policy(
-                read_field(body, "policy", "str"),
-                tau=read_field(body, "tau", "number"),
-                floor=read_field(body, "tau_floor", "number"),
-                slo_ms=slo,
-            )
+            return engine.set_policy(policy, tau=tau, floor=floor, slo_ms=slo)
         except UserError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -194,7 +191,7 @@ class _Service:
         echo = not api.chat and read_field(body, "echo", "bool", False)
         prompt_ids = await self.off_loop(api.prompt_ids, self.tokenizer, body, self.max_chars, self.engine.max_context)
         echoed = await self.off_loop(completion_echo, self.tokenizer, body) if echo else ""
-        stream = self.submit(prompt_ids, params, api.prompt_param)
+        stream = self.engine.submit(prompt_ids, params)
         rid, now = api.id_prefix + secrets.token_hex(12), int(time.time())
         chunk = partial(api.chunk, rid, now, self.model_name)
         if stream_mode:
@@ -205,19 +202,6 @@ class _Service:
             )
         result, text = await self.collect(request, stream)
         return api.response(rid, now, self.model_name, echoed + text, result)
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str):
-        try:
-            return self.engine.submit(prompt_ids, params)
-        except InvalidRequest as exc:
-            param = prompt_param if exc.param in ("prompt", "messages") else exc.param
-            raise APIError(400, str(exc), param=param, code=exc.code) from None
-        except QueueFull as exc:
-            raise APIError(
-                429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(exc.retry_after)}
-            ) from None
-        except EngineStopped as exc:
-            raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
 
     async def collect(self, request: Request, stream) -> tuple[Result, str]:
         """Wait for the whole answer; a client that hangs up meanwhile cancels its request."""
@@ -234,8 +218,6 @@ class _Service:
             if task not in done:
                 raise ClientGone("before its answer was ready; its row is freed")
             result = task.result()
-        except EngineError as exc:
-            raise APIError(500, str(exc), type="server_error") from None
         finally:
             watch.cancel()
             if not task.done():  # the client hung up, or shutdown cancelled us: free the row
@@ -343,31 +325,61 @@ def _too_large(limit: int) -> APIError:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    """Each error type answered once, as an OpenAI error object with its status."""
+
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
-        return JSONResponse(
-            error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status, headers=exc.headers
-        )
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(ParamError)
+    async def _refused(request, exc: ParamError):
+        # The engine calls a prompt it refuses "prompt"; a chat request sent it as "messages".
+        param = exc.param
+        if param == "prompt" and request.url.path == CHAT.path:
+            param = CHAT.prompt_param
+        return _error(400, str(exc), param=param, code=exc.code)
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(_request, exc: QueueFull):
+        headers = {"Retry-After": str(exc.retry_after)}
+        return _error(429, str(exc), "rate_limit_error", code="queue_full", headers=headers)
+
+    @app.exception_handler(EngineStopped)
+    async def _stopped(_request, exc: EngineStopped):
+        return _error(503, str(exc), "server_error", code="shutting_down")
+
+    @app.exception_handler(EngineError)
+    async def _failed(_request, exc: EngineError):
+        return _error(500, str(exc), "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=getattr(exc, "headers", None)
-        )
+        return _error(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc):
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+        return _error(400, str(exc))
 
     @app.exception_handler(Exception)
     async def _internal_error(_request, exc):  # starlette re-raises it afterwards: _Guard logs it
-        return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+        return _error(500, "internal server error", "server_error")
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request, exc):  # nobody reads this answer
         log.info("%s went away %s", _client(request), exc)
         return Response(status_code=499)
+
+
+def _error(
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
 def _client(request) -> str:

@@ -66,14 +66,6 @@ DEFAULT_TAU_METRICS = ("prob", "margin")
 
 
 # ---------------------------------------------------------------------------------------- requests
-class InvalidRequest(UserError):
-    """A request the engine refuses; ``param`` names the offending field (OpenAI error object)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
 class QueueFull(Exception):
     """The waiting queue is at ``max_queue``: the caller should retry after ``retry_after`` seconds."""
 
@@ -285,64 +277,61 @@ class Engine:
 
     # ------------------------------------------------------------------------ submitting
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> DecodingParams:
-        """Resolve defaults and check a request against the model; raises :class:`InvalidRequest`."""
+        """Resolve defaults and check a request against the model; raises ``ParamError`` naming the field."""
         if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", "prompt", "empty_prompt")
+            raise ParamError("the prompt is empty", "prompt", "empty_prompt")
         if (
             params.tau is None
             and params.metric in METRICS
             and params.metric not in DEFAULT_TAU_METRICS
             and params.mode == "threshold"
         ):
-            raise InvalidRequest(
+            raise ParamError(
                 f"the server's default tau is a probability; a request with metric "
                 f"{params.metric!r} must set its own tau",
                 "tau",
             )
         room = None if self.max_context is None else self.max_context - len(prompt_ids)
         if room is not None and room < 1:
-            raise InvalidRequest(
+            raise ParamError(
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}",
-                "messages",
+                "prompt",
                 "context_length_exceeded",
             )
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
         if not 1 <= max_tokens <= self.max_tokens_limit:
-            raise InvalidRequest(
+            raise ParamError(
                 f"max_tokens must be in 1..{self.max_tokens_limit}, got {max_tokens}",
                 "max_tokens",
                 "max_tokens_exceeded" if max_tokens > 1 else "invalid_value",
             )
         if room is not None and max_tokens > room:
-            raise InvalidRequest(
+            raise ParamError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
                 f"the model's context of {self.max_context} tokens",
                 "max_tokens",
                 "context_length_exceeded",
             )
         tau = params.tau if params.tau is not None else self.controller.tau
-        try:
-            return DecodingParams(
-                tau=tau,
-                metric=params.metric,
-                block_size=params.block_size,
-                max_new_tokens=max_tokens,
-                mode=params.mode,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                seed=params.seed,
-                stop=params.stop,
-            ).verify(self.trained_block_size)
-        except ParamError as exc:
-            raise InvalidRequest(str(exc), exc.param, exc.code) from None
+        return DecodingParams(
+            tau=tau,
+            metric=params.metric,
+            block_size=params.block_size,
+            max_new_tokens=max_tokens,
+            mode=params.mode,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop=params.stop,
+        ).verify(self.trained_block_size)
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None
     ) -> RequestStream:
-        """Queue a request; call from the event loop (or pass ``loop``). Raises InvalidRequest,
+        """Queue a request; call from the event loop (or pass ``loop``). Raises ParamError,
         QueueFull or EngineStopped; never blocks."""
         settings = self.validate(prompt_ids, params)
         loop = loop or asyncio.get_running_loop()

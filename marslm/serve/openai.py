@@ -1,6 +1,11 @@
 """The OpenAI API's objects: request fields read and checked, prompts turned into token ids,
 responses and stream chunks built, and the error object every refusal is answered with.
 
+A refused request field is a ``ParamError`` (``marslm.decode.params``), wherever it is found:
+here, in the engine's checks or in ``DecodingParams.verify``; the app answers it with a 400 in
+one place. :class:`APIError` is for the rest, which has a status of its own (a body that is not
+JSON, a missing API key, an unknown model, a shutdown).
+
 Nothing here touches HTTP or the engine's thread: each function takes a parsed body (or a
 result) and returns plain values, so the routes (app.py) only move them between the two.
 """
@@ -12,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..chat import encode_prompt
+from ..decode import ParamError
 from ..errors import UserError
 from .engine import Result, SamplingParams
 
@@ -19,7 +25,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class APIError(Exception):
-    """Answered as an OpenAI error object; the server carries on."""
+    """An HTTP answer other than a refused field, as an OpenAI error object; the server carries on."""
 
     def __init__(
         self,
@@ -48,7 +54,7 @@ def read_field(body: dict, name: str, kind: str, default=None, *, required: bool
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         if required:
-            raise APIError(400, f"missing required parameter '{name}'", param=name, code="missing_required_parameter")
+            raise ParamError(f"missing required parameter '{name}'", param=name, code="missing_required_parameter")
         return default
     ok = {
         "int": isinstance(value, int) and not isinstance(value, bool),
@@ -67,7 +73,7 @@ def read_field(body: dict, name: str, kind: str, default=None, *, required: bool
             "list": "an array",
             "dict": "an object",
         }[kind]
-        raise APIError(400, f"'{name}' must be {kind_name}, got {describe(value)}", param=name, code="invalid_type")
+        raise ParamError(f"'{name}' must be {kind_name}, got {describe(value)}", param=name, code="invalid_type")
     return float(value) if kind == "number" else value
 
 
@@ -84,20 +90,20 @@ def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
     if max_tokens is None:
         max_tokens = read_field(body, "max_tokens", "int")
     if read_field(body, "n", "int", 1) != 1:
-        raise APIError(400, "only n=1 is supported: send one request per choice", param="n")
+        raise ParamError("only n=1 is supported: send one request per choice", param="n")
     if read_field(body, "best_of", "int", 1) != 1:
-        raise APIError(400, "best_of is not supported", param="best_of")
+        raise ParamError("best_of is not supported", param="best_of")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
-        raise APIError(400, "'stop' must be a string or an array of strings", param="stop", code="invalid_type")
+        raise ParamError("'stop' must be a string or an array of strings", param="stop", code="invalid_type")
     if body.get("logprobs") not in (None, False, 0):
-        raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        raise ParamError("logprobs are not supported", param="logprobs", code="unsupported_parameter")
     stream = read_field(body, "stream", "bool", False)
     options = read_field(body, "stream_options", "dict", {})
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise APIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
+        raise ParamError("'stream_options.include_usage' must be a boolean", param="stream_options")
     params = SamplingParams(
         max_tokens=max_tokens,
         tau=read_field(body, "tau", "number"),
@@ -121,9 +127,7 @@ def _content_text(content, where: str) -> str:
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
     ):
         return "".join(p["text"] for p in content)
-    raise APIError(
-        400, f"{where}.content must be a string or a list of text parts", param="messages", code="invalid_type"
-    )
+    raise ParamError(f"{where}.content must be a string or a list of text parts", param="messages", code="invalid_type")
 
 
 def parse_json(raw: bytes) -> dict:
@@ -144,10 +148,9 @@ def parse_json(raw: bytes) -> dict:
 
 
 def _check_length(chars: int, max_chars: int | None, context: int | None, param: str) -> None:
-    """Refuse, before tokenizing, text that cannot fit the context (``max_chars``: see create_app)."""
+    """Refuse, before tokenizing, text that cannot fit the context (``max_chars``: see app.py's _Service)."""
     if max_chars is not None and chars > max_chars:
-        raise APIError(
-            400,
+        raise ParamError(
             f"the prompt has {chars} characters, too many for the model's context of {context} tokens",
             param=param,
             code="context_length_exceeded",
@@ -157,22 +160,18 @@ def _check_length(chars: int, max_chars: int | None, context: int | None, param:
 def chat_prompt_ids(tokenizer, body: dict, max_chars: int | None = None, context: int | None = None) -> list[int]:
     messages = read_field(body, "messages", "list", required=True)
     if not messages:
-        raise APIError(400, "'messages' is empty", param="messages", code="empty_prompt")
+        raise ParamError("'messages' is empty", param="messages", code="empty_prompt")
     clean = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise APIError(400, f"{where} must be an object", param="messages", code="invalid_type")
+            raise ParamError(f"{where} must be an object", param="messages", code="invalid_type")
         role = message.get("role")
         if role not in ROLES:
-            raise APIError(
-                400, f"{where}.role must be one of {', '.join(ROLES)}, got {describe(role)}", param="messages"
-            )
+            raise ParamError(f"{where}.role must be one of {', '.join(ROLES)}, got {describe(role)}", param="messages")
         clean.append({"role": role, "content": _content_text(message.get("content"), where)})
     if not any(m["content"] for m in clean):
-        raise APIError(
-            400, "the prompt is empty: every message has empty content", param="messages", code="empty_prompt"
-        )
+        raise ParamError("the prompt is empty: every message has empty content", param="messages", code="empty_prompt")
     _check_length(sum(len(m["content"]) for m in clean), max_chars, context, "messages")
     return _encode(tokenizer, clean, True, "messages")
 
@@ -194,24 +193,24 @@ def completion_echo(tokenizer, body: dict) -> str:
 def _completion_prompt(tokenizer, body: dict) -> str | list[int]:
     """The one prompt of a completions request: a string or token ids."""
     if body.get("suffix") is not None:  # insertion (text to complete up to) is not offered, as in vLLM
-        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        raise ParamError("suffix is not supported", param="suffix", code="unsupported_parameter")
     prompt = body.get("prompt")
     if prompt is None:
-        raise APIError(400, "missing required parameter 'prompt'", param="prompt", code="missing_required_parameter")
+        raise ParamError("missing required parameter 'prompt'", param="prompt", code="missing_required_parameter")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise APIError(400, "one prompt per request (send several requests; they are batched)", param="prompt")
+            raise ParamError("one prompt per request (send several requests; they are batched)", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, list):
         vocab = len(tokenizer)
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            raise APIError(
-                400, f"a token-id prompt must hold integers in 0..{vocab - 1}", param="prompt", code="invalid_type"
+            raise ParamError(
+                f"a token-id prompt must hold integers in 0..{vocab - 1}", param="prompt", code="invalid_type"
             )
     elif not isinstance(prompt, str):
-        raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
+        raise ParamError("'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
     if not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
+        raise ParamError("the prompt is empty", param="prompt", code="empty_prompt")
     return prompt
 
 
@@ -219,9 +218,9 @@ def _encode(tokenizer, prompt, apply_chat_template: bool, param: str) -> list[in
     try:
         return encode_prompt(tokenizer, prompt, apply_chat_template)
     except UserError as exc:
-        raise APIError(400, str(exc), param=param) from None
+        raise ParamError(str(exc), param=param) from None
     except Exception as exc:  # a chat template that rejects these messages (jinja raise_exception)
-        raise APIError(400, f"cannot format the prompt: {exc}", param=param) from None
+        raise ParamError(f"cannot format the prompt: {exc}", param=param) from None
 
 
 # ---------------------------------------------------------------------------- response objects
