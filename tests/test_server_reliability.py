@@ -37,9 +37,9 @@ import marslm.serve.app as app
 import marslm.serve.openai as openai_objects
 
 release = Path(sys.argv[1])
-real_parse, real_encode = app.parse_sampling, openai_objects.encode_prompt
+real_parse, real_encode = app.parse_options, openai_objects.encode_prompt
 
-def parse_sampling(body, chat):
+def parse_options(body, chat):
     if body.get("user") == "raise-500":
         raise RuntimeError("a bug, raised on purpose by the test launcher")
     return real_parse(body, chat)
@@ -50,7 +50,7 @@ def encode_prompt(tokenizer, prompt, *args):
             time.sleep(0.02)
     return real_encode(tokenizer, prompt, *args)
 
-app.parse_sampling, openai_objects.encode_prompt = parse_sampling, encode_prompt
+app.parse_options, openai_objects.encode_prompt = parse_options, encode_prompt
 from marslm.cli import main
 sys.exit(main(sys.argv[2:]))
 """

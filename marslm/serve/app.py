@@ -59,7 +59,7 @@ from .openai import (
     error_body,
     max_token_chars,
     parse_json,
-    parse_sampling,
+    parse_options,
     read_field,
     usage,
 )
@@ -187,18 +187,18 @@ class _Service:
         """Both completion endpoints: parse, submit, then stream chunks or answer once."""
         body = await self.json_body(request)
         self.check_model(body)
-        params, stream_mode, include_usage = parse_sampling(body, chat=api.chat)
+        options, stream_mode, include_usage = parse_options(body, chat=api.chat)
         echo = not api.chat and read_field(body, "echo", "bool", False)
         prompt_ids = await self.off_loop(api.prompt_ids, self.tokenizer, body, self.max_chars, self.engine.max_context)
         echoed = await self.off_loop(completion_echo, self.tokenizer, body) if echo else ""
-        stream = self.engine.submit(prompt_ids, params)
+        stream = self.engine.submit(prompt_ids, options)
         rid, now = api.id_prefix + secrets.token_hex(12), int(time.time())
         chunk = partial(api.chunk, rid, now, self.model_name)
         if stream_mode:
             # OpenAI's first chat chunk names the role; an echoed prompt comes before the completion
             opening = chunk("", None, role="assistant") if api.chat else chunk(echoed, None) if echoed else None
             return StreamingResponse(
-                self.events(stream, chunk, include_usage, params.stop, opening), media_type="text/event-stream"
+                self.events(stream, chunk, include_usage, options.stop, opening), media_type="text/event-stream"
             )
         result, text = await self.collect(request, stream)
         return api.response(rid, now, self.model_name, echoed + text, result)

@@ -83,9 +83,10 @@ class EngineError(Exception):
 
 
 @dataclass
-class SamplingParams:
-    """What a request asks for; ``None`` means the server's default. Checked by
-    :meth:`Engine.validate`, which turns it into the :class:`DecodingParams` a row runs with."""
+class RequestOptions:
+    """What a request asks for, as the API's fields name it; ``None`` means the server's default.
+    :meth:`Engine.validate` resolves the defaults and turns it into the ``DecodingParams`` a row
+    runs with."""
 
     max_tokens: int | None = None
     tau: float | None = None  # None: follow the server's (possibly adaptive) default tau
@@ -276,19 +277,19 @@ class Engine:
             self._thread.join(10.0)
 
     # ------------------------------------------------------------------------ submitting
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> DecodingParams:
+    def validate(self, prompt_ids: list[int], options: RequestOptions) -> DecodingParams:
         """Resolve defaults and check a request against the model; raises ``ParamError`` naming the field."""
         if not prompt_ids:
             raise ParamError("the prompt is empty", "prompt", "empty_prompt")
         if (
-            params.tau is None
-            and params.metric in METRICS
-            and params.metric not in DEFAULT_TAU_METRICS
-            and params.mode == "threshold"
+            options.tau is None
+            and options.metric in METRICS
+            and options.metric not in DEFAULT_TAU_METRICS
+            and options.mode == "threshold"
         ):
             raise ParamError(
                 f"the server's default tau is a probability; a request with metric "
-                f"{params.metric!r} must set its own tau",
+                f"{options.metric!r} must set its own tau",
                 "tau",
             )
         room = None if self.max_context is None else self.max_context - len(prompt_ids)
@@ -298,7 +299,7 @@ class Engine:
                 "prompt",
                 "context_length_exceeded",
             )
-        max_tokens = params.max_tokens
+        max_tokens = options.max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
         if not 1 <= max_tokens <= self.max_tokens_limit:
@@ -314,30 +315,30 @@ class Engine:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        tau = params.tau if params.tau is not None else self.controller.tau
+        tau = options.tau if options.tau is not None else self.controller.tau
         return DecodingParams(
             tau=tau,
-            metric=params.metric,
-            block_size=params.block_size,
+            metric=options.metric,
+            block_size=options.block_size,
             max_new_tokens=max_tokens,
-            mode=params.mode,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
-            stop=params.stop,
+            mode=options.mode,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            top_k=options.top_k,
+            seed=options.seed,
+            stop=options.stop,
         ).verify(self.trained_block_size)
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None
+        self, prompt_ids: list[int], options: RequestOptions, loop: asyncio.AbstractEventLoop | None = None
     ) -> RequestStream:
         """Queue a request; call from the event loop (or pass ``loop``). Raises ParamError,
         QueueFull or EngineStopped; never blocks."""
-        settings = self.validate(prompt_ids, params)
+        settings = self.validate(prompt_ids, options)
         loop = loop or asyncio.get_running_loop()
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, len(prompt_ids), loop)
-        follows = params.tau is None and params.mode == "threshold"
+        follows = options.tau is None and options.mode == "threshold"
         text = TextStream(self.tokenizer, settings.stop) if settings.stop else None
         request = _Request(request_id, list(prompt_ids), settings, follows, text, stream, time.perf_counter())
         with self._lock:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..chat import encode_prompt
 from ..decode import ParamError
 from ..errors import UserError
-from .engine import Result, SamplingParams
+from .engine import RequestOptions, Result
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -84,8 +84,8 @@ def describe(value) -> str:
     return json.dumps(value)[:80]
 
 
-def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
-    """``(params, stream, include_usage)`` from a request body; range checks are the engine's."""
+def parse_options(body: dict, chat: bool) -> tuple[RequestOptions, bool, bool]:
+    """``(options, stream, include_usage)`` from a request body; range checks are the engine's."""
     max_tokens = read_field(body, "max_completion_tokens", "int") if chat else None
     if max_tokens is None:
         max_tokens = read_field(body, "max_tokens", "int")
@@ -100,11 +100,10 @@ def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
     if body.get("logprobs") not in (None, False, 0):
         raise ParamError("logprobs are not supported", param="logprobs", code="unsupported_parameter")
     stream = read_field(body, "stream", "bool", False)
-    options = read_field(body, "stream_options", "dict", {})
-    include_usage = options.get("include_usage", False)
+    include_usage = read_field(body, "stream_options", "dict", {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ParamError("'stream_options.include_usage' must be a boolean", param="stream_options")
-    params = SamplingParams(
+    options = RequestOptions(
         max_tokens=max_tokens,
         tau=read_field(body, "tau", "number"),
         metric=read_field(body, "metric", "str", "prob"),
@@ -116,7 +115,7 @@ def parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
         seed=read_field(body, "seed", "int"),
         stop=tuple(s for s in stop if s),
     )
-    return params, stream, include_usage
+    return options, stream, include_usage
 
 
 def _content_text(content, where: str) -> str:

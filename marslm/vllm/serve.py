@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from .engine_args import SPECULATIVE, cpu_kv_cache_default, engine_kwargs, server_args, serving_config
+from .engine_args import SPECULATIVE, cpu_kv_cache_default, engine_kwargs, plugin_config, server_args
 
 KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 
@@ -55,7 +55,7 @@ def build_argv(argv: list[str]) -> list[str]:
     kwargs = engine_kwargs(
         args.model,
         speculative=args.speculative,
-        serving=serving_config(args.model, tau=args.tau),
+        plugin=plugin_config(args.model, tau=args.tau),
         cpu=current_platform.is_cpu(),
     )
     out = [
