@@ -50,6 +50,7 @@ def run(args) -> int:
 
 
 def _serve_vllm(model: str, config, vllm_args: list[str]) -> int:
+    from ..serve.config import served_names
     from ..serve.vllm_launch import exec_server, serve_command
 
     if config.tau_policy != "fixed":
@@ -67,7 +68,7 @@ def _serve_vllm(model: str, config, vllm_args: list[str]) -> int:
             port=config.port,
             tau=config.tau,
             api_key=config.api_key,
-            served_model_name=config.served_model_name,
+            served_model_names=served_names(model, config.served_model_name),
             max_batch=config.max_batch,
             log_level=config.log_level,
             vllm_args=vllm_args,

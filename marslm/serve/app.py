@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decode import ParamError, TextStream
 from ..errors import UserError
-from .config import ServeConfig
+from .config import ServeConfig, served_names
 from .engine import Engine, EngineError, EngineStopped, QueueFull, Result
 from .metrics import render_metrics
 from .openai import (
@@ -69,10 +69,11 @@ log = logging.getLogger("marslm.server")
 PARSE_WORKERS = 4  # threads that parse and tokenize requests
 
 
-def create_app(engine: Engine, config: ServeConfig | None = None):
-    """The ASGI app: FastAPI inside :class:`_Guard`. Its lifespan starts the engine (if not yet
-    running) and stops it."""
-    service = _Service(engine, config or engine.config)
+def create_app(engine: Engine, model: str):
+    """The ASGI app serving ``engine``, which runs ``model`` (a path or hub id: the names it answers
+    to are :func:`~marslm.serve.config.served_names`): FastAPI inside :class:`_Guard`. Its
+    lifespan starts the engine (if not yet running) and stops it."""
+    service = _Service(engine, model)
     app = FastAPI(title="marslm", lifespan=service.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
     _add_routes(app, service, [Depends(authorizer(service.config.api_key))])
@@ -132,11 +133,13 @@ def _add_routes(app: FastAPI, service: _Service, auth: list) -> None:
 
 
 class _Service:
-    """What the routes share: the engine, the served name, the limits and the parse workers."""
+    """What the routes share: the engine, the served names, the limits and the parse workers."""
 
-    def __init__(self, engine: Engine, config: ServeConfig):
-        self.engine, self.config, self.tokenizer = engine, config, engine.tokenizer
-        self.model_name = config.served_model_name or engine.model_name
+    def __init__(self, engine: Engine, model: str):
+        self.engine, self.config, self.tokenizer = engine, engine.config, engine.tokenizer
+        self.model = model
+        self.names = served_names(model, self.config.served_model_name)
+        self.model_name = self.names[0]  # the name answers carry
         self.created = int(time.time())
         # Twice the most characters a token can cover (a normalizer may merge two characters into
         # one): a prompt longer than this cannot fit the context, whatever its tokens.
@@ -163,22 +166,28 @@ class _Service:
         return await self.off_loop(parse_json, await read_body(request, self.config))
 
     def models(self) -> dict:
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "marslm",
-            "max_model_len": self.engine.max_context,
-            "block_size": self.engine.trained_block_size,
-        }
-        return {"object": "list", "data": [card]}
+        """One card per served name, as vLLM lists them."""
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "marslm",
+                "root": self.model,
+                "max_model_len": self.engine.max_context,
+                "block_size": self.engine.trained_block_size,
+            }
+            for name in self.names
+        ]
+        return {"object": "list", "data": cards}
 
     def check_model(self, body: dict) -> None:
         name = read_field(body, "model", "str")
-        if name is not None and name not in (self.model_name, self.engine.model_name):
+        if name is not None and name not in self.names:
+            served = ", ".join(f"'{n}'" for n in self.names)
             raise APIError(
                 404,
-                f"the model {describe(name)} does not exist; this server serves '{self.model_name}'",
+                f"the model {describe(name)} does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )

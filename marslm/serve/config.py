@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
 from ..errors import UserError
@@ -39,8 +40,12 @@ class ServeConfig:
     threads: int | None = setting(
         None, "torch threads for a model on the CPU (default: the cores less one, so the HTTP front end keeps one)"
     )
-    served_model_name: str | None = setting(
-        None, "model name clients send (default: the model directory's name, or the hub id)"
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        "names clients may send for the model, the first in answers (default: the model directory's "
+        "name, or the hub id); the --model path or hub id is served too",
+        nargs="+",
+        metavar="NAME",
     )
     engine: str = setting(
         "marslm",
@@ -119,6 +124,10 @@ class ServeConfig:
                 raise UserError(
                     f"{flag(name)} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value}"
                 )
+        if not isinstance(self.served_model_name, tuple) or not all(
+            isinstance(name, str) and name for name in self.served_model_name
+        ):
+            raise UserError(f"{flag('served_model_name')} must be non-empty names, got {self.served_model_name!r}")
         check_mask_batch_limit(self.mask_batch_limit, flag("mask_batch_limit"), auto=True)
         check_seed(self.seed, flag("seed"))
         if self.slo_ms is not None and not (math.isfinite(self.slo_ms) and self.slo_ms > 0):
@@ -131,3 +140,11 @@ class ServeConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+
+def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The names a client may send for ``model``: ``aliases`` (``--served-model-name``; by default
+    a local directory's name, or the hub id), then ``model`` as the server was started with it,
+    which is what vLLM serves by default. Answers carry the first, as vLLM's do."""
+    default = Path(model).resolve().name if Path(model).exists() else model
+    return tuple(dict.fromkeys((*(aliases or (default,)), model)))

@@ -39,7 +39,6 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -173,12 +172,11 @@ class Engine:
         tokenizer,
         config: ServeConfig | None = None,
         *,
-        model_name: str = "marslm",
         idle_tick_s: float = 0.05,
     ):
         config = config or ServeConfig()
         self.config = config
-        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = config.max_batch, config.max_queue
         self.default_max_tokens = min(config.max_tokens, config.max_tokens_limit)
         self.max_tokens_limit = config.max_tokens_limit
@@ -228,9 +226,7 @@ class Engine:
         if model.device.type == "cpu":
             torch.set_num_threads(cpu_threads(config.threads))
             log.info("model on the CPU with %d torch threads", torch.get_num_threads())
-        # The served name: a hub id as given, a local directory by its name (not its path).
-        name = config.served_model_name or (Path(path).resolve().name if Path(path).exists() else path)
-        return cls(model, tokenizer, config, model_name=name)
+        return cls(model, tokenizer, config)
 
     # ---------------------------------------------------------------------------- lifecycle
     @property

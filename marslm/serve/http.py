@@ -23,7 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import UserError
 from .app import create_app
-from .config import ServeConfig
+from .config import ServeConfig, served_names
 from .engine import Engine
 from .openai import error_body
 
@@ -41,12 +41,14 @@ def serve(model: str, config: ServeConfig | None = None) -> None:
         sock.close()
         raise
     sock.listen(2048)
-    server = _Server(engine, create_app(engine, config))
+    app = create_app(engine, model)
+    server = _Server(engine, app)
     bound_host, bound_port = sock.getsockname()[:2]
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", config.host)
+    name = served_names(model, config.served_model_name)[0]
     print(
-        f"marslm serve: {engine.model_name} listening on http://{_url_host(bound_host)}:{bound_port} "
+        f"marslm serve: {name} listening on http://{_url_host(bound_host)}:{bound_port} "
         f"(max batch {engine.max_batch}, tau {engine.controller.tau}, policy {engine.controller.policy})",
         flush=True,
     )

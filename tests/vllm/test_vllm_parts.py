@@ -235,6 +235,28 @@ def test_serve_vllm_without_its_environment_fails_in_one_line(trained_dirs, tmp_
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr
 
 
+def test_serve_vllm_serves_the_path_and_every_name(trained_dirs, tmp_path, monkeypatch):
+    """As under marslm's engine: the directory's name (or --served-model-name's), then the path."""
+    from marslm.cli import main
+    from marslm.serve import vllm_launch
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    monkeypatch.setenv("MARSLM_VLLM_VENV", str(tmp_path / "venv"))
+    commands = []
+    monkeypatch.setattr(vllm_launch, "exec_server", commands.append)
+    path = str(trained_dirs["dir"] / "mars")
+    assert main(["serve", "--engine", "vllm", "--model", path]) == 0
+    assert main(["serve", "--engine", "vllm", "--model", path, "--served-model-name", "a", "b"]) == 0
+
+    def names(cmd):
+        rest = cmd[cmd.index("--served-model-name") + 1 :]
+        return rest[: next(i for i, arg in enumerate(rest + ["--"]) if arg.startswith("--"))]
+
+    assert [names(cmd) for cmd in commands] == [["mars", path], ["a", "b", path]]
+
+
 def test_plugin_needs_no_transformers():
     """What the plugin imports of marslm must work with the transformers vLLM pins: it imports none."""
     code = (
