@@ -134,7 +134,7 @@ def test_default_tau_changes_live_only_for_rows_that_follow_it(mars64, long_prom
             it_follows, it_own = follows.__aiter__(), own.__aiter__()
             await it_follows.__anext__()  # both rows are running now
             await it_own.__anext__()
-            engine.set_default_tau(0.85)  # takes effect at the next step, no restart
+            engine.set_policy(tau=0.85)  # takes effect at the next step, no restart
             later = engine.submit(prompt, RequestOptions(max_tokens=4))
             return [await _drain(s) for s in (follows, own, later)]
 

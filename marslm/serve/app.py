@@ -112,7 +112,7 @@ def _add_routes(app: FastAPI, service: _Service, auth: list) -> None:
         body = await service.json_body(request)
         tau = read_field(body, "tau", "number", required=True)
         try:
-            return engine.set_default_tau(tau)
+            return engine.set_policy(tau=tau)
         except UserError as exc:
             raise APIError(400, str(exc), param="tau") from None
 

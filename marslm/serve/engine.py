@@ -15,7 +15,7 @@ while a forward runs. Rows advance independently on the cursor cache, so admitti
 between steps *is* continuous batching: nobody waits for a batch to drain.
 
 Each row keeps its own tau. Requests that name no tau follow the server's *default* tau, which
-the :class:`~marslm.serve.tau.TauController` may move with load (adaptive policy) or an admin may set; a change
+the ``TauController`` (tau.py) may move with load (adaptive policy) or an admin may set; a change
 reaches running rows through ``DecodeBatch.set_tau`` before the next step.
 
 One request's numbers never fail another's: a row that cannot join the batch, or whose sample
@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import threading
 import time
 import uuid
@@ -161,6 +160,80 @@ class _Request:
     first_token: float | None = None
     tokens: list[int] = field(default_factory=list)  # tokens already published
 
+    def cancelled(self) -> Result:
+        """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
+        return Result(
+            list(self.tokens),
+            "cancelled",
+            len(self.prompt_ids),
+            [],
+            self.settings.tau if self.settings.mode == "threshold" else None,
+        )
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask of one model on one server: its context, and ``max_tokens``'s
+    default and bound."""
+
+    context: int | None  # the model's max_position_embeddings (None: unbounded)
+    default_max_tokens: int
+    max_tokens_limit: int
+    trained_block_size: int | None
+
+    def resolve(self, prompt_ids: list[int], options: RequestOptions, default_tau: float) -> DecodingParams:
+        """The settings a row runs with: defaults filled in, every field checked; raises
+        ``ParamError`` naming the refused field."""
+        if not prompt_ids:
+            raise ParamError("the prompt is empty", "prompt", "empty_prompt")
+        if (
+            options.tau is None
+            and options.metric in METRICS
+            and options.metric not in DEFAULT_TAU_METRICS
+            and options.mode == "threshold"
+        ):
+            raise ParamError(
+                f"the server's default tau is a probability; a request with metric "
+                f"{options.metric!r} must set its own tau",
+                "tau",
+            )
+        room = None if self.context is None else self.context - len(prompt_ids)
+        if room is not None and room < 1:
+            raise ParamError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.context}",
+                "prompt",
+                "context_length_exceeded",
+            )
+        max_tokens = options.max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
+        if not 1 <= max_tokens <= self.max_tokens_limit:
+            raise ParamError(
+                f"max_tokens must be in 1..{self.max_tokens_limit}, got {max_tokens}",
+                "max_tokens",
+                "max_tokens_exceeded" if max_tokens > 1 else "invalid_value",
+            )
+        if room is not None and max_tokens > room:
+            raise ParamError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {self.context} tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        tau = options.tau if options.tau is not None else default_tau
+        return DecodingParams(
+            tau=tau,
+            metric=options.metric,
+            block_size=options.block_size,
+            max_new_tokens=max_tokens,
+            mode=options.mode,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            top_k=options.top_k,
+            seed=options.seed,
+            stop=options.stop,
+        ).verify(self.trained_block_size)
+
 
 # ------------------------------------------------------------------------------------------ engine
 class Engine:
@@ -178,13 +251,17 @@ class Engine:
         self.config = config
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = config.max_batch, config.max_queue
-        self.default_max_tokens = min(config.max_tokens, config.max_tokens_limit)
-        self.max_tokens_limit = config.max_tokens_limit
         from ..modeling import checkpoint_facts
 
         facts = checkpoint_facts(model, tokenizer)
         self.trained_block_size = facts.block_size
         self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self.limits = RequestLimits(
+            self.max_context,
+            min(config.max_tokens, config.max_tokens_limit),
+            config.max_tokens_limit,
+            facts.block_size,
+        )
         self.controller = TauController(
             config.tau, config.tau_policy, config.tau_floor, config.slo_ms, max_batch=config.max_batch
         )
@@ -237,21 +314,10 @@ class Engine:
         if self._thread is not None:
             return
         if warmup:  # first-call work (allocator, kernels) happens here, not in a user's latency
-            batch = DecodeBatch(self.model, **self._batch_args)
-            warm = DecodingParams(tau=0.5, block_size=self.trained_block_size, max_new_tokens=2).verify()
-            batch.add([[self._batch_args["pad_id"]] * 4], [warm], ["warmup"])
-            while len(batch):
-                batch.step()
+            _warm_up(DecodeBatch(self.model, **self._batch_args), self._batch_args["pad_id"], self.trained_block_size)
         if self.config.mask_batch_limit == "auto" and self.mask_limit is None:
-            sizes = sorted({*(2**i for i in range(self.max_batch.bit_length())), self.max_batch})
-            costs = masked_step_costs(self.model, self.trained_block_size, sizes)
-            self.mask_limit = MaskBatchLimit(costs)
+            self.mask_limit = _measure_mask_limit(self.model, self.trained_block_size, self.max_batch)
             self._batch.mask_batch_limit = self.mask_limit.limit
-            log.info(
-                "mask batch limit auto: masked step cost %s; limit %d",
-                ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
-                self.mask_limit.limit,
-            )
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="marslm-engine", daemon=True)
         self._thread.start()
@@ -275,55 +341,7 @@ class Engine:
     # ------------------------------------------------------------------------ submitting
     def validate(self, prompt_ids: list[int], options: RequestOptions) -> DecodingParams:
         """Resolve defaults and check a request against the model; raises ``ParamError`` naming the field."""
-        if not prompt_ids:
-            raise ParamError("the prompt is empty", "prompt", "empty_prompt")
-        if (
-            options.tau is None
-            and options.metric in METRICS
-            and options.metric not in DEFAULT_TAU_METRICS
-            and options.mode == "threshold"
-        ):
-            raise ParamError(
-                f"the server's default tau is a probability; a request with metric "
-                f"{options.metric!r} must set its own tau",
-                "tau",
-            )
-        room = None if self.max_context is None else self.max_context - len(prompt_ids)
-        if room is not None and room < 1:
-            raise ParamError(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}",
-                "prompt",
-                "context_length_exceeded",
-            )
-        max_tokens = options.max_tokens
-        if max_tokens is None:
-            max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
-        if not 1 <= max_tokens <= self.max_tokens_limit:
-            raise ParamError(
-                f"max_tokens must be in 1..{self.max_tokens_limit}, got {max_tokens}",
-                "max_tokens",
-                "max_tokens_exceeded" if max_tokens > 1 else "invalid_value",
-            )
-        if room is not None and max_tokens > room:
-            raise ParamError(
-                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"the model's context of {self.max_context} tokens",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        tau = options.tau if options.tau is not None else self.controller.tau
-        return DecodingParams(
-            tau=tau,
-            metric=options.metric,
-            block_size=options.block_size,
-            max_new_tokens=max_tokens,
-            mode=options.mode,
-            temperature=options.temperature,
-            top_p=options.top_p,
-            top_k=options.top_k,
-            seed=options.seed,
-            stop=options.stop,
-        ).verify(self.trained_block_size)
+        return self.limits.resolve(prompt_ids, options, self.controller.tau)
 
     def submit(
         self, prompt_ids: list[int], options: RequestOptions, loop: asyncio.AbstractEventLoop | None = None
@@ -342,7 +360,7 @@ class Engine:
                 raise EngineStopped("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 self.metrics.requests["rejected"] += 1
-                raise QueueFull(self._retry_after())
+                raise QueueFull(self.metrics.retry_after(len(self._waiting), self.max_batch))
             self._waiting.append(request)
             self._wake.notify()
         return stream
@@ -353,47 +371,26 @@ class Engine:
             self._cancel.add(request_id)
             self._wake.notify()
 
-    def _retry_after(self) -> int:
-        """Seconds until the queue has likely moved on: its waves times the mean request time."""
-        latency = self.metrics.histograms["request_latency_seconds"]
-        mean = latency.sum / latency.count if latency.count else 1.0
-        return max(1, min(60, math.ceil(len(self._waiting) / self.max_batch * mean)))
-
     # ---------------------------------------------------------------------------- admin
-    def set_default_tau(self, tau: float) -> dict:
-        """The default tau (the adaptive ceiling); running rows that follow it switch at the next step."""
-        self.controller.configure(tau=tau)
-        self._nudge()
-        return self.controller.state()
-
     def set_policy(
         self, policy: str | None = None, *, tau: float | None = None, floor: float | None = None, slo_ms="keep"
     ) -> dict:
+        """Change the default tau's policy or bounds (``tau``: the default, the adaptive ceiling);
+        running rows that follow the default switch at the next step. Returns the new state."""
         self.controller.configure(policy=policy, tau=tau, floor=floor, slo_ms=slo_ms)
-        self._nudge()
-        return self.controller.state()
-
-    def _nudge(self) -> None:
         with self._lock:
             self._wake.notify()
+        return self.controller.state()
 
     def snapshot(self) -> dict:
         """A consistent copy of the counters and gauges, for /metrics."""
         with self._lock:
-            m = self.metrics
             return {
-                "requests": dict(m.requests),
-                "prompt_tokens": m.prompt_tokens,
-                "generation_tokens": m.generation_tokens,
-                "accepted_tokens": m.accepted_tokens,
-                "forwards": m.forwards,
-                "row_forwards": m.row_forwards,
-                "tokens_per_forward": m.accepted_tokens / m.row_forwards if m.row_forwards else 0.0,
+                **self.metrics.snapshot(),
                 "queue_depth": len(self._waiting),
                 "active_batch": self._active,
                 "max_batch": self.max_batch,
                 "tau": self.controller.state(),
-                "histograms": {name: h.copy() for name, h in m.histograms.items()},
             }
 
     # ---------------------------------------------------------------------- engine thread
@@ -501,17 +498,7 @@ class Engine:
         with self._lock:
             self._active = len(self._batch)
         for r in queued + running:
-            self._deliver(r, self._cancelled_result(r))
-
-    def _cancelled_result(self, r: _Request) -> Result:
-        """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
-        return Result(
-            list(r.tokens),
-            "cancelled",
-            len(r.prompt_ids),
-            [],
-            r.settings.tau if r.settings.mode == "threshold" else None,
-        )
+            self._deliver(r, r.cancelled())
 
     def _publish(self, new_tokens: dict, finished: list, now: float) -> None:
         by_loop: dict = {}
@@ -565,13 +552,7 @@ class Engine:
         _call_soon(r.stream.loop, _put_all, [(r.stream.queue, item)])
 
     def _count_finished(self, r: _Request, result: Result, now: float) -> None:
-        m = self.metrics
-        m.requests["finished"] += 1
-        m.generation_tokens += result.completion_tokens
-        m.accepted_tokens += sum(result.accepted_per_step)
-        m.row_forwards += result.forwards
-        m.histograms["request_latency_seconds"].observe(now - r.arrived)
-        m.histograms["time_to_first_token_seconds"].observe(r.first_token - r.arrived)
+        self.metrics.count_finished(result, latency=now - r.arrived, first_token=r.first_token - r.arrived)
 
     def _fail_alone(self, r: _Request, reason) -> None:
         """One request's decoding failed on its own numbers; the rest of the batch goes on."""
@@ -599,7 +580,27 @@ class Engine:
         with self._lock:
             self._active = 0
         for r in left:
-            self._deliver(r, self._cancelled_result(r))
+            self._deliver(r, r.cancelled())
+
+
+def _warm_up(batch: DecodeBatch, pad_id: int, block_size: int | None) -> None:
+    warm = DecodingParams(tau=0.5, block_size=block_size, max_new_tokens=2).verify()
+    batch.add([[pad_id] * 4], [warm], ["warmup"])
+    while len(batch):
+        batch.step()
+
+
+def _measure_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimit:
+    """``--mask-batch-limit auto``: a masked step timed against a one-token step at each batch size."""
+    sizes = sorted({*(2**i for i in range(max_batch.bit_length())), max_batch})
+    costs = masked_step_costs(model, block_size, sizes)
+    limit = MaskBatchLimit(costs)
+    log.info(
+        "mask batch limit auto: masked step cost %s; limit %d",
+        ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
+        limit.limit,
+    )
+    return limit
 
 
 def _hits_stop(text: TextStream | None, ids: list[int]) -> bool:

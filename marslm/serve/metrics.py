@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import Result
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -47,6 +52,34 @@ class EngineMetrics:
             )
         }
     )
+
+    def count_finished(self, result: Result, latency: float, first_token: float) -> None:
+        """A request that ran to its end; ``latency`` and ``first_token``: seconds from its arrival."""
+        self.requests["finished"] += 1
+        self.generation_tokens += result.completion_tokens
+        self.accepted_tokens += sum(result.accepted_per_step)
+        self.row_forwards += result.forwards
+        self.histograms["request_latency_seconds"].observe(latency)
+        self.histograms["time_to_first_token_seconds"].observe(first_token)
+
+    def retry_after(self, waiting: int, max_batch: int) -> int:
+        """Seconds until a queue of ``waiting`` has likely moved on: its waves times the mean request time."""
+        latency = self.histograms["request_latency_seconds"]
+        mean = latency.sum / latency.count if latency.count else 1.0
+        return max(1, min(60, math.ceil(waiting / max_batch * mean)))
+
+    def snapshot(self) -> dict:
+        """A copy of the counters and histograms (taken under the engine's lock)."""
+        return {
+            "requests": dict(self.requests),
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "forwards": self.forwards,
+            "row_forwards": self.row_forwards,
+            "tokens_per_forward": self.accepted_tokens / self.row_forwards if self.row_forwards else 0.0,
+            "histograms": {name: h.copy() for name, h in self.histograms.items()},
+        }
 
 
 def render_metrics(snap: dict, model_name: str) -> str:
