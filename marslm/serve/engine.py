@@ -61,6 +61,7 @@ DTYPES = {
 # The metrics whose tau lives in (0, 1] with "higher = stricter": the server's default tau applies
 # to them. Entropy runs the other way (accept while H <= tau), so an entropy request names its tau.
 DEFAULT_TAU_METRICS = ("prob", "margin")
+IDLE_TICK_S = 0.05  # how often an idle engine lets the tau controller restore the default
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -244,8 +245,6 @@ class Engine:
         model,
         tokenizer,
         config: ServeConfig | None = None,
-        *,
-        idle_tick_s: float = 0.05,
     ):
         config = config or ServeConfig()
         self.config = config
@@ -266,7 +265,6 @@ class Engine:
             config.tau, config.tau_policy, config.tau_floor, config.slo_ms, max_batch=config.max_batch
         )
         self.metrics = EngineMetrics()
-        self.idle_tick_s = idle_tick_s  # how often an idle engine lets the controller restore tau
 
         if facts.mask_token_id is None:
             raise UserError("the tokenizer has no mask token (<|mask|>); is this a MARS checkpoint?")
@@ -400,7 +398,7 @@ class Engine:
                 if self._abort or (self._stopping and not self._waiting and not self._running):
                     break
                 if not self._running and not self._waiting and not self._cancel:
-                    self._wake.wait(self.idle_tick_s)
+                    self._wake.wait(IDLE_TICK_S)
             try:
                 self._turn()
             except Exception as exc:  # a bug or an OOM must not kill the server: fail the batch, go on
