@@ -17,9 +17,9 @@ into token ids, hand the ids to the engine and turn the engine's tokens back int
 (openai.py again). Every refusal is an OpenAI error object
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status (503 at shutdown).
 
-What a client may take is bounded (:class:`~marslm.serve.config.ServeConfig`): the body's size (checked as it
-arrives: 413 and the connection closed, the rest never read), the time to send a request's
-head and its body, the number of open connections. JSON parsing and tokenization run on worker
+What a client may take is bounded (``ServeConfig``): the body's size (checked as it arrives: 413
+and the connection closed, the rest never read), the time to send a request's head and its
+body, the number of open connections. JSON parsing and tokenization run on worker
 threads, never on the event loop, so a big request delays no other request's stream, and a
 prompt that cannot fit the model's context is refused before it is tokenized. No error closes
 a keep-alive connection except those that must (413, 408); a client that hangs up is one line
@@ -106,7 +106,9 @@ def _add_routes(app: FastAPI, service: _Service, auth: list) -> None:
     async def completions(request: Request):
         return await service.complete(request, COMPLETION)
 
-    # --- admin: the default tau and its policy, live (from the next step on, no restart)
+    # --- admin: the default tau and its policy, live (from the next step on, no restart). The
+    # controller's refusals are about its state (a floor above the default, say) rather than one
+    # field of the body, so these routes answer them with a 400 of their own.
     @app.post("/admin/tau", dependencies=auth)
     async def admin_tau(request: Request):
         body = await service.json_body(request)
