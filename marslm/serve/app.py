@@ -145,7 +145,7 @@ class _Service:
         self.created = int(time.time())
         # Twice the most characters a token can cover (a normalizer may merge two characters into
         # one): a prompt longer than this cannot fit the context, whatever its tokens.
-        context = engine.max_context
+        context = engine.limits.context
         self.max_chars = None if context is None else 2 * max_token_chars(self.tokenizer) * context
         # Parsing and tokenizing run on a few worker threads, never on the event loop: a big body
         # delays neither the streams nor the other requests' parsing. (The fast tokenizers encode
@@ -176,8 +176,8 @@ class _Service:
                 "created": self.created,
                 "owned_by": "marslm",
                 "root": self.model,
-                "max_model_len": self.engine.max_context,
-                "block_size": self.engine.trained_block_size,
+                "max_model_len": self.engine.limits.context,
+                "block_size": self.engine.limits.trained_block_size,
             }
             for name in self.names
         ]
@@ -200,7 +200,8 @@ class _Service:
         self.check_model(body)
         options, stream_mode, include_usage = parse_options(body, chat=api.chat)
         echo = not api.chat and read_field(body, "echo", "bool", False)
-        prompt_ids = await self.off_loop(api.prompt_ids, self.tokenizer, body, self.max_chars, self.engine.max_context)
+        context = self.engine.limits.context
+        prompt_ids = await self.off_loop(api.prompt_ids, self.tokenizer, body, self.max_chars, context)
         echoed = await self.off_loop(completion_echo, self.tokenizer, body) if echo else ""
         stream = self.engine.submit(prompt_ids, options)
         rid, now = api.id_prefix + secrets.token_hex(12), int(time.time())

@@ -253,10 +253,8 @@ class Engine:
         from ..modeling import checkpoint_facts
 
         facts = checkpoint_facts(model, tokenizer)
-        self.trained_block_size = facts.block_size
-        self.max_context = getattr(model.config, "max_position_embeddings", None)
         self.limits = RequestLimits(
-            self.max_context,
+            getattr(model.config, "max_position_embeddings", None),
             min(config.max_tokens, config.max_tokens_limit),
             config.max_tokens_limit,
             facts.block_size,
@@ -312,9 +310,11 @@ class Engine:
         if self._thread is not None:
             return
         if warmup:  # first-call work (allocator, kernels) happens here, not in a user's latency
-            _warm_up(DecodeBatch(self.model, **self._batch_args), self._batch_args["pad_id"], self.trained_block_size)
+            _warm_up(
+                DecodeBatch(self.model, **self._batch_args), self._batch_args["pad_id"], self.limits.trained_block_size
+            )
         if self.config.mask_batch_limit == "auto" and self.mask_limit is None:
-            self.mask_limit = _measure_mask_limit(self.model, self.trained_block_size, self.max_batch)
+            self.mask_limit = _measure_mask_limit(self.model, self.limits.trained_block_size, self.max_batch)
             self._batch.mask_batch_limit = self.mask_limit.limit
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="marslm-engine", daemon=True)
