@@ -3,7 +3,8 @@
 A settings dataclass (``TrainConfig``, ``ServeConfig``) gives each field a :func:`setting`; the
 CLI builds its options from the fields with :func:`add_options` and the object back from the
 parsed arguments with :func:`from_args`, so a default or a help text is never written twice, and
-the object's own ``validate()`` is the only check.
+the object's own check (``TrainConfig.validate()``, ``ServeConfig``'s constructor) is the only
+one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def setting(
     parse=None,
     negative: str | None = None,
     repeat: bool = False,
+    nargs: str | None = None,
     cli: bool = True,
 ):
     """A dataclass field with what its command-line option needs.
@@ -32,7 +34,8 @@ def setting(
     ``flag`` overrides the option name (``--field-name``); ``aliases`` adds more; ``parse`` turns
     the option's text into the field's value; ``negative`` names the flag that turns a boolean
     that defaults to True off (``--no-resume``); ``repeat`` collects a repeated option into a
-    tuple; ``cli=False`` keeps a field off the command line.
+    tuple, ``nargs="+"`` one option's several values; ``cli=False`` keeps a field off the command
+    line.
     """
     metadata = dict(
         help=help,
@@ -43,6 +46,7 @@ def setting(
         parse=parse,
         negative=negative,
         repeat=repeat,
+        nargs=nargs,
         cli=cli,
     )
     if isinstance(default, (dict, list)):
@@ -81,7 +85,7 @@ def add_options(
         if defaults and f.name in defaults:
             default = defaults[f.name]
         help_text = meta.get("help", "")
-        if not required and default not in (None, False, True, ""):
+        if not required and default not in (None, False, True, "", ()):
             help_text += f" (default {default})"
         common = dict(dest=f.name, help=help_text)
         if f.name in positional:
@@ -106,6 +110,7 @@ def add_options(
             required=required,
             choices=meta.get("choices"),
             metavar=meta.get("metavar"),
+            nargs=meta.get("nargs"),
             **common,
         )
 
@@ -114,7 +119,7 @@ def from_args(cls, args: argparse.Namespace, **overrides):
     """An instance of ``cls`` from parsed arguments (fields the parser lacks keep their defaults)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     for f in dataclasses.fields(cls):
-        if f.metadata.get("repeat") and f.name in values:
+        if (f.metadata.get("repeat") or f.metadata.get("nargs")) and f.name in values:
             values[f.name] = tuple(values[f.name])
     return cls(**{**values, **overrides})
 

@@ -13,9 +13,11 @@ import pytest
 from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
-from marslm.engine import Engine, EngineError, InvalidRequest, QueueFull, SamplingParams, TauController
+from marslm.decode import ParamError
 from marslm.errors import UserError
-from marslm.serve_config import ServeConfig
+from marslm.serve.config import ServeConfig
+from marslm.serve.engine import Engine, EngineError, QueueFull, RequestOptions
+from marslm.serve.tau import TauController
 from tests.trained import TRAIN_N, find_long_prompt
 
 
@@ -59,7 +61,7 @@ def test_engine_equals_generate_with_staggered_arrivals(mars64):
         async def main():
             tasks = []
             for ex, s in zip(examples, settings):
-                stream = engine.submit(encode_prompt(tokenizer, ex.messages), SamplingParams(**s))
+                stream = engine.submit(encode_prompt(tokenizer, ex.messages), RequestOptions(**s))
                 tasks.append(asyncio.ensure_future(_drain(stream)))
                 await asyncio.sleep(0.003)  # arrivals spread over the run
             return await asyncio.gather(*tasks)
@@ -102,10 +104,10 @@ def test_a_request_that_fails_after_admission_fails_alone(mars64, long_prompt, p
     try:
 
         async def main():
-            streams = [engine.submit(prompt, SamplingParams(max_tokens=40, **s)) for s in healthy]
+            streams = [engine.submit(prompt, RequestOptions(max_tokens=40, **s)) for s in healthy]
             for stream in streams:  # running, so the poisoned request joins their batch
                 await stream.__aiter__().__anext__()
-            poisoned = engine.submit(prompt, SamplingParams(max_tokens=40, seed=13))
+            poisoned = engine.submit(prompt, RequestOptions(max_tokens=40, seed=13))
             with pytest.raises(EngineError, match="decoding failed"):
                 await _drain(poisoned)
             return [(await _drain(s))[1] for s in streams]
@@ -127,13 +129,13 @@ def test_default_tau_changes_live_only_for_rows_that_follow_it(mars64, long_prom
     try:
 
         async def main():
-            follows = engine.submit(prompt, SamplingParams(max_tokens=300))
-            own = engine.submit(prompt, SamplingParams(max_tokens=300, tau=0.9))
+            follows = engine.submit(prompt, RequestOptions(max_tokens=300))
+            own = engine.submit(prompt, RequestOptions(max_tokens=300, tau=0.9))
             it_follows, it_own = follows.__aiter__(), own.__aiter__()
             await it_follows.__anext__()  # both rows are running now
             await it_own.__anext__()
-            engine.set_default_tau(0.85)  # takes effect at the next step, no restart
-            later = engine.submit(prompt, SamplingParams(max_tokens=4))
+            engine.set_policy(tau=0.85)  # takes effect at the next step, no restart
+            later = engine.submit(prompt, RequestOptions(max_tokens=4))
             return [await _drain(s) for s in (follows, own, later)]
 
         (_, follows), (_, own), (_, later) = asyncio.run(main())
@@ -152,7 +154,7 @@ def test_cancel_frees_the_row_before_the_next_step(mars64, long_prompt):
     try:
 
         async def main():
-            stream = engine.submit(prompt, SamplingParams(max_tokens=300, tau=1.0))
+            stream = engine.submit(prompt, RequestOptions(max_tokens=300, tau=1.0))
             first = await stream.__aiter__().__anext__()
             engine.cancel(stream.request_id)
             chunks, result = await _drain(stream)
@@ -173,11 +175,11 @@ def test_full_queue_refuses_and_stop_cancels_what_is_left(mars64, long_prompt):
     engine = make_engine(mars64, max_batch=1, max_queue=1)
 
     async def main():
-        running = engine.submit(prompt, SamplingParams(max_tokens=300, tau=1.0))
+        running = engine.submit(prompt, RequestOptions(max_tokens=300, tau=1.0))
         await running.__aiter__().__anext__()  # it holds the one row now
-        streams = [running, engine.submit(prompt, SamplingParams(max_tokens=300, tau=1.0))]  # queued
+        streams = [running, engine.submit(prompt, RequestOptions(max_tokens=300, tau=1.0))]  # queued
         with pytest.raises(QueueFull) as refused:
-            engine.submit(prompt, SamplingParams(max_tokens=300, tau=1.0))
+            engine.submit(prompt, RequestOptions(max_tokens=300, tau=1.0))
         assert refused.value.retry_after >= 1
         await asyncio.to_thread(engine.stop, 0.05)  # shutdown: no patience, cancel the rest
         return [await _drain(s) for s in streams]
@@ -193,32 +195,32 @@ def test_validation(mars64):
     engine = Engine(model, tokenizer, ServeConfig(max_tokens=256, max_tokens_limit=512))  # not started
     ids = [5] * 10
     bad = [
-        (SamplingParams(tau=1.5), "tau"),
-        (SamplingParams(tau=0.0), "tau"),
-        (SamplingParams(tau=-1.0, metric="entropy"), "tau"),
-        (SamplingParams(metric="entropy"), "tau"),
-        (SamplingParams(metric="nope"), "metric"),
-        (SamplingParams(block_size=5), "block_size"),
-        (SamplingParams(block_size=0), "block_size"),
-        (SamplingParams(mode="fast"), "mode"),
-        (SamplingParams(mode="lossless", block_size=1), "block_size"),
-        (SamplingParams(max_tokens=0), "max_tokens"),
-        (SamplingParams(max_tokens=513), "max_tokens"),
-        (SamplingParams(temperature=-1.0), "temperature"),
+        (RequestOptions(tau=1.5), "tau"),
+        (RequestOptions(tau=0.0), "tau"),
+        (RequestOptions(tau=-1.0, metric="entropy"), "tau"),
+        (RequestOptions(metric="entropy"), "tau"),
+        (RequestOptions(metric="nope"), "metric"),
+        (RequestOptions(block_size=5), "block_size"),
+        (RequestOptions(block_size=0), "block_size"),
+        (RequestOptions(mode="fast"), "mode"),
+        (RequestOptions(mode="lossless", block_size=1), "block_size"),
+        (RequestOptions(max_tokens=0), "max_tokens"),
+        (RequestOptions(max_tokens=513), "max_tokens"),
+        (RequestOptions(temperature=-1.0), "temperature"),
     ]
     for params, field in bad:
-        with pytest.raises(InvalidRequest) as err:
+        with pytest.raises(ParamError) as err:
             engine.validate(ids, params)
         assert err.value.param == field, params
-    with pytest.raises(InvalidRequest) as err:
-        engine.validate([5] * 1000, SamplingParams(max_tokens=100))
+    with pytest.raises(ParamError) as err:
+        engine.validate([5] * 1000, RequestOptions(max_tokens=100))
     assert err.value.code == "context_length_exceeded"
-    with pytest.raises(InvalidRequest):
-        engine.validate([], SamplingParams())
+    with pytest.raises(ParamError):
+        engine.validate([], RequestOptions())
     # defaults: the trained block size, the default tau, max_tokens capped by what the context has left
-    row = engine.validate([5] * 1000, SamplingParams())
+    row = engine.validate([5] * 1000, RequestOptions())
     assert (row.block_size, row.tau, row.max_new_tokens) == (4, 0.95, 24)
-    assert engine.validate(ids, SamplingParams(tau=0.3, metric="entropy")).tau == 0.3
+    assert engine.validate(ids, RequestOptions(tau=0.3, metric="entropy")).tau == 0.3
 
 
 def test_tau_controller_fixed_and_adaptive():
@@ -266,10 +268,10 @@ def test_tau_controller_honours_exact_bounds_and_refuses_non_finite():
 
 def test_the_mask_batch_limit_reaches_the_batch(mars64):
     model, tokenizer = mars64
-    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit=8).validate())  # not started
+    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit=8))  # not started
     assert engine._batch.mask_batch_limit == 8
     with pytest.raises(UserError, match="--mask-batch-limit"):
-        ServeConfig(mask_batch_limit=0).validate()
+        ServeConfig(mask_batch_limit=0)
 
 
 def test_cpu_threads_leave_a_core_for_the_front_end(monkeypatch):
@@ -282,12 +284,12 @@ def test_cpu_threads_leave_a_core_for_the_front_end(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert cpu_threads() == 1
     with pytest.raises(UserError, match="--threads"):
-        ServeConfig(threads=0).validate()
+        ServeConfig(threads=0)
 
 
 def test_an_auto_mask_batch_limit_is_measured_at_start(mars64):
     model, tokenizer = mars64
-    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit="auto", max_batch=6).validate())
+    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit="auto", max_batch=6))
     engine.start(warmup=False)
     try:
         assert sorted(engine.mask_limit.step_cost) == [1, 2, 4, 6]
@@ -296,4 +298,4 @@ def test_an_auto_mask_batch_limit_is_measured_at_start(mars64):
     finally:
         engine.stop()
     with pytest.raises(UserError, match="auto"):
-        ServeConfig(mask_batch_limit="sometimes").validate()
+        ServeConfig(mask_batch_limit="sometimes")

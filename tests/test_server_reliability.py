@@ -2,9 +2,10 @@
 and many connections, clients that hang up, bad admin values, and a shutdown that cuts requests
 off. Real server processes on 127.0.0.1, raw sockets where a client must misbehave.
 
-The ``guarded`` server is started through a small launcher that patches two server functions
-from outside the package: one raises (a stand-in for a bug: a 500), one parses a marked request
-only once the test releases it (to show parsing does not hold up the event loop)."""
+The ``guarded`` server is started through a small launcher that patches two functions where the
+server looks them up: the request parser raises for a marked request (a stand-in for a bug: a
+500), and the prompt's tokenization waits, for a marked prompt, until the test releases it (to
+show tokenizing does not hold up the event loop)."""
 
 from __future__ import annotations
 
@@ -28,26 +29,28 @@ pytest.importorskip("uvicorn")
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS = 1, 2, 12
 MIB = 2**20
 
-LAUNCHER = r"""
+HELD_PROMPT = "Bob has"  # its tokenization waits for the test's release file
+LAUNCHER = rf"""
 import sys, time
 from pathlib import Path
-import marslm.server as server
+import marslm.serve.app as app
+import marslm.serve.openai as openai_objects
 
 release = Path(sys.argv[1])
-real_sampling, real_completion = server.parse_sampling, server.completion_prompt_ids
+real_parse, real_encode = app.parse_options, openai_objects.encode_prompt
 
-def parse_sampling(body, chat):
+def parse_options(body, chat):
     if body.get("user") == "raise-500":
         raise RuntimeError("a bug, raised on purpose by the test launcher")
-    return real_sampling(body, chat)
+    return real_parse(body, chat)
 
-def completion_prompt_ids(tokenizer, body, *args):
-    if body.get("user") == "slow-parse":
+def encode_prompt(tokenizer, prompt, *args):
+    if prompt == {HELD_PROMPT!r}:
         while not release.exists():
             time.sleep(0.02)
-    return real_completion(tokenizer, body, *args)
+    return real_encode(tokenizer, prompt, *args)
 
-server.parse_sampling, server.completion_prompt_ids = parse_sampling, completion_prompt_ids
+app.parse_options, openai_objects.encode_prompt = parse_options, encode_prompt
 from marslm.cli import main
 sys.exit(main(sys.argv[2:]))
 """
@@ -193,7 +196,7 @@ def test_parsing_and_tokenizing_do_not_hold_up_the_event_loop(guarded):
         result["response"] = httpx.post(
             guarded.url + "/v1/completions",
             timeout=120,
-            json={"prompt": "Ana has", "max_tokens": 4, "user": "slow-parse"},
+            json={"prompt": HELD_PROMPT, "max_tokens": 4},
         )
 
     thread = threading.Thread(target=slow_request)

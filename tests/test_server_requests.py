@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from marslm import generate
-from marslm.engine import Engine
-from marslm.serve_config import ServeConfig
+from marslm.serve.config import ServeConfig
+from marslm.serve.engine import Engine
 
 pytest.importorskip("fastapi")
 
@@ -22,25 +22,48 @@ PROMPT = "Sort the list"
 
 @pytest.fixture(scope="module")
 def app(trained_checkpoints):
-    from marslm.server import create_app
+    from marslm.serve.app import create_app
 
     model, tokenizer = trained_checkpoints["mars64"]
-    engine = Engine(model, tokenizer, ServeConfig(max_batch=4), model_name="toy")
+    engine = Engine(model, tokenizer, ServeConfig(max_batch=4))
     engine.start(warmup=False)
     try:
-        yield create_app(engine)
+        yield create_app(engine, "toy")
     finally:
         engine.stop()
 
 
 def post(app, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return request(app, "POST", path, content=content, headers={"Content-Type": "application/json"})
+
+
+def request(app, method: str, path: str, **kwargs) -> httpx.Response:
     async def send():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            content = body if isinstance(body, bytes) else json.dumps(body).encode()
-            return await client.post(path, content=content, headers={"Content-Type": "application/json"})
+            return await client.request(method, path, **kwargs)
 
     return asyncio.run(send())
+
+
+@pytest.fixture
+def serving(trained_checkpoints, trained_dirs):
+    """``serving(ServeConfig)``: the app over a started engine for the toy checkpoint's directory,
+    as ``marslm serve --model DIR`` makes it."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    engines = []
+
+    def make(config: ServeConfig):
+        from marslm.serve.app import create_app
+
+        engines.append(Engine(model, tokenizer, config))
+        engines[-1].start(warmup=False)
+        return create_app(engines[-1], str(trained_dirs["dir"] / "mars"))
+
+    yield make
+    for engine in engines:
+        engine.stop()
 
 
 def test_a_model_name_that_is_not_unicode_is_model_not_found(app, caplog):
@@ -77,3 +100,56 @@ def test_completion_fields_it_cannot_honour_are_refused(app, fields, param):
     response = post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **fields})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path, prompt_field", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_a_prompt_too_long_in_tokens_is_named_as_its_endpoint_took_it(app, path, prompt_field):
+    text = "word " * 1100  # more tokens than the context holds, though few enough characters
+    prompt = {"prompt": text} if prompt_field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    response = post(app, path, {**prompt, "max_tokens": 8})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "tokens" in error["message"] and "characters" not in error["message"]  # the engine's check
+    assert (error["param"], error["code"]) == (prompt_field, "context_length_exceeded")
+
+
+def test_an_admin_field_of_the_wrong_type_is_named(app):
+    response = post(app, "/admin/policy", {"policy": 5})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] | {"message": None} == {
+        "message": None,
+        "type": "invalid_request_error",
+        "param": "policy",
+        "code": "invalid_type",
+    }
+
+
+def test_the_path_it_was_started_with_is_served_beside_the_directory_name(serving, trained_dirs):
+    path = str(trained_dirs["dir"] / "mars")
+    app = serving(ServeConfig(max_batch=2))
+    assert [card["id"] for card in request(app, "GET", "/v1/models").json()["data"]] == ["mars", path]
+    for name in ("mars", path):
+        response = post(app, "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "mars"  # answers carry the first name, as vLLM's do
+    refused = post(app, "/v1/completions", {"model": "runs/other", "prompt": PROMPT, "max_tokens": 2})
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+
+
+def test_served_model_names_are_all_served_and_replace_the_directory_name(serving, trained_dirs):
+    from marslm.cli import build_parser
+    from marslm.settings import from_args
+
+    path = str(trained_dirs["dir"] / "mars")
+    args = build_parser().parse_args(["serve", "--model", path, "--served-model-name", "a", "b"])
+    config = from_args(ServeConfig, args, max_batch=2)
+    assert (config.served_model_name, args.vllm_args) == (("a", "b"), [])
+    app = serving(config)
+    assert [card["id"] for card in request(app, "GET", "/v1/models").json()["data"]] == ["a", "b", path]
+    for name, status in (("a", 200), ("b", 200), (path, 200), ("mars", 404)):
+        response = post(
+            app,
+            "/v1/chat/completions",
+            {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
+        assert response.status_code == status, (name, response.text)

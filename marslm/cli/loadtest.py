@@ -114,9 +114,9 @@ def _check_load(args) -> None:
 
 def _loadtest_vllm(args) -> int:
     from ..decode import check_tau
+    from ..experiments.vllm_loadtest import format_table, run_vllm_bench
     from ..modeling import check_model_source
-    from ..vllm.bench import format_table, run_vllm_bench
-    from ..vllm.launch import vllm_python
+    from ..serve.vllm_launch import vllm_python
 
     if not args.checkpoint:
         raise UserError("--engine vllm needs --checkpoint DIR (the checkpoint the servers load)")

@@ -10,7 +10,7 @@ COMMAND = "serve"
 
 
 def add_parser(sub) -> None:
-    from ..serve_config import ServeConfig
+    from ..serve.config import ServeConfig
     from ..settings import add_options
 
     srv = sub.add_parser(
@@ -35,22 +35,23 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..modeling import check_model_source
-    from ..serve_config import ServeConfig
+    from ..serve.config import ServeConfig
     from ..settings import from_args
 
-    config = from_args(ServeConfig, args).validate()
+    config = from_args(ServeConfig, args)
     check_model_source(args.model)
     if config.engine == "vllm":
         return _serve_vllm(args.model, config, args.vllm_args)
     no_extra_args(args)
-    from ..server import serve
+    from ..serve.http import serve
 
     serve(args.model, config)
     return 0
 
 
 def _serve_vllm(model: str, config, vllm_args: list[str]) -> int:
-    from ..vllm.launch import exec_server, serve_command
+    from ..serve.config import served_names
+    from ..serve.vllm_launch import exec_server, serve_command
 
     if config.tau_policy != "fixed":
         raise UserError("--tau-policy adaptive is marslm's engine; vLLM serves a fixed default tau")
@@ -67,7 +68,7 @@ def _serve_vllm(model: str, config, vllm_args: list[str]) -> int:
             port=config.port,
             tau=config.tau,
             api_key=config.api_key,
-            served_model_name=config.served_model_name,
+            served_model_names=served_names(model, config.served_model_name),
             max_batch=config.max_batch,
             log_level=config.log_level,
             vllm_args=vllm_args,

@@ -3,15 +3,18 @@
 Install it into vLLM's own environment (``make vllm-env``) and serve a MARS checkpoint with
 ``marslm serve --engine vllm --model DIR``. The pieces:
 
-    engine_args.py   the engine arguments that turn it on (LLM(...) and `vllm serve` alike)
-    settings.py      per-request settings (tau, metric, mode) and the server's defaults, checked once
-    proposer.py      drafts: masks, and in lossless mode the last step's mask predictions
-    sampler.py       acceptance: vLLM's rejection sampler plus the MARS rule (decode/acceptance.py)
-    scheduler.py     re-feeds accepted mask positions; counts forwards per request
-    plugin.py        the entry points vLLM loads in every process
-    middleware.py    HTTP: tau/metric/mode as top-level request fields, tokens per forward in usage
-    serve.py         `python -m marslm.vllm.serve`, run inside vLLM's environment
-    launch.py, bench.py   marslm's side: find that environment, start servers, load-test them
+    engine_args.py       the engine arguments that turn it on (LLM(...) and `vllm serve` alike)
+    request_settings.py  per-request settings (tau, metric, mode), checked once, and PluginConfig:
+                         the checkpoint's mask token and the server's defaults, as every process gets them
+    proposer.py          drafts: masks, and in lossless mode the last step's mask predictions
+    sampler.py           acceptance: vLLM's rejection sampler plus the MARS rule (decode/acceptance.py)
+    scheduler.py         re-feeds accepted mask positions; counts forwards per request
+    plugin.py            the entry points vLLM loads in every process
+    middleware.py        HTTP: tau/metric/mode as top-level request fields, tokens per forward in usage
+    serve.py             `python -m marslm.vllm.serve`, run inside vLLM's environment
+
+marslm's own side (finding that environment and starting servers there) is
+``marslm/serve/vllm_launch.py``; the load test against vLLM is ``marslm/experiments/vllm_loadtest.py``.
 
 The plugin imports, of marslm, only modules that need no transformers (config, errors and the
 pure-torch acceptance rule), so it runs with the transformers release vLLM pins.

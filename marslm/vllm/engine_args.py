@@ -9,7 +9,7 @@ drafts also reads the masks, and three small pieces decide what is kept:
     rejection sampler    installed by the ``vllm.general_plugins`` entry point (plugin.py)
 
 Per-request settings travel in ``SamplingParams.extra_args``; the server's defaults and the
-checkpoint's mask token in ``additional_config`` (settings.py). This module imports nothing of
+checkpoint's mask token in ``additional_config`` (request_settings.py). This module imports nothing of
 vLLM: the CLI builds server command lines with it from marslm's own environment.
 """
 
@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from ..config import MarsConfig
-from .settings import ServingConfig
+from .request_settings import PluginConfig
 
 PROPOSER = "marslm.vllm.proposer.MarsProposer"
 SCHEDULER = "marslm.vllm.scheduler.MarsScheduler"
@@ -33,21 +33,21 @@ KV_HEADROOM = 1.25  # the speculative slots and the partly filled blocks on top 
 GIB = 2**30
 
 
-def serving_config(
+def plugin_config(
     model_dir: str | Path, *, tau: float = 0.95, metric: str = "prob", mode: str = "threshold"
-) -> ServingConfig:
+) -> PluginConfig:
     """The checkpoint's mask token and block size (``marslm.json``), or none for a plain AR checkpoint."""
     mars = MarsConfig.load(model_dir) if Path(model_dir).is_dir() else None
     if mars is None or mars.stage != "mars" or mars.mask_token_id is None or mars.block_size < 1:
-        return ServingConfig(tau=tau, metric=metric, mode=mode)
-    return ServingConfig(mask_token_id=mars.mask_token_id, num_masks=mars.block_size, tau=tau, metric=metric, mode=mode)
+        return PluginConfig(tau=tau, metric=metric, mode=mode)
+    return PluginConfig(mask_token_id=mars.mask_token_id, num_masks=mars.block_size, tau=tau, metric=metric, mode=mode)
 
 
 def engine_kwargs(
     model_dir: str | Path,
     *,
     speculative: str = "mars",
-    serving: ServingConfig | None = None,
+    plugin: PluginConfig | None = None,
     cpu: bool = False,
     scheduler_cls: str = SCHEDULER,
 ) -> dict:
@@ -59,19 +59,19 @@ def engine_kwargs(
     """
     if speculative not in SPECULATIVE:
         raise ValueError(f"speculative must be one of {SPECULATIVE}, got {speculative!r}")
-    serving = serving or serving_config(model_dir)
+    plugin = plugin or plugin_config(model_dir)
     kwargs: dict = {"model": str(model_dir)}
-    if speculative == "mars" and serving.mask_token_id is not None:
+    if speculative == "mars" and plugin.mask_token_id is not None:
         kwargs["speculative_config"] = {
             "method": "custom_class",
             "model": PROPOSER,
-            "num_speculative_tokens": serving.num_speculative_tokens,
+            "num_speculative_tokens": plugin.num_speculative_tokens,
         }
-        kwargs["additional_config"] = serving.to_additional_config()
+        kwargs["additional_config"] = plugin.to_additional_config()
     elif speculative == "ngram":
         kwargs["speculative_config"] = {
             "method": "ngram",
-            "num_speculative_tokens": max(serving.num_masks, 1),
+            "num_speculative_tokens": max(plugin.num_masks, 1),
             "prompt_lookup_max": NGRAM_MAX,
             "prompt_lookup_min": 2,
         }

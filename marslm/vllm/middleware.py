@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from .settings import FIELDS, FieldError, check_request, is_greedy
+from .request_settings import FIELDS, FieldError, check_request, is_greedy
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
 

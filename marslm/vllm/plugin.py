@@ -19,7 +19,7 @@ import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from ..errors import UserError
-from .settings import check_request, is_greedy
+from .request_settings import check_request, is_greedy
 
 
 def register() -> None:

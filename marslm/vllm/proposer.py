@@ -13,14 +13,14 @@ draft of B masks is read by the next target forward itself.
 
 from __future__ import annotations
 
-from .settings import LOSSLESS, OFF, ServingConfig
+from .request_settings import LOSSLESS, OFF, PluginConfig
 
 
 class MarsProposer:
     """``speculative_config={"method": "custom_class", "model": "marslm.vllm.proposer.MarsProposer", ...}``."""
 
     def __init__(self, vllm_config):
-        self.config = ServingConfig.from_vllm_config(vllm_config)
+        self.config = PluginConfig.from_vllm_config(vllm_config)
         if self.config.mask_token_id is None:
             raise ValueError(
                 "MarsProposer needs additional_config['marslm'] (marslm.vllm.engine_args.engine_kwargs "

@@ -27,7 +27,7 @@ import torch
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
 from ..decode.acceptance import accept_length, confidence
-from .settings import LOSSLESS, OFF, THRESHOLD, ServingConfig, request_settings
+from .request_settings import LOSSLESS, OFF, THRESHOLD, PluginConfig, request_settings
 
 log = logging.getLogger("marslm.vllm")
 
@@ -39,7 +39,7 @@ class MarsRows:
     the runner's input batch, which is also the order of the sampler's and the proposer's rows.
     """
 
-    def __init__(self, runner, config: ServingConfig):
+    def __init__(self, runner, config: PluginConfig):
         self.runner = runner
         self.config = config
         self.device = runner.device

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .settings import THRESHOLD, ServingConfig, request_settings
+from .request_settings import THRESHOLD, PluginConfig, request_settings
 
 
 class MarsScheduler(Scheduler):
@@ -21,7 +21,7 @@ class MarsScheduler(Scheduler):
 
     def __init__(self, vllm_config, *args, **kwargs):
         super().__init__(vllm_config, *args, **kwargs)
-        self.mars = ServingConfig.from_vllm_config(vllm_config)
+        self.mars = PluginConfig.from_vllm_config(vllm_config)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         sampled = model_runner_output.sampled_token_ids

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from .engine_args import SPECULATIVE, cpu_kv_cache_default, engine_kwargs, server_args, serving_config
+from .engine_args import SPECULATIVE, cpu_kv_cache_default, engine_kwargs, plugin_config, server_args
 
 KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 
@@ -40,7 +40,7 @@ def build_argv(argv: list[str]) -> list[str]:
         help="mars (default), ngram (vLLM's prompt lookup, a baseline) or none",
     )
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME")
     parser.add_argument("--max-batch", type=int, default=None, help="vLLM's --max-num-seqs")
     parser.add_argument("--log-level", default="info")
     split = argv.index("--") if "--" in argv else len(argv)
@@ -55,7 +55,7 @@ def build_argv(argv: list[str]) -> list[str]:
     kwargs = engine_kwargs(
         args.model,
         speculative=args.speculative,
-        serving=serving_config(args.model, tau=args.tau),
+        plugin=plugin_config(args.model, tau=args.tau),
         cpu=current_platform.is_cpu(),
     )
     out = [
@@ -74,7 +74,7 @@ def build_argv(argv: list[str]) -> list[str]:
     if args.api_key:
         out += ["--api-key", args.api_key]
     if args.served_model_name:
-        out += ["--served-model-name", args.served_model_name]
+        out += ["--served-model-name", *args.served_model_name]
     if args.max_batch:
         out += ["--max-num-seqs", str(args.max_batch)]
     return out + vllm_args

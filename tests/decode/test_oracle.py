@@ -134,9 +134,9 @@ def test_every_surface_takes_the_one_default(make_tiny_model, tiny_tokenizer):
 
     from marslm.cli import build_parser
     from marslm.decode import ADAPTIVE_WIDTH, DecodeBatch, DecoderOptions
-    from marslm.engine import Engine
     from marslm.evaluate import EvalConfig, plan_cells
-    from marslm.serve_config import ServeConfig
+    from marslm.serve.config import ServeConfig
+    from marslm.serve.engine import Engine
 
     assert ADAPTIVE_WIDTH is False
     for fn in (DecodeBatch.__init__, plan_cells):

@@ -31,7 +31,7 @@ from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
 from marslm.errors import UserError
-from marslm.vllm.launch import vllm_python
+from marslm.serve.vllm_launch import vllm_python
 from tests.trained import TRAIN_N
 
 pytestmark = pytest.mark.slow
@@ -39,6 +39,7 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 48
 MAX_MODEL_LEN = 512
+SERVED_NAMES = ("mars-a", "mars-b")
 MIXED = [
     {"tau": 0.95},
     {"tau": 0.8},
@@ -218,6 +219,8 @@ def server(vllm_env, trained_dirs, tmp_path_factory):
             "vllm",
             "--model",
             str(trained_dirs["dir"] / "mars"),
+            "--served-model-name",
+            *SERVED_NAMES,
             "--port",
             str(port),
             "--tau",
@@ -304,6 +307,19 @@ def test_server_settings_streaming_and_usage(server, trained_checkpoints, decode
                 text += [c["delta"].get("content") or "" for c in chunk["choices"]]
     assert "".join(text) == tokenizer.decode(answer(decoded["mars"]["tau0.8"][0]), skip_special_tokens=True)
     assert usage["tokens_per_forward"] > 1
+
+
+def test_server_answers_to_every_served_name_and_its_path(server, trained_dirs):
+    import httpx
+
+    path = str(trained_dirs["dir"] / "mars")
+    assert [card["id"] for card in httpx.get(server + "/v1/models").json()["data"]] == [*SERVED_NAMES, path]
+    question = [{"role": "user", "content": "What is 2 plus 3?"}]
+    for name in (SERVED_NAMES[1], path):
+        reply = _chat(server, question, model=name)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == SERVED_NAMES[0]
+    assert _chat(server, question, model="mars").status_code == 404  # the directory's name is not an alias here
 
 
 def test_server_requests_with_different_settings_run_together(server, trained_checkpoints, decoded):

@@ -18,21 +18,21 @@ from marslm.vllm.engine_args import (
     cpu_kv_cache_default,
     cpu_kv_cache_gib,
     engine_kwargs,
+    plugin_config,
     server_args,
-    serving_config,
 )
-from marslm.vllm.settings import (
+from marslm.vllm.request_settings import (
     LOSSLESS,
     OFF,
     THRESHOLD,
     FieldError,
+    PluginConfig,
     RowSettings,
-    ServingConfig,
     check_request,
     row_settings,
 )
 
-MARS = ServingConfig(mask_token_id=3, num_masks=4, tau=0.95)
+MARS = PluginConfig(mask_token_id=3, num_masks=4, tau=0.95)
 
 
 @pytest.mark.parametrize(
@@ -79,14 +79,14 @@ def test_row_settings():
     assert row_settings({"tau": 1.0}, True, MARS).mode == OFF  # one-token mode: plain vLLM
     assert row_settings({"tau": 0.0, "metric": "entropy"}, True, MARS).mode == OFF
     assert row_settings(None, False, MARS).mode == OFF  # a sampling request
-    assert row_settings({"tau": 0.5}, True, ServingConfig()).mode == OFF  # a checkpoint without masks
+    assert row_settings({"tau": 0.5}, True, PluginConfig()).mode == OFF  # a checkpoint without masks
 
 
 def test_engine_kwargs(trained_dirs):
     mars = trained_dirs["dir"] / "mars"
     kwargs = engine_kwargs(mars, cpu=True)
     assert kwargs["speculative_config"] == {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 8}
-    assert kwargs["additional_config"]["marslm"]["mask_token_id"] == serving_config(mars).mask_token_id
+    assert kwargs["additional_config"]["marslm"]["mask_token_id"] == plugin_config(mars).mask_token_id
     assert kwargs["scheduler_cls"] == SCHEDULER and kwargs["enforce_eager"] and kwargs["block_size"] == 32
     args = server_args(kwargs)
     assert (
@@ -235,11 +235,33 @@ def test_serve_vllm_without_its_environment_fails_in_one_line(trained_dirs, tmp_
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr
 
 
+def test_serve_vllm_serves_the_path_and_every_name(trained_dirs, tmp_path, monkeypatch):
+    """As under marslm's engine: the directory's name (or --served-model-name's), then the path."""
+    from marslm.cli import main
+    from marslm.serve import vllm_launch
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    monkeypatch.setenv("MARSLM_VLLM_VENV", str(tmp_path / "venv"))
+    commands = []
+    monkeypatch.setattr(vllm_launch, "exec_server", commands.append)
+    path = str(trained_dirs["dir"] / "mars")
+    assert main(["serve", "--engine", "vllm", "--model", path]) == 0
+    assert main(["serve", "--engine", "vllm", "--model", path, "--served-model-name", "a", "b"]) == 0
+
+    def names(cmd):
+        rest = cmd[cmd.index("--served-model-name") + 1 :]
+        return rest[: next(i for i, arg in enumerate(rest + ["--"]) if arg.startswith("--"))]
+
+    assert [names(cmd) for cmd in commands] == [["mars", path], ["a", "b", path]]
+
+
 def test_plugin_needs_no_transformers():
     """What the plugin imports of marslm must work with the transformers vLLM pins: it imports none."""
     code = (
-        "import sys; import marslm.vllm.settings, marslm.vllm.engine_args, marslm.vllm.middleware, "
-        "marslm.vllm.launch, marslm.decode.acceptance; "
+        "import sys; import marslm.vllm.request_settings, marslm.vllm.engine_args, marslm.vllm.middleware, "
+        "marslm.decode.acceptance; "
         "sys.exit('transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

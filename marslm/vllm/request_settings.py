@@ -29,8 +29,10 @@ CONFIG_KEY = "marslm"
 
 
 @dataclass(frozen=True)
-class ServingConfig:
-    """The server's side: the checkpoint's mask token and masks per step, and request defaults."""
+class PluginConfig:
+    """What every vLLM process of one server is configured with: the checkpoint's mask token and
+    masks per step, and the defaults of requests that name none (``marslm serve``'s own knobs are
+    ``marslm.serve.config.ServeConfig``)."""
 
     mask_token_id: int | None = None  # None: the engine runs without MARS (every row OFF)
     num_masks: int = 0  # masks per step: the trained block size B, so B + 1 candidates
@@ -47,7 +49,7 @@ class ServingConfig:
         return {CONFIG_KEY: asdict(self)}
 
     @classmethod
-    def from_vllm_config(cls, vllm_config) -> ServingConfig:
+    def from_vllm_config(cls, vllm_config) -> PluginConfig:
         raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
         return cls(**raw) if raw else cls()
 
@@ -88,14 +90,14 @@ def is_greedy(temperature) -> bool:
     return temperature is None or (isinstance(temperature, (int, float)) and temperature < 1e-5)
 
 
-def request_settings(params, config: ServingConfig) -> RowSettings:
+def request_settings(params, config: PluginConfig) -> RowSettings:
     """``row_settings`` of a vLLM ``SamplingParams``."""
     if params is None:
         return row_settings(None, True, config)
     return row_settings(params.extra_args, is_greedy(params.temperature), config)
 
 
-def row_settings(extra_args: dict | None, greedy: bool, config: ServingConfig) -> RowSettings:
+def row_settings(extra_args: dict | None, greedy: bool, config: PluginConfig) -> RowSettings:
     """How one request decodes on this server. Its fields were checked at the front end."""
     fields = extra_args or {}
     if config.mask_token_id is None or config.num_masks < 1:

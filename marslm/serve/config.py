@@ -1,15 +1,17 @@
-"""Every ``marslm serve`` knob in one validated object: the CLI's options, the engine's and the
-HTTP server's settings are its fields (settings.py), so each default is written once."""
+"""Every ``marslm serve`` knob in one object, checked once as it is made: the CLI's options, the
+engine's and the HTTP server's settings are its fields (settings.py), so each default is written
+once, and whatever holds a ``ServeConfig`` holds a valid one (it is frozen)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
-from .decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
-from .errors import UserError
-from .settings import flag_of, setting
+from ..decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
+from ..errors import UserError
+from ..settings import flag_of, setting
 
 POLICIES = ("fixed", "adaptive")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
@@ -26,7 +28,7 @@ def _int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeConfig:
     host: str = setting("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
     port: int = setting(8000, "port (0 picks a free one)")
@@ -38,8 +40,12 @@ class ServeConfig:
     threads: int | None = setting(
         None, "torch threads for a model on the CPU (default: the cores less one, so the HTTP front end keeps one)"
     )
-    served_model_name: str | None = setting(
-        None, "model name clients send (default: the model directory's name, or the hub id)"
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        "names clients may send for the model, the first in answers (default: the model directory's "
+        "name, or the hub id); the --model path or hub id is served too",
+        nargs="+",
+        metavar="NAME",
     )
     engine: str = setting(
         "marslm",
@@ -87,7 +93,7 @@ class ServeConfig:
     keep_alive_timeout: float = setting(5.0, "seconds an idle keep-alive connection stays open")
     max_connections: int = setting(1024, "open connections; one more is answered 503 and closed")
 
-    def validate(self) -> ServeConfig:
+    def __post_init__(self) -> None:
         def flag(name):
             return flag_of(ServeConfig, name)
 
@@ -118,6 +124,10 @@ class ServeConfig:
                 raise UserError(
                     f"{flag(name)} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value}"
                 )
+        if not isinstance(self.served_model_name, tuple) or not all(
+            isinstance(name, str) and name for name in self.served_model_name
+        ):
+            raise UserError(f"{flag('served_model_name')} must be non-empty names, got {self.served_model_name!r}")
         check_mask_batch_limit(self.mask_batch_limit, flag("mask_batch_limit"), auto=True)
         check_seed(self.seed, flag("seed"))
         if self.slo_ms is not None and not (math.isfinite(self.slo_ms) and self.slo_ms > 0):
@@ -130,4 +140,11 @@ class ServeConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        return self
+
+
+def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The names a client may send for ``model``: ``aliases`` (``--served-model-name``; by default
+    a local directory's name, or the hub id), then ``model`` as the server was started with it,
+    which is what vLLM serves by default. Answers carry the first, as vLLM's do."""
+    default = Path(model).resolve().name if Path(model).exists() else model
+    return tuple(dict.fromkeys((*(aliases or (default,)), model)))

@@ -15,7 +15,7 @@ while a forward runs. Rows advance independently on the cursor cache, so admitti
 between steps *is* continuous batching: nobody waits for a batch to drain.
 
 Each row keeps its own tau. Requests that name no tau follow the server's *default* tau, which
-the :class:`TauController` may move with load (adaptive policy) or an admin may set; a change
+the ``TauController`` (tau.py) may move with load (adaptive policy) or an admin may set; a change
 reaches running rows through ``DecodeBatch.set_tau`` before the next step.
 
 One request's numbers never fail another's: a row that cannot join the batch, or whose sample
@@ -33,21 +33,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from .chat import stop_token_ids
-from .decode import METRICS, DecodeBatch, DecodingParams, ParamError, TextStream, check_tau
-from .decode.costs import MaskBatchLimit, masked_step_costs
-from .errors import UserError
-from .serve_config import POLICIES, ServeConfig
+from ..chat import stop_token_ids
+from ..decode import METRICS, DecodeBatch, DecodingParams, ParamError, TextStream
+from ..decode.costs import MaskBatchLimit, masked_step_costs
+from ..errors import UserError
+from .config import ServeConfig
+from .metrics import EngineMetrics
+from .tau import TauController
 
 log = logging.getLogger("marslm.engine")
 
@@ -61,17 +61,10 @@ DTYPES = {
 # The metrics whose tau lives in (0, 1] with "higher = stricter": the server's default tau applies
 # to them. Entropy runs the other way (accept while H <= tau), so an entropy request names its tau.
 DEFAULT_TAU_METRICS = ("prob", "margin")
+IDLE_TICK_S = 0.05  # how often an idle engine lets the tau controller restore the default
 
 
 # ---------------------------------------------------------------------------------------- requests
-class InvalidRequest(UserError):
-    """A request the engine refuses; ``param`` names the offending field (OpenAI error object)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
 class QueueFull(Exception):
     """The waiting queue is at ``max_queue``: the caller should retry after ``retry_after`` seconds."""
 
@@ -89,9 +82,10 @@ class EngineError(Exception):
 
 
 @dataclass
-class SamplingParams:
-    """What a request asks for; ``None`` means the server's default. Checked by
-    :meth:`Engine.validate`, which turns it into the :class:`DecodingParams` a row runs with."""
+class RequestOptions:
+    """What a request asks for, as the API's fields name it; ``None`` means the server's default.
+    :meth:`Engine.validate` resolves the defaults and turns it into the ``DecodingParams`` a row
+    runs with."""
 
     max_tokens: int | None = None
     tau: float | None = None  # None: follow the server's (possibly adaptive) default tau
@@ -167,151 +161,79 @@ class _Request:
     first_token: float | None = None
     tokens: list[int] = field(default_factory=list)  # tokens already published
 
-
-# ------------------------------------------------------------------------------------ tau control
-class TauController:
-    """The default tau: fixed, or adaptive between ``floor`` and ``ceiling``.
-
-    Adaptive, every engine turn:
-
-        pressure = max(queue_depth / max_batch, step_latency / slo - 1), clipped to [0, 1]
-        target   = ceiling - pressure * (ceiling - floor)
-
-    tau drops to the target at once (requests are waiting now, and waiting makes the queue
-    longer) but climbs back at most ``recover_per_s`` per second, so a queue that empties for a
-    step does not make tau flap. A lower tau accepts more tokens per forward: requests finish in
-    fewer steps and free their rows sooner, which is what drains the queue. Between the bounds
-    values are rounded to 0.01 so running rows are touched only when the default really changes;
-    the bounds themselves are exactly what was set.
-    """
-
-    def __init__(
-        self, tau: float, policy: str, floor: float, slo_ms: float | None, max_batch: int, recover_per_s: float = 0.1
-    ):
-        self._lock = threading.Lock()
-        self.max_batch = max_batch
-        self.recover_per_s = recover_per_s
-        self.changes = {"down": 0, "up": 0}
-        self._latency_ema: float | None = None
-        self._last: float | None = None
-        self.configure(policy=policy, tau=tau, floor=floor, slo_ms=slo_ms)
-
-    def configure(
-        self,
-        *,
-        policy: str | None = None,
-        tau: float | None = None,
-        floor: float | None = None,
-        slo_ms: float | None | str = "keep",
-    ) -> None:
-        """Change the policy and its bounds (admin); ``tau`` is the ceiling, and the default now."""
-        with self._lock:
-            policy = policy if policy is not None else self.policy
-            ceiling = tau if tau is not None else self.ceiling
-            # A new default below the current floor (and no new floor) takes the floor down with it:
-            # under the fixed policy the floor is unused, and an admin's explicit tau should win.
-            floor = floor if floor is not None else min(self.floor, ceiling)
-            slo_ms = self.slo_ms if slo_ms == "keep" else slo_ms
-            if policy not in POLICIES:
-                raise UserError(f"tau policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-            check_tau(ceiling, "prob")
-            check_tau(floor, "prob")
-            if floor > ceiling:
-                raise UserError(f"tau floor {floor} is above the default tau {ceiling}")
-            if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):
-                raise UserError(f"slo_ms must be a finite number > 0 (or null: off), got {slo_ms}")
-            self.policy, self.ceiling, self.floor, self.slo_ms = policy, float(ceiling), float(floor), slo_ms
-            self._level = self.ceiling
-            self._set(self.ceiling)
-
-    def _set(self, level: float) -> None:
-        tau = self.ceiling if level >= self.ceiling else self.floor if level <= self.floor else round(level, 2)
-        tau = min(max(tau, self.floor), self.ceiling)
-        current = getattr(self, "tau", None)
-        if current is not None and tau != current:
-            self.changes["down" if tau < current else "up"] += 1
-        self.tau = tau
-
-    def observe(self, now: float, queue_depth: int, step_ms: float | None) -> float:
-        """Feed one engine turn (``step_ms`` None: the batch was idle); returns the default tau."""
-        with self._lock:
-            dt = 0.0 if self._last is None else now - self._last
-            self._last = now
-            if step_ms is None:
-                self._latency_ema = None  # no batch, no latency pressure
-            else:
-                self._latency_ema = step_ms if self._latency_ema is None else 0.7 * self._latency_ema + 0.3 * step_ms
-            if self.policy == "fixed":
-                return self.tau
-            pressure = queue_depth / self.max_batch
-            if self.slo_ms and self._latency_ema is not None:
-                pressure = max(pressure, self._latency_ema / self.slo_ms - 1)
-            pressure = min(max(pressure, 0.0), 1.0)
-            target = self.ceiling - pressure * (self.ceiling - self.floor)
-            # _level is the unrounded tau: many short turns add up to a visible climb
-            if target < self._level:
-                self._level = target
-            else:
-                self._level = min(target, self._level + self.recover_per_s * dt)
-            self._set(self._level)
-            return self.tau
-
-    def state(self) -> dict:
-        with self._lock:
-            return {
-                "policy": self.policy,
-                "tau": self.tau,
-                "ceiling": self.ceiling,
-                "floor": self.floor,
-                "slo_ms": self.slo_ms,
-                "changes": dict(self.changes),
-            }
+    def cancelled(self) -> Result:
+        """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
+        return Result(
+            list(self.tokens),
+            "cancelled",
+            len(self.prompt_ids),
+            [],
+            self.settings.tau if self.settings.mode == "threshold" else None,
+        )
 
 
-# ----------------------------------------------------------------------------------------- metrics
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask of one model on one server: its context, and ``max_tokens``'s
+    default and bound."""
 
+    context: int | None  # the model's max_position_embeddings (None: unbounded)
+    default_max_tokens: int
+    max_tokens_limit: int
+    trained_block_size: int | None
 
-class Histogram:
-    def __init__(self, buckets=LATENCY_BUCKETS):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)  # per bucket, not cumulative; rendering accumulates
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-                break
-        self.sum += value
-        self.count += 1
-
-    def copy(self) -> Histogram:
-        other = Histogram(self.buckets)
-        other.counts, other.sum, other.count = list(self.counts), self.sum, self.count
-        return other
-
-
-@dataclass
-class EngineMetrics:
-    requests: dict = field(default_factory=lambda: {"finished": 0, "cancelled": 0, "error": 0, "rejected": 0})
-    prompt_tokens: int = 0
-    generation_tokens: int = 0  # tokens sent to clients (stop tokens excluded)
-    accepted_tokens: int = 0  # tokens accepted by forwards (stop tokens included)
-    forwards: int = 0  # model calls (one per step, whatever the batch)
-    row_forwards: int = 0  # sum over requests of the forwards each took part in
-    histograms: dict = field(
-        default_factory=lambda: {
-            name: Histogram()
-            for name in (
-                "request_latency_seconds",
-                "time_to_first_token_seconds",
-                "queue_wait_seconds",
-                "step_latency_seconds",
+    def resolve(self, prompt_ids: list[int], options: RequestOptions, default_tau: float) -> DecodingParams:
+        """The settings a row runs with: defaults filled in, every field checked; raises
+        ``ParamError`` naming the refused field."""
+        if not prompt_ids:
+            raise ParamError("the prompt is empty", "prompt", "empty_prompt")
+        if (
+            options.tau is None
+            and options.metric in METRICS
+            and options.metric not in DEFAULT_TAU_METRICS
+            and options.mode == "threshold"
+        ):
+            raise ParamError(
+                f"the server's default tau is a probability; a request with metric "
+                f"{options.metric!r} must set its own tau",
+                "tau",
             )
-        }
-    )
+        room = None if self.context is None else self.context - len(prompt_ids)
+        if room is not None and room < 1:
+            raise ParamError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.context}",
+                "prompt",
+                "context_length_exceeded",
+            )
+        max_tokens = options.max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
+        if not 1 <= max_tokens <= self.max_tokens_limit:
+            raise ParamError(
+                f"max_tokens must be in 1..{self.max_tokens_limit}, got {max_tokens}",
+                "max_tokens",
+                "max_tokens_exceeded" if max_tokens > 1 else "invalid_value",
+            )
+        if room is not None and max_tokens > room:
+            raise ParamError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {self.context} tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        tau = options.tau if options.tau is not None else default_tau
+        return DecodingParams(
+            tau=tau,
+            metric=options.metric,
+            block_size=options.block_size,
+            max_new_tokens=max_tokens,
+            mode=options.mode,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            top_k=options.top_k,
+            seed=options.seed,
+            stop=options.stop,
+        ).verify(self.trained_block_size)
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -323,26 +245,24 @@ class Engine:
         model,
         tokenizer,
         config: ServeConfig | None = None,
-        *,
-        model_name: str = "marslm",
-        idle_tick_s: float = 0.05,
     ):
-        config = (config or ServeConfig()).validate()
+        config = config or ServeConfig()
         self.config = config
-        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = config.max_batch, config.max_queue
-        self.default_max_tokens = min(config.max_tokens, config.max_tokens_limit)
-        self.max_tokens_limit = config.max_tokens_limit
-        from .modeling import checkpoint_facts
+        from ..modeling import checkpoint_facts
 
         facts = checkpoint_facts(model, tokenizer)
-        self.trained_block_size = facts.block_size
-        self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self.limits = RequestLimits(
+            getattr(model.config, "max_position_embeddings", None),
+            min(config.max_tokens, config.max_tokens_limit),
+            config.max_tokens_limit,
+            facts.block_size,
+        )
         self.controller = TauController(
             config.tau, config.tau_policy, config.tau_floor, config.slo_ms, max_batch=config.max_batch
         )
         self.metrics = EngineMetrics()
-        self.idle_tick_s = idle_tick_s  # how often an idle engine lets the controller restore tau
 
         if facts.mask_token_id is None:
             raise UserError("the tokenizer has no mask token (<|mask|>); is this a MARS checkpoint?")
@@ -372,16 +292,14 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, config: ServeConfig | None = None) -> Engine:
-        from .modeling import cpu_threads, load_model, resolve_device
+        from ..modeling import cpu_threads, load_model, resolve_device
 
-        config = (config or ServeConfig()).validate()
+        config = config or ServeConfig()
         model, tokenizer, _ = load_model(path, dtype=DTYPES[config.dtype], device=resolve_device(config.device))
         if model.device.type == "cpu":
             torch.set_num_threads(cpu_threads(config.threads))
             log.info("model on the CPU with %d torch threads", torch.get_num_threads())
-        # The served name: a hub id as given, a local directory by its name (not its path).
-        name = config.served_model_name or (Path(path).resolve().name if Path(path).exists() else path)
-        return cls(model, tokenizer, config, model_name=name)
+        return cls(model, tokenizer, config)
 
     # ---------------------------------------------------------------------------- lifecycle
     @property
@@ -392,21 +310,12 @@ class Engine:
         if self._thread is not None:
             return
         if warmup:  # first-call work (allocator, kernels) happens here, not in a user's latency
-            batch = DecodeBatch(self.model, **self._batch_args)
-            warm = DecodingParams(tau=0.5, block_size=self.trained_block_size, max_new_tokens=2).verify()
-            batch.add([[self._batch_args["pad_id"]] * 4], [warm], ["warmup"])
-            while len(batch):
-                batch.step()
-        if self.config.mask_batch_limit == "auto" and self.mask_limit is None:
-            sizes = sorted({*(2**i for i in range(self.max_batch.bit_length())), self.max_batch})
-            costs = masked_step_costs(self.model, self.trained_block_size, sizes)
-            self.mask_limit = MaskBatchLimit(costs)
-            self._batch.mask_batch_limit = self.mask_limit.limit
-            log.info(
-                "mask batch limit auto: masked step cost %s; limit %d",
-                ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
-                self.mask_limit.limit,
+            _warm_up(
+                DecodeBatch(self.model, **self._batch_args), self._batch_args["pad_id"], self.limits.trained_block_size
             )
+        if self.config.mask_batch_limit == "auto" and self.mask_limit is None:
+            self.mask_limit = _measure_mask_limit(self.model, self.limits.trained_block_size, self.max_batch)
+            self._batch.mask_batch_limit = self.mask_limit.limit
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="marslm-engine", daemon=True)
         self._thread.start()
@@ -428,71 +337,20 @@ class Engine:
             self._thread.join(10.0)
 
     # ------------------------------------------------------------------------ submitting
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> DecodingParams:
-        """Resolve defaults and check a request against the model; raises :class:`InvalidRequest`."""
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", "prompt", "empty_prompt")
-        if (
-            params.tau is None
-            and params.metric in METRICS
-            and params.metric not in DEFAULT_TAU_METRICS
-            and params.mode == "threshold"
-        ):
-            raise InvalidRequest(
-                f"the server's default tau is a probability; a request with metric "
-                f"{params.metric!r} must set its own tau",
-                "tau",
-            )
-        room = None if self.max_context is None else self.max_context - len(prompt_ids)
-        if room is not None and room < 1:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}",
-                "messages",
-                "context_length_exceeded",
-            )
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
-        if not 1 <= max_tokens <= self.max_tokens_limit:
-            raise InvalidRequest(
-                f"max_tokens must be in 1..{self.max_tokens_limit}, got {max_tokens}",
-                "max_tokens",
-                "max_tokens_exceeded" if max_tokens > 1 else "invalid_value",
-            )
-        if room is not None and max_tokens > room:
-            raise InvalidRequest(
-                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"the model's context of {self.max_context} tokens",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        tau = params.tau if params.tau is not None else self.controller.tau
-        try:
-            return DecodingParams(
-                tau=tau,
-                metric=params.metric,
-                block_size=params.block_size,
-                max_new_tokens=max_tokens,
-                mode=params.mode,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                seed=params.seed,
-                stop=params.stop,
-            ).verify(self.trained_block_size)
-        except ParamError as exc:
-            raise InvalidRequest(str(exc), exc.param, exc.code) from None
+    def validate(self, prompt_ids: list[int], options: RequestOptions) -> DecodingParams:
+        """Resolve defaults and check a request against the model; raises ``ParamError`` naming the field."""
+        return self.limits.resolve(prompt_ids, options, self.controller.tau)
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None
+        self, prompt_ids: list[int], options: RequestOptions, loop: asyncio.AbstractEventLoop | None = None
     ) -> RequestStream:
-        """Queue a request; call from the event loop (or pass ``loop``). Raises InvalidRequest,
+        """Queue a request; call from the event loop (or pass ``loop``). Raises ParamError,
         QueueFull or EngineStopped; never blocks."""
-        settings = self.validate(prompt_ids, params)
+        settings = self.validate(prompt_ids, options)
         loop = loop or asyncio.get_running_loop()
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, len(prompt_ids), loop)
-        follows = params.tau is None and params.mode == "threshold"
+        follows = options.tau is None and options.mode == "threshold"
         text = TextStream(self.tokenizer, settings.stop) if settings.stop else None
         request = _Request(request_id, list(prompt_ids), settings, follows, text, stream, time.perf_counter())
         with self._lock:
@@ -500,7 +358,7 @@ class Engine:
                 raise EngineStopped("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 self.metrics.requests["rejected"] += 1
-                raise QueueFull(self._retry_after())
+                raise QueueFull(self.metrics.retry_after(len(self._waiting), self.max_batch))
             self._waiting.append(request)
             self._wake.notify()
         return stream
@@ -511,47 +369,26 @@ class Engine:
             self._cancel.add(request_id)
             self._wake.notify()
 
-    def _retry_after(self) -> int:
-        """Seconds until the queue has likely moved on: its waves times the mean request time."""
-        latency = self.metrics.histograms["request_latency_seconds"]
-        mean = latency.sum / latency.count if latency.count else 1.0
-        return max(1, min(60, math.ceil(len(self._waiting) / self.max_batch * mean)))
-
     # ---------------------------------------------------------------------------- admin
-    def set_default_tau(self, tau: float) -> dict:
-        """The default tau (the adaptive ceiling); running rows that follow it switch at the next step."""
-        self.controller.configure(tau=tau)
-        self._nudge()
-        return self.controller.state()
-
     def set_policy(
         self, policy: str | None = None, *, tau: float | None = None, floor: float | None = None, slo_ms="keep"
     ) -> dict:
+        """Change the default tau's policy or bounds (``tau``: the default, the adaptive ceiling);
+        running rows that follow the default switch at the next step. Returns the new state."""
         self.controller.configure(policy=policy, tau=tau, floor=floor, slo_ms=slo_ms)
-        self._nudge()
-        return self.controller.state()
-
-    def _nudge(self) -> None:
         with self._lock:
             self._wake.notify()
+        return self.controller.state()
 
     def snapshot(self) -> dict:
         """A consistent copy of the counters and gauges, for /metrics."""
         with self._lock:
-            m = self.metrics
             return {
-                "requests": dict(m.requests),
-                "prompt_tokens": m.prompt_tokens,
-                "generation_tokens": m.generation_tokens,
-                "accepted_tokens": m.accepted_tokens,
-                "forwards": m.forwards,
-                "row_forwards": m.row_forwards,
-                "tokens_per_forward": m.accepted_tokens / m.row_forwards if m.row_forwards else 0.0,
+                **self.metrics.snapshot(),
                 "queue_depth": len(self._waiting),
                 "active_batch": self._active,
                 "max_batch": self.max_batch,
                 "tau": self.controller.state(),
-                "histograms": {name: h.copy() for name, h in m.histograms.items()},
             }
 
     # ---------------------------------------------------------------------- engine thread
@@ -561,7 +398,7 @@ class Engine:
                 if self._abort or (self._stopping and not self._waiting and not self._running):
                     break
                 if not self._running and not self._waiting and not self._cancel:
-                    self._wake.wait(self.idle_tick_s)
+                    self._wake.wait(IDLE_TICK_S)
             try:
                 self._turn()
             except Exception as exc:  # a bug or an OOM must not kill the server: fail the batch, go on
@@ -659,17 +496,7 @@ class Engine:
         with self._lock:
             self._active = len(self._batch)
         for r in queued + running:
-            self._deliver(r, self._cancelled_result(r))
-
-    def _cancelled_result(self, r: _Request) -> Result:
-        """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
-        return Result(
-            list(r.tokens),
-            "cancelled",
-            len(r.prompt_ids),
-            [],
-            r.settings.tau if r.settings.mode == "threshold" else None,
-        )
+            self._deliver(r, r.cancelled())
 
     def _publish(self, new_tokens: dict, finished: list, now: float) -> None:
         by_loop: dict = {}
@@ -723,13 +550,7 @@ class Engine:
         _call_soon(r.stream.loop, _put_all, [(r.stream.queue, item)])
 
     def _count_finished(self, r: _Request, result: Result, now: float) -> None:
-        m = self.metrics
-        m.requests["finished"] += 1
-        m.generation_tokens += result.completion_tokens
-        m.accepted_tokens += sum(result.accepted_per_step)
-        m.row_forwards += result.forwards
-        m.histograms["request_latency_seconds"].observe(now - r.arrived)
-        m.histograms["time_to_first_token_seconds"].observe(r.first_token - r.arrived)
+        self.metrics.count_finished(result, latency=now - r.arrived, first_token=r.first_token - r.arrived)
 
     def _fail_alone(self, r: _Request, reason) -> None:
         """One request's decoding failed on its own numbers; the rest of the batch goes on."""
@@ -757,7 +578,27 @@ class Engine:
         with self._lock:
             self._active = 0
         for r in left:
-            self._deliver(r, self._cancelled_result(r))
+            self._deliver(r, r.cancelled())
+
+
+def _warm_up(batch: DecodeBatch, pad_id: int, block_size: int | None) -> None:
+    warm = DecodingParams(tau=0.5, block_size=block_size, max_new_tokens=2).verify()
+    batch.add([[pad_id] * 4], [warm], ["warmup"])
+    while len(batch):
+        batch.step()
+
+
+def _measure_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimit:
+    """``--mask-batch-limit auto``: a masked step timed against a one-token step at each batch size."""
+    sizes = sorted({*(2**i for i in range(max_batch.bit_length())), max_batch})
+    costs = masked_step_costs(model, block_size, sizes)
+    limit = MaskBatchLimit(costs)
+    log.info(
+        "mask batch limit auto: masked step cost %s; limit %d",
+        ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
+        limit.limit,
+    )
+    return limit
 
 
 def _hits_stop(text: TextStream | None, ids: list[int]) -> bool:

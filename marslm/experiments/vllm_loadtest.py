@@ -1,4 +1,4 @@
-"""``marslm loadtest --engine vllm --model DIR``: MARS inside vLLM against vLLM's own decoding, under load.
+"""``marslm loadtest --engine vllm --checkpoint DIR``: MARS inside vLLM against vLLM's own decoding, under load.
 
 Three vLLM servers start on the checkpoint, each in vLLM's environment: plain (no speculative
 decoding), ngram (vLLM's prompt-lookup drafter, B draft tokens) and MARS (the plugin). Four
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from .launch import serve_command
+from ..serve.vllm_launch import serve_command
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ async def _measure(
     import httpx
 
     from ..data import toy
-    from ..experiments.loadtest import _one_request, _run_level, _summarise
+    from .loadtest import _one_request, _run_level, _summarise
 
     examples = toy.make_split("test", requests, seed=seed)
     limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)

@@ -43,7 +43,7 @@ def serve_command(
     tau: float = 0.95,
     speculative: str = "mars",
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_names: tuple[str, ...] = (),
     max_batch: int | None = None,
     log_level: str = "info",
     vllm_args: list[str] = (),
@@ -67,8 +67,8 @@ def serve_command(
     ]
     if api_key:
         cmd += ["--api-key", api_key]
-    if served_model_name:
-        cmd += ["--served-model-name", served_model_name]
+    if served_model_names:
+        cmd += ["--served-model-name", *served_model_names]
     if max_batch:
         cmd += ["--max-batch", str(max_batch)]
     return cmd + ["--", *vllm_args] if vllm_args else cmd
