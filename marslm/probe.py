@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from .chat import IGNORE, encode_conversation, stop_token_ids
 from .decode.acceptance import PROB
+from .decode.params import one_token
 from .errors import UserError
 from .head_loss import logits_at
 
@@ -381,7 +382,7 @@ def summarise(items: list[ProbeItem], m: Measurements, taus=DEFAULT_TAUS) -> dic
     candidates = m.valid[:, 1:B]  # the paper's B candidates: the AR token and the first B-1 masks
     paper = {}
     for tau in taus:
-        if tau >= 1:  # one-token mode, whatever a float32 softmax rounds to 1.0
+        if one_token(tau, "prob"):  # one-token mode (the probe reads prob): no mask passes, even at 1.0
             run = torch.zeros(len(m.valid), dtype=torch.long)
         else:
             run = leading_run(candidates & (m.conf[:, 1:B] >= torch.tensor(tau, dtype=m.conf.dtype)))

@@ -8,6 +8,9 @@ the answers, and the peak KV-cache size.
 
 Tokens are new tokens without the stop token. Tokens per forward for HF contenders counts model
 calls with a forward hook: every row of a batch takes part in every call.
+
+The settings of a run, also those of ``--cost-curve`` and ``--train-step``, are a
+:class:`BenchConfig`, checked when it is made; the CLI builds it from its options.
 """
 
 from __future__ import annotations
@@ -19,13 +22,123 @@ from dataclasses import dataclass, field
 import torch
 
 from ..chat import encode_prompt
+from ..cli.common import floats, ints, strings
 from ..decode import generate
+from ..decode.generation import with_overrides
+from ..decode.params import DecoderOptions, DecodingParams, check_tau
 from ..errors import UserError
+from ..settings import flag_of, setting
+from .train_step import SHAPES
 
 PAPER_REFERENCE = (
     "paper (Qwen2.5-7B, GPU, block cache, tau 0.95): 1.71x at batch 4, 1.60x at 8, 1.34x at 16; "
     "without a cache 0.90x / 0.49x / 0.23x"
 )
+
+# Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
+CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "cursor-adaptive", "lossless", "lossless-groups")
+BLOCK_CACHE_SIZES = (16, 32)  # the block contenders' --block-cache-size values
+TRAIN_STEP_FIELDS = (  # BenchConfig's fields that only --train-step reads (an option group of their own)
+    "train_step",
+    "shape",
+    "layers",
+    "seq_lens",
+    "prompt_share",
+    "logits",
+    "attention",
+    "gradient_checkpointing",
+    "bf16",
+)
+
+
+@dataclass
+class BenchConfig:
+    """One ``marslm bench`` run; its options are these fields (settings.py), checked when it is made.
+
+    Three modes share them: decoding speed (the default), ``cost_curve`` and ``train_step``; each
+    checks the fields it reads.
+    """
+
+    model: str | None = setting(None, "MARS checkpoint directory (with --train-step: any checkpoint, or use --shape)")
+    ar_model: str | None = setting(
+        None,
+        "AR checkpoint directory, the baseline (HF generate with KV cache); required unless "
+        "--cost-curve or --train-step. For a pretrained model fine-tuned with MARS: the original model",
+    )
+    data: list = setting(
+        ["toy"],
+        "comma-separated evaluation sets, each benchmarked in turn ('reworded' is the off-distribution set)",
+        parse=strings,
+    )
+    batch_sizes: list = setting(
+        [1, 4, 8], "comma-separated batch sizes (--train-step: rows per step, the first)", parse=ints
+    )
+    n: int = setting(32, "prompts per contender and batch size")
+    repeats: int = setting(3, "timed repeats, after a warm-up")
+    max_new_tokens: int = setting(128, "longest answer, in tokens")
+    taus: list = setting([0.95, 0.9], "comma-separated taus of the MARS threshold contenders", parse=floats)
+    contenders: list = setting(
+        list(CONTENDER_GROUPS),
+        "comma-separated contender groups besides HF generate on --ar-model, which always runs; all by default",
+        parse=strings,
+    )
+    cost_curve: bool = setting(False, "measure forward time against fed width instead of decoding")
+    contexts: list = setting([128, 512], "--cost-curve: cached context lengths", parse=ints)
+    block_size: int | None = setting(
+        None, "--cost-curve: B, for widths 1 .. 2B + 2; --train-step: B (default: the checkpoint's, else 4)"
+    )
+    train_step: bool = setting(False, "time a MARS training step against an AR step instead of decoding")
+    shape: str | None = setting(
+        None, "a named model shape with random weights instead of --model (no download)", choices=sorted(SHAPES)
+    )
+    layers: int | None = setting(None, "--shape: keep only this many decoder layers")
+    seq_lens: list = setting([256, 512], "tokens per row", parse=ints)
+    prompt_share: float = setting(0.3, "untrained share of each row")
+    logits: str = setting(
+        "targets",
+        "targets: the fused target-only head training uses; full: full logits at every column; both",
+        choices=("targets", "full", "both"),
+    )
+    attention: str = setting("sdpa", "attention implementation", choices=("sdpa", "eager", "flex"))
+    gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass")
+    bf16: bool = setting(False, "bf16 autocast (on CUDA, as training's default)")
+    device: str = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
+    json_path: str | None = setting(None, "write the report as JSON to FILE", flag="--json", metavar="FILE")
+    progress: bool = setting(True, "no progress bars", negative="--quiet")
+
+    def __post_init__(self):
+        if self.n < 1 or self.repeats < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
+        if self.train_step:
+            self._check_train_step()
+            return
+        if self.model is None:
+            raise UserError("--model is required")
+        if self.max_new_tokens < 1:
+            raise UserError(f"{flag_of(BenchConfig, 'max_new_tokens')} must be >= 1, got {self.max_new_tokens}")
+        for tau in self.taus:
+            check_tau(tau, "prob")
+        if self.cost_curve:
+            if not self.contexts or min(self.contexts) < 1 or (self.block_size is not None and self.block_size < 1):
+                raise UserError("every --contexts value and --block-size must be >= 1")
+            return
+        if self.ar_model is None:
+            raise UserError("--ar-model is required: the AR baseline is HF generate on the AR checkpoint")
+        unknown = set(self.contenders) - set(CONTENDER_GROUPS)
+        if unknown:
+            raise UserError(
+                f"unknown contender group(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONTENDER_GROUPS)}"
+            )
+
+    def _check_train_step(self) -> None:
+        if (self.model is None) == (self.shape is None):
+            raise UserError("--train-step needs exactly one of --model or --shape")
+        if not self.seq_lens or min(self.seq_lens) < 2:
+            raise UserError("every --seq-lens value must be >= 2")
+        if not 0 <= self.prompt_share < 1:
+            raise UserError(f"{flag_of(BenchConfig, 'prompt_share')} must be in [0, 1), got {self.prompt_share}")
+        if self.block_size is not None and self.block_size < 1:
+            raise UserError("--block-size must be >= 1")
 
 
 @dataclass
@@ -33,19 +146,20 @@ class Contender:
     name: str
     kind: str  # "hf" | "hf-lookup" | "mars"
     checkpoint: str  # "ar" | "mars"
-    options: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # as the report shows them: HF generate's keywords, or MARS settings
+    params: DecodingParams | None = None  # MARS: ``options`` put into generate's settings, once
+    decoder: DecoderOptions | None = None
 
 
-# Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
-CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "cursor-adaptive", "lossless", "lossless-groups")
+def _mars(name: str, max_new_tokens: int, **options) -> Contender:
+    """A MARS contender; each option goes to the settings object whose field it names."""
+    params, decoder = with_overrides(DecodingParams(max_new_tokens=max_new_tokens), DecoderOptions(), options)
+    return Contender(name, "mars", "mars", options, params, decoder)
 
 
-def default_contenders(taus=(0.95, 0.9), block_cache_sizes=(16, 32), groups=CONTENDER_GROUPS) -> list[Contender]:
-    unknown = set(groups) - set(CONTENDER_GROUPS)
-    if unknown:
-        raise UserError(
-            f"unknown contender group(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONTENDER_GROUPS)}"
-        )
+def default_contenders(config: BenchConfig) -> list[Contender]:
+    """HF generate on the AR checkpoint, then the contenders of each group in ``config.contenders``."""
+    groups, length = config.contenders, config.max_new_tokens
     contenders = [Contender("HF generate (AR ckpt)", "hf", "ar")]
     if "hf-mars" in groups:
         contenders.append(Contender("HF generate (MARS ckpt)", "hf", "mars"))
@@ -53,37 +167,23 @@ def default_contenders(taus=(0.95, 0.9), block_cache_sizes=(16, 32), groups=CONT
         contenders.append(
             Contender("HF prompt lookup (MARS ckpt)", "hf-lookup", "mars", {"prompt_lookup_num_tokens": 4})
         )
-    for tau in taus:
+    for tau in config.taus:
         if "none" in groups:
-            contenders.append(Contender(f"MARS none tau={tau}", "mars", "mars", {"tau": tau, "cache": "none"}))
-        for size in block_cache_sizes if "block" in groups else ():
+            contenders.append(_mars(f"MARS none tau={tau}", length, tau=tau, cache="none"))
+        for size in BLOCK_CACHE_SIZES if "block" in groups else ():
             contenders.append(
-                Contender(
-                    f"MARS block{size} tau={tau}",
-                    "mars",
-                    "mars",
-                    {"tau": tau, "cache": "block", "block_cache_size": size},
-                )
+                _mars(f"MARS block{size} tau={tau}", length, tau=tau, cache="block", block_cache_size=size)
             )
         if "cursor" in groups:
-            contenders.append(Contender(f"MARS cursor tau={tau}", "mars", "mars", {"tau": tau, "cache": "cursor"}))
+            contenders.append(_mars(f"MARS cursor tau={tau}", length, tau=tau, cache="cursor"))
         if "cursor-adaptive" in groups:  # rows rest from refused masks: what adaptive width saves, and costs
             contenders.append(
-                Contender(
-                    f"MARS cursor adaptive-width tau={tau}",
-                    "mars",
-                    "mars",
-                    {"tau": tau, "cache": "cursor", "adaptive_width": True},
-                )
+                _mars(f"MARS cursor adaptive-width tau={tau}", length, tau=tau, cache="cursor", adaptive_width=True)
             )
     if "lossless" in groups:
-        contenders.append(Contender("MARS lossless", "mars", "mars", {"mode": "lossless", "cache": "cursor"}))
+        contenders.append(_mars("MARS lossless", length, mode="lossless", cache="cursor"))
     if "lossless-groups" in groups:
-        contenders.append(
-            Contender(
-                "MARS lossless +groups", "mars", "mars", {"mode": "lossless", "cache": "cursor", "draft_groups": True}
-            )
-        )
+        contenders.append(_mars("MARS lossless +groups", length, mode="lossless", cache="cursor", draft_groups=True))
     return contenders
 
 
@@ -105,7 +205,7 @@ def _kv_bytes_per_slot(model) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
 
 
-def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options) -> dict:
+def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options: dict) -> dict:
     if options.get("prompt_lookup_num_tokens") and batch_size > 1:
         return {"refused": "HF assisted/prompt-lookup decoding supports batch size 1 only"}
     pad = tokenizer.pad_token_id
@@ -146,52 +246,44 @@ def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options) -
     }
 
 
-def _run_mars(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options) -> dict:
+def _run_mars(model, tokenizer, prompt_ids, batch_size, c: Contender) -> dict:
     token_ids, accepted, peak_slots = [], [], 0
     for start in range(0, len(prompt_ids), batch_size):
-        out = generate(
-            model, tokenizer, prompt_ids[start : start + batch_size], max_new_tokens=max_new_tokens, **options
-        )
+        out = generate(model, tokenizer, prompt_ids[start : start + batch_size], params=c.params, decoder=c.decoder)
         token_ids += out.token_ids
         accepted += out.accepted_per_step
-        width = out.stats.peak_cache_slots or max(map(len, prompt_ids[start : start + batch_size])) + max_new_tokens
+        width = (
+            out.stats.peak_cache_slots
+            or max(map(len, prompt_ids[start : start + batch_size])) + c.params.max_new_tokens
+        )
         peak_slots = max(peak_slots, width)
     tokens = sum(map(len, token_ids))
     return {
         "token_ids": token_ids,
         "tokens": tokens,
         "tokens_per_forward": sum(map(sum, accepted)) / sum(map(len, accepted)),
-        "kv_slots": peak_slots * batch_size if options.get("cache", "cursor") != "none" else 0,
+        "kv_slots": peak_slots * batch_size if c.decoder.cache != "none" else 0,
     }
 
 
-def run_bench(
-    models: dict,
-    eval_set,
-    *,
-    batch_sizes=(1, 4, 8),
-    n: int = 32,
-    repeats: int = 3,
-    max_new_tokens: int = 128,
-    contenders: list[Contender] | None = None,
-    progress: bool = True,
-) -> dict:
-    """``models``: ``{"ar": (model, tokenizer), "mars": (model, tokenizer)}``.
+def run_bench(models: dict, eval_set, config: BenchConfig) -> dict:
+    """``models``: ``{"ar": (model, tokenizer), "mars": (model, tokenizer)}`` (:func:`load_bench_models`).
 
     Per batch size, every contender is warmed up, then the repeats go round the contenders in turn
     (interleaved), so a machine that slows down for a while slows every contender alike.
     """
     from tqdm.auto import tqdm
 
-    contenders = [c for c in contenders or default_contenders() if c.checkpoint in models]
-    examples = eval_set.examples[:n]
+    contenders = [c for c in default_contenders(config) if c.checkpoint in models]
+    examples = eval_set.examples[: config.n]
     prompts = {
         name: [encode_prompt(tokenizer, ex.messages) for ex in examples] for name, (_, tokenizer) in models.items()
     }
     rows = []
-    bar = tqdm(total=len(batch_sizes) * len(contenders) * (repeats + 1), desc="bench", disable=not progress)
-    for batch_size in batch_sizes:
-        results, seconds = _timed_rounds(models, prompts, contenders, batch_size, repeats, max_new_tokens, bar)
+    rounds = len(config.batch_sizes) * len(contenders) * (config.repeats + 1)
+    bar = tqdm(total=rounds, desc="bench", disable=not config.progress)
+    for batch_size in config.batch_sizes:
+        results, seconds = _timed_rounds(models, prompts, contenders, batch_size, config, bar)
         for c in contenders:
             rows.append(_row(c, batch_size, results[c.name], seconds[c.name], models, eval_set, examples))
     bar.close()
@@ -202,8 +294,8 @@ def run_bench(
     report = {
         "data": eval_set.name,
         "n": len(examples),
-        "repeats": repeats,
-        "max_new_tokens": max_new_tokens,
+        "repeats": config.repeats,
+        "max_new_tokens": config.max_new_tokens,
         "device": str(next(iter(models.values()))[0].device),
         "threads": torch.get_num_threads(),
         "paper_reference": PAPER_REFERENCE,
@@ -213,21 +305,23 @@ def run_bench(
     return report
 
 
-def _timed_rounds(models, prompts, contenders, batch_size, repeats, max_new_tokens, bar):
+def _timed_rounds(models, prompts, contenders, batch_size, config: BenchConfig, bar):
     """Each contender's result and the seconds of each repeat, after a warm-up round on one batch;
     the repeats go round the contenders in turn."""
     seconds = {c.name: [] for c in contenders}
     results = {}
-    for round_ in range(repeats + 1):  # round 0 is the warm-up, on one batch
+    for round_ in range(config.repeats + 1):  # round 0 is the warm-up, on one batch
         for c in contenders:
             model, tokenizer = models[c.checkpoint]
             if "refused" in results.get(c.name, {}):
                 bar.update(1)
                 continue
-            runner = _run_hf if c.kind.startswith("hf") else _run_mars
             prompt_ids = prompts[c.checkpoint][:batch_size] if round_ == 0 else prompts[c.checkpoint]
             started = time.perf_counter()
-            result = runner(model, tokenizer, prompt_ids, batch_size, max_new_tokens, c.options)
+            if c.kind == "mars":
+                result = _run_mars(model, tokenizer, prompt_ids, batch_size, c)
+            else:
+                result = _run_hf(model, tokenizer, prompt_ids, batch_size, config.max_new_tokens, c.options)
             if round_ or "refused" in result:
                 seconds[c.name].append(time.perf_counter() - started)
                 results[c.name] = result
@@ -356,18 +450,15 @@ def format_bench_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def load_bench_models(mars_dir: str, ar_dir: str | None, device: str = "auto"):
+def load_bench_models(config: BenchConfig) -> dict:
+    """``{"mars": (model, tokenizer), "ar": (model, tokenizer)}`` from ``config.model`` and ``config.ar_model``."""
     from ..modeling import check_model_source, load_model, resolve_device
 
     models = {}
-    for name, path in (("mars", mars_dir), ("ar", ar_dir)):
-        if path is None:
-            continue
+    for name, path in (("mars", config.model), ("ar", config.ar_model)):
         check_model_source(path)
-        model, tokenizer, _ = load_model(path, device=resolve_device(device))
+        model, tokenizer, _ = load_model(path, device=resolve_device(config.device))
         models[name] = (model, tokenizer)
-    if "ar" not in models:
-        raise UserError("--ar-model is required: the AR baseline is HF generate on the AR checkpoint")
     return models
 
 

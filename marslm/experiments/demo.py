@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -353,70 +354,98 @@ def run_demo(
     progress: bool = True,
     **overrides,
 ) -> dict:
-    from ..evaluate import evaluate, format_table, load_eval_set
-    from ..modeling import load_model, resolve_device
-    from ..train import TrainConfig, train
-
     preset = resolve_preset(preset, **overrides)
     out = prepare_output(out, overwrite)
     write_json_atomically(out / DEMO_MARKER, {"preset": asdict(preset)})
     started = time.time()
     timings = {}
+    curve = _train_stages(out, preset, progress, timings)
+    _say(f"5/6 evaluating on {preset.test_examples} test items")
+    with _timed(timings, "eval"):
+        reports = _evaluate_stages(out, preset, progress)
+    timings["total"] = time.time() - started
+    report = {
+        **reports,
+        "ar_learning_curve": curve,
+        "preset": asdict(preset),
+        "seconds": {k: round(v, 1) for k, v in timings.items()},
+    }
+    report["checks"] = check_results(report)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _say("6/6 results\n" + _results_table(reports, preset) + "\n" + format_checks(report["checks"]))
+    _say(f"done in {timings['total'] / 60:.1f} min; report: {out / 'report.json'}")
+    return report
+
+
+@contextmanager
+def _timed(timings: dict, name: str):
+    """Records the seconds the block takes as ``timings[name]``."""
+    started = time.time()
+    yield
+    timings[name] = time.time() - started
+
+
+def _train_stages(out: Path, preset: DemoPreset, progress: bool, timings: dict) -> list:
+    """Stages 1-4 into OUT: the base model, AR SFT, MARS and the AR control; returns the AR
+    stage's learning curve."""
+    from ..train import TrainConfig, train
 
     _say(f"1/6 suite + tokenizer ({preset.train_examples} train examples)")
-    t = time.time()
-    base = build_base_model(out, preset)
-    timings["setup"] = time.time() - t
+    with _timed(timings, "setup"):
+        base = build_base_model(out, preset)
 
     curve: list = []
     _say(f"2/6 AR SFT: {preset.ar_steps} steps of {preset.batch_size}")
-    t = time.time()
-    train(
-        TrainConfig(
-            model=str(base),
-            output=str(out / "ar"),
-            max_steps=preset.ar_steps,
-            learning_rate=preset.ar_lr,
-            **train_arguments(preset, progress, "ar"),
-        ),
-        callbacks=[_learning_curve_callback(preset, base, curve)],
-    )
-    timings["train_ar"] = time.time() - t
+    with _timed(timings, "train_ar"):
+        train(
+            TrainConfig(
+                model=str(base),
+                output=str(out / "ar"),
+                max_steps=preset.ar_steps,
+                learning_rate=preset.ar_lr,
+                **train_arguments(preset, progress, "ar"),
+            ),
+            callbacks=[_learning_curve_callback(preset, base, curve)],
+        )
 
     _say(
         f"3/6 MARS (B={preset.block_size}, SFT-loss weight {preset.mars_ar_weight:g}): "
         f"{preset.mars_steps} steps of {preset.batch_size}"
     )
-    t = time.time()
-    train(
-        TrainConfig(
-            model=str(out / "ar"),
-            output=str(out / "mars"),
-            max_steps=preset.mars_steps,
-            learning_rate=preset.mars_lr,
-            block_size=preset.block_size,
-            ar_weight=preset.mars_ar_weight,
-            **train_arguments(preset, progress, "mars"),
+    with _timed(timings, "train_mars"):
+        train(
+            TrainConfig(
+                model=str(out / "ar"),
+                output=str(out / "mars"),
+                max_steps=preset.mars_steps,
+                learning_rate=preset.mars_lr,
+                block_size=preset.block_size,
+                ar_weight=preset.mars_ar_weight,
+                **train_arguments(preset, progress, "mars"),
+            )
         )
-    )
-    timings["train_mars"] = time.time() - t
 
     _say("4/6 AR control: the AR checkpoint on the MARS stage's data, steps and schedule, plain AR loss")
-    t = time.time()
-    control_args = {**train_arguments(preset, progress, "mars"), "stage": "ar"}
-    train(
-        TrainConfig(
-            model=str(out / "ar"),
-            output=str(out / "ar_control"),
-            max_steps=preset.mars_steps,
-            learning_rate=preset.mars_lr,
-            **control_args,
+    with _timed(timings, "train_control"):
+        control_args = {**train_arguments(preset, progress, "mars"), "stage": "ar"}
+        train(
+            TrainConfig(
+                model=str(out / "ar"),
+                output=str(out / "ar_control"),
+                max_steps=preset.mars_steps,
+                learning_rate=preset.mars_lr,
+                **control_args,
+            )
         )
-    )
-    timings["train_control"] = time.time() - t
+    return curve
 
-    _say(f"5/6 evaluating on {preset.test_examples} test items")
-    t = time.time()
+
+def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
+    """Each checkpoint's report on the test split, by stage name, and the MARS checkpoint's with
+    the paper's sampler."""
+    from ..evaluate import evaluate, load_eval_set
+    from ..modeling import load_model, resolve_device
+
     eval_set = load_eval_set("toy", preset.test_examples, seed=preset.seed)
     reports = {}
     for name, taus in (("ar", (1.0,)), ("ar_control", (1.0,)), ("mars", preset.taus)):
@@ -447,33 +476,14 @@ def run_demo(
             progress=progress,
             model_name=str(out / "mars"),
         )
-    timings["eval"] = time.time() - t
+    return reports
 
-    timings["total"] = time.time() - started
-    report = {
-        **reports,
-        "ar_learning_curve": curve,
-        "preset": asdict(preset),
-        "seconds": {k: round(v, 1) for k, v in timings.items()},
-    }
-    report["checks"] = check_results(report)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _say(
-        "6/6 results\n"
-        + format_table(
-            {
-                "AR SFT": reports["ar"],
-                "AR control": reports["ar_control"],
-                f"MARS B={preset.block_size}": reports["mars"],
-                **(
-                    {f"MARS B={preset.block_size}, the paper's sampler (B candidates)": reports[PAPER_SAMPLER]}
-                    if PAPER_SAMPLER in reports
-                    else {}
-                ),
-            }
-        )
-        + "\n"
-        + format_checks(report["checks"])
-    )
-    _say(f"done in {timings['total'] / 60:.1f} min; report: {out / 'report.json'}")
-    return report
+
+def _results_table(reports: dict, preset: DemoPreset) -> str:
+    from ..evaluate import format_table
+
+    mars = f"MARS B={preset.block_size}"
+    rows = {"AR SFT": reports["ar"], "AR control": reports["ar_control"], mars: reports["mars"]}
+    if PAPER_SAMPLER in reports:
+        rows[f"{mars}, the paper's sampler (B candidates)"] = reports[PAPER_SAMPLER]
+    return format_table(rows)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from marslm.cli import main
 
 
@@ -45,9 +47,19 @@ def test_bench_smoke(trained_dirs, tmp_path, capsys):
     assert isinstance(rows[("MARS lossless", 1)]["same_as_greedy"], bool)
 
 
-def test_bench_contender_groups_and_interleaved_repeats(trained_dirs, tmp_path, capsys):
+def test_bench_contender_groups_and_interleaved_repeats(trained_dirs, tmp_path, capsys, monkeypatch):
+    from marslm.experiments import bench
+
     root = trained_dirs["dir"]
     out = tmp_path / "bench.json"
+    decoded = []  # each MARS call's settings: the contender's, not generate's defaults
+
+    def generate(model, tokenizer, prompts, params, decoder):
+        decoded.append((params.tau, params.mode, params.max_new_tokens, decoder.cache))
+        return real_generate(model, tokenizer, prompts, params, decoder)
+
+    real_generate = bench.generate
+    monkeypatch.setattr(bench, "generate", generate)
     assert (
         main(
             [
@@ -77,6 +89,7 @@ def test_bench_contender_groups_and_interleaved_repeats(trained_dirs, tmp_path, 
     )
     names = [r["contender"] for r in json.loads(out.read_text())["rows"]]
     assert names == ["HF generate (AR ckpt)", "MARS cursor tau=0.9", "MARS lossless"]
+    assert set(decoded) == {(0.9, "threshold", 8, "cursor"), (1.0, "lossless", 8, "cursor")}
     assert main(["bench", "--model", str(root / "mars"), "--ar-model", str(root / "ar"), "--contenders", "nope"]) == 2
     assert "unknown contender group(s) nope" in capsys.readouterr().err
 
@@ -109,3 +122,46 @@ def test_cost_curve_runs_every_width_and_is_relative_to_one_token(trained_dirs, 
     assert all(r["ratio"] == 1.0 for r in report["rows"] if r["width"] == 1)
     assert all(r["ms"] > 0 for r in report["rows"])
     assert "| 2 | 16 | 1.00 |" in capsys.readouterr().out
+
+
+def test_bench_config_checks_what_its_mode_reads_when_made():
+    from marslm.errors import UserError
+    from marslm.experiments.bench import BenchConfig
+
+    refused = [
+        (dict(model="m"), "--ar-model is required"),
+        (dict(model="m", ar_model="a", contenders=["cursor", "nope"]), "unknown contender group(s) nope"),
+        (dict(model="m", ar_model="a", max_new_tokens=0), "--max-new-tokens must be >= 1, got 0"),
+        (dict(model="m", ar_model="a", taus=[1.5]), "tau for the prob metric must be in (0, 1]"),
+        (dict(model="m", ar_model="a", batch_sizes=[]), "every --batch-sizes value must be >= 1"),
+        (dict(model="m", cost_curve=True, contexts=[0]), "every --contexts value and --block-size must be >= 1"),
+        (dict(train_step=True), "exactly one of --model or --shape"),
+        (dict(train_step=True, shape="smollm2-135m", prompt_share=1.0), "--prompt-share must be in [0, 1), got 1.0"),
+        (dict(train_step=True, shape="smollm2-135m", seq_lens=[1]), "every --seq-lens value must be >= 2"),
+    ]
+    for settings, fragment in refused:
+        with pytest.raises(UserError) as info:
+            BenchConfig(**settings)
+        assert fragment in str(info.value), settings
+    BenchConfig(model="m", cost_curve=True)  # the cost curve has no AR baseline
+    BenchConfig(train_step=True, shape="smollm2-135m", max_new_tokens=0, contenders=["nope"])  # nor decoding
+
+
+def test_contenders_carry_their_decoding_settings_built_once():
+    from marslm.experiments.bench import BenchConfig, default_contenders
+
+    config = BenchConfig(model="m", ar_model="a", taus=[0.9], contenders=["block", "lossless-groups"], max_new_tokens=7)
+    contenders = {c.name: c for c in default_contenders(config)}
+    assert list(contenders) == [
+        "HF generate (AR ckpt)",
+        "MARS block16 tau=0.9",
+        "MARS block32 tau=0.9",
+        "MARS lossless +groups",
+    ]
+    assert contenders["HF generate (AR ckpt)"].params is None
+    block = contenders["MARS block32 tau=0.9"]
+    assert block.options == {"tau": 0.9, "cache": "block", "block_cache_size": 32}  # what the report shows
+    assert (block.params.tau, block.params.max_new_tokens) == (0.9, 7)
+    assert (block.decoder.cache, block.decoder.block_cache_size) == ("block", 32)
+    groups = contenders["MARS lossless +groups"]
+    assert (groups.params.mode, groups.params.max_new_tokens, groups.decoder.draft_groups) == ("lossless", 7, True)
