@@ -39,7 +39,7 @@ from .acceptance import confidence
 from .draws import RowDraws
 from .inputs import StepInputs, prefill_inputs, step_inputs
 from .kv import SlotCache
-from .params import ADAPTIVE_WIDTH, DecodingParams
+from .params import ADAPTIVE_WIDTH, DecoderOptions, DecodingParams
 from .rows import BatchStats, FinishedRow, RowState
 from .rules import (
     back_off,
@@ -58,6 +58,19 @@ SLOT_CACHE_MODES = ("none", "cursor")  # the cache policies DecodeBatch runs (bl
 
 
 class DecodeBatch:
+    @classmethod
+    def with_options(cls, model, decoder: DecoderOptions, **facts) -> DecodeBatch:
+        """A batch that decodes as ``decoder`` says; ``facts``: the model's mask, stop and pad ids, a seed."""
+        return cls(
+            model,
+            cache=decoder.cache,
+            use_last_mask=decoder.use_last_mask,
+            draft_groups=decoder.draft_groups,
+            adaptive_width=decoder.adaptive_width,
+            mask_batch_limit=decoder.mask_batch_limit,
+            **facts,
+        )
+
     def __init__(
         self,
         model,

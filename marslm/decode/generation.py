@@ -144,15 +144,7 @@ def generate(
         batch = BlockCachedBatch(model, block_cache_size=decoder.block_cache_size, **common)
         rows = run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
     else:
-        batch = DecodeBatch(
-            model,
-            cache=decoder.cache,
-            use_last_mask=decoder.use_last_mask,
-            draft_groups=decoder.draft_groups,
-            adaptive_width=decoder.adaptive_width,
-            mask_batch_limit=decoder.mask_batch_limit,
-            **common,
-        )
+        batch = DecodeBatch.with_options(model, decoder, **common)
         seed = params.seed
         per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompts))]
         rows = run_to_completion(batch, prompt_ids, per_prompt, batch_size, streams, on_finish)

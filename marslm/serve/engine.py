@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..chat import stop_token_ids
-from ..decode import METRICS, DecodeBatch, DecodingParams, ParamError, TextStream
+from ..decode import METRICS, DecodeBatch, DecoderOptions, DecodingParams, ParamError, TextStream
 from ..decode.costs import MaskBatchLimit, masked_step_costs
 from ..errors import UserError
 from .config import ServeConfig
@@ -266,16 +266,18 @@ class Engine:
 
         if facts.mask_token_id is None:
             raise UserError("the tokenizer has no mask token (<|mask|>); is this a MARS checkpoint?")
-        self._batch_args = dict(
+        self.decoder = DecoderOptions(
+            cache="cursor",  # rows join and leave at any step
+            adaptive_width=config.adaptive_width,
+            mask_batch_limit=None if config.mask_batch_limit == "auto" else config.mask_batch_limit,
+        )
+        self._batch_facts = dict(
             mask_token_id=facts.mask_token_id,
             pad_id=facts.pad_id,
             stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
-            cache="cursor",
-            mask_batch_limit=None if config.mask_batch_limit == "auto" else config.mask_batch_limit,
-            adaptive_width=config.adaptive_width,
             seed=config.seed,
         )
-        self._batch = DecodeBatch(model, **self._batch_args)
+        self._batch = self._new_batch()
         self.mask_limit: MaskBatchLimit | None = None  # set at start() when auto
         self._lock = threading.Lock()  # guards the waiting queue, cancellations, metrics
         self._wake = threading.Condition(self._lock)
@@ -302,6 +304,9 @@ class Engine:
         return cls(model, tokenizer, config)
 
     # ---------------------------------------------------------------------------- lifecycle
+    def _new_batch(self) -> DecodeBatch:
+        return DecodeBatch.with_options(self.model, self.decoder, **self._batch_facts)
+
     @property
     def alive(self) -> bool:
         return self._accepting and self._thread is not None and self._thread.is_alive()
@@ -310,9 +315,7 @@ class Engine:
         if self._thread is not None:
             return
         if warmup:  # first-call work (allocator, kernels) happens here, not in a user's latency
-            _warm_up(
-                DecodeBatch(self.model, **self._batch_args), self._batch_args["pad_id"], self.limits.trained_block_size
-            )
+            _warm_up(self._new_batch(), self._batch_facts["pad_id"], self.limits.trained_block_size)
         if self.config.mask_batch_limit == "auto" and self.mask_limit is None:
             self.mask_limit = _measure_mask_limit(self.model, self.limits.trained_block_size, self.max_batch)
             self._batch.mask_batch_limit = self.mask_limit.limit
@@ -425,7 +428,7 @@ class Engine:
             )
         new_tokens = self._batch.new_tokens()
         # rows whose text now holds a stop string end here; their tokens go out with their result
-        hit = [rid for rid, ids in new_tokens.items() if _hits_stop(self._running[rid].text, ids)]
+        hit = [rid for rid, ids in new_tokens.items() if (text := self._running[rid].text) and text.found_stop(ids)]
         finished += self._batch.stop(hit)
         for rid in hit:
             del new_tokens[rid]
@@ -519,10 +522,9 @@ class Engine:
                 r.first_token = now
             token_ids, reason, text = row.token_ids, "stop" if row.stopped else "length", None
             if r.text is not None:
-                r.text.push(row.token_ids[len(r.text.ids) :])
-                r.text.finish()
+                token_ids = r.text.close(row.token_ids)
                 if r.text.stopped:
-                    token_ids, reason, text = row.token_ids[: r.text.token_count()], "stop", r.text.text
+                    reason, text = "stop", r.text.text
             result = Result(
                 token_ids,
                 reason,
@@ -560,7 +562,7 @@ class Engine:
     def _fail_running(self, exc: Exception) -> None:
         failed = list(self._running.values())
         self._running.clear()
-        self._batch = DecodeBatch(self.model, **self._batch_args)  # its cache may be half-updated
+        self._batch = self._new_batch()  # its cache may be half-updated
         with self._lock:
             self._active = 0
         for r in failed:
@@ -599,13 +601,6 @@ def _measure_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimi
         limit.limit,
     )
     return limit
-
-
-def _hits_stop(text: TextStream | None, ids: list[int]) -> bool:
-    if text is None:
-        return False
-    text.push(ids)
-    return text.stopped
 
 
 def _put_all(items) -> None:
