@@ -582,10 +582,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     )
     if truncated:
         log.warning(
-            "%d of %d conversations were longer than --max-length %d and were truncated",
-            truncated,
-            len(conversations),
-            cfg.max_length,
+            "%d of %d conversations were truncated to --max-length %d", truncated, len(conversations), cfg.max_length
         )
     examples = with_teacher(cfg, tokenizer, model, examples, pad_id)  # the model as it starts
     loss_fn, collator, mask_id, block_size = _objective(cfg, model, tokenizer, pad_id, eos_id)
