@@ -27,11 +27,13 @@ The settings of a run, also those of ``--engine vllm`` (``vllm_loadtest.py``), a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ..cli.common import floats, ints, no_extra_args
 from ..decode.params import check_tau
@@ -272,80 +274,44 @@ def _round(value, digits: int = 4):
     return None if value is None else round(value, digits)
 
 
-async def run_loadtest_async(config: LoadtestConfig, log=print) -> dict:
+def http_client(config: LoadtestConfig):
+    """An ``httpx.AsyncClient`` with a connection for every worker of the highest level, and spares
+    for the warm-up and admin calls."""
     import httpx
 
+    connections = max(config.concurrency) + 4
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(limits=limits, timeout=config.timeout)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The server under test, as every request reaches it."""
+
+    client: Any  # an httpx.AsyncClient
+    url: str
+    headers: dict
+    model: str
+
+
+async def run_loadtest_async(config: LoadtestConfig, log=print) -> dict:
     from ..data import toy
 
     url = config.url.rstrip("/")
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    settings = config.policy_bodies()
+    bodies = config.policy_bodies()
     examples = toy.make_split("test", config.requests, seed=config.seed)
-    limits = httpx.Limits(
-        max_connections=max(config.concurrency) + 4, max_keepalive_connections=max(config.concurrency) + 4
-    )
-    started = time.perf_counter()
-    async with httpx.AsyncClient(limits=limits, timeout=config.timeout) as client:
+    stop_at = time.perf_counter() + config.deadline
+    async with http_client(config) as client:
+        server = _Target(client, url, headers, await _served_model(client, url, headers, config.model))
+        original = await _admin_policy(server)
         try:
-            response = await client.get(url + "/v1/models", headers=headers)
-        except httpx.HTTPError as exc:
-            raise UserError(f"cannot reach {url}: {exc}") from None
-        if response.status_code != 200:
-            raise UserError(f"{url}/v1/models answered {response.status_code}: {response.text[:200]}")
-        model = config.model or response.json()["data"][0]["id"]
-        original = await _admin(client, url + "/admin/policy", headers)
-        results = []
-        try:
-            # one unmeasured request: first-call costs (allocator, kernels) stay out of the numbers,
-            # and a request the server refuses (an unknown --model, say) is refused before the load
-            warm = await _one_request(client, url, headers, model, examples[0].messages, 8, config.timeout)
-            if not warm.ok:
-                raise UserError(f"the server failed the first request, before any load was sent: {warm.error}")
-            runs: dict[tuple, list] = {}  # (policy, concurrency) -> [(samples, wall)] per round
-            for round_ in range(config.repeats):
-                for concurrency in config.concurrency:
-                    for name in config.policies:
-                        if time.perf_counter() - started > config.deadline:
-                            break
-                        # re-applied before every run: an adaptive tau starts each run at its ceiling
-                        await _admin(client, url + "/admin/policy", headers, settings[name])
-                        samples, wall = await _run_level(
-                            client, url, headers, model, examples, concurrency, config.max_tokens, config.timeout
-                        )
-                        runs.setdefault((name, concurrency), []).append((samples, wall))
-                        log(
-                            f"loadtest: {round_ + 1}/{config.repeats} {name:>10} x{concurrency:<3} "
-                            f"{_tokens_per_s(samples, wall):.0f} tok/s"
-                        )
-            if time.perf_counter() - started > config.deadline:
-                log(f"loadtest: deadline of {config.deadline:.0f} s reached; the remaining runs were skipped")
-            for name in config.policies:
-                for concurrency in config.concurrency:
-                    if (name, concurrency) not in runs:
-                        continue
-                    rounds = runs[name, concurrency]
-                    samples = [s for round_samples, _ in rounds for s in round_samples]
-                    wall = sum(w for _, w in rounds)
-                    correct = await asyncio.to_thread(
-                        toy.score_many, examples * len(rounds), [s.text if s.ok else None for s in samples]
-                    )
-                    entry = {
-                        "policy": name,
-                        "concurrency": concurrency,
-                        "requests": len(samples),
-                        **_summarise(samples, wall, correct),
-                        "tokens_per_s_rounds": [_tokens_per_s(r, w) for r, w in rounds],
-                    }
-                    results.append(entry)
-                    log(
-                        f"loadtest: {name:>10} x{concurrency:<3} {entry['tokens_per_s']} tok/s, "
-                        f"p50 {entry['latency_s']['p50']} s, accuracy {entry['accuracy']}, errors {entry['errors']}"
-                    )
+            await _warm_up(server, examples[0], config.timeout)
+            runs = await _interleaved_runs(server, examples, bodies, config, stop_at, log)
+            results = await _pooled_results(runs, examples, config, log)
         finally:
-            await _admin(
-                client,
-                url + "/admin/policy",
-                headers,
+            await _admin_policy(
+                server,
                 {
                     "policy": original["policy"],
                     "tau": original["ceiling"],
@@ -356,6 +322,103 @@ async def run_loadtest_async(config: LoadtestConfig, log=print) -> dict:
     if not any(r["ok"] for r in results):  # a report of nothing but errors would read as a result
         why = next((r["first_error"] for r in results if r["first_error"]), "no run started before --deadline")
         raise UserError(f"no request succeeded, so no report: {why}")
+    _compare_with_tau1(results)
+    return {
+        "url": url,
+        "model": server.model,
+        "requests": len(examples),
+        "repeats": config.repeats,
+        "max_tokens": config.max_tokens,
+        "data": "toy test split",
+        "concurrency": list(config.concurrency),
+        "policies": bodies,
+        "results": results,
+    }
+
+
+async def _served_model(client, url: str, headers: dict, model: str | None) -> str:
+    """``model``, or the first the server lists; refused when the server cannot be reached."""
+    import httpx
+
+    try:
+        response = await client.get(url + "/v1/models", headers=headers)
+    except httpx.HTTPError as exc:
+        raise UserError(f"cannot reach {url}: {exc}") from None
+    if response.status_code != 200:
+        raise UserError(f"{url}/v1/models answered {response.status_code}: {response.text[:200]}")
+    return model or response.json()["data"][0]["id"]
+
+
+async def _warm_up(server: _Target, example, timeout: float) -> None:
+    """One unmeasured request: first-call costs (allocator, kernels) stay out of the numbers, and a
+    request the server refuses (an unknown --model, say) is refused before the load."""
+    warm = await _one_request(server.client, server.url, server.headers, server.model, example.messages, 8, timeout)
+    if not warm.ok:
+        raise UserError(f"the server failed the first request, before any load was sent: {warm.error}")
+
+
+async def _interleaved_runs(
+    server: _Target, examples, bodies: dict, config: LoadtestConfig, stop_at: float, log
+) -> dict:
+    """``{(policy, concurrency): [(samples, wall), ...]}``, one entry per round that started
+    before ``stop_at`` (a ``time.perf_counter()`` reading)."""
+    runs: dict[tuple, list] = {}
+    for round_, concurrency, name in itertools.product(range(config.repeats), config.concurrency, config.policies):
+        if time.perf_counter() > stop_at:
+            break
+        # re-applied before every run: an adaptive tau starts each run at its ceiling
+        await _admin_policy(server, bodies[name])
+        samples, wall = await _run_level(
+            server.client,
+            server.url,
+            server.headers,
+            server.model,
+            examples,
+            concurrency,
+            config.max_tokens,
+            config.timeout,
+        )
+        runs.setdefault((name, concurrency), []).append((samples, wall))
+        log(
+            f"loadtest: {round_ + 1}/{config.repeats} {name:>10} x{concurrency:<3} "
+            f"{_tokens_per_s(samples, wall):.0f} tok/s"
+        )
+    if time.perf_counter() > stop_at:
+        log(f"loadtest: deadline of {config.deadline:.0f} s reached; the remaining runs were skipped")
+    return runs
+
+
+async def _pooled_results(runs: dict, examples, config: LoadtestConfig, log) -> list[dict]:
+    """One result per policy and level that ran: its rounds' samples scored and summarised together."""
+    from ..data import toy
+
+    results = []
+    for name, concurrency in itertools.product(config.policies, config.concurrency):
+        if (name, concurrency) not in runs:
+            continue
+        rounds = runs[name, concurrency]
+        samples = [s for round_samples, _ in rounds for s in round_samples]
+        wall = sum(w for _, w in rounds)
+        correct = await asyncio.to_thread(
+            toy.score_many, examples * len(rounds), [s.text if s.ok else None for s in samples]
+        )
+        entry = {
+            "policy": name,
+            "concurrency": concurrency,
+            "requests": len(samples),
+            **_summarise(samples, wall, correct),
+            "tokens_per_s_rounds": [_tokens_per_s(r, w) for r, w in rounds],
+        }
+        results.append(entry)
+        log(
+            f"loadtest: {name:>10} x{concurrency:<3} {entry['tokens_per_s']} tok/s, "
+            f"p50 {entry['latency_s']['p50']} s, accuracy {entry['accuracy']}, errors {entry['errors']}"
+        )
+    return results
+
+
+def _compare_with_tau1(results: list[dict]) -> None:
+    """Add each result's accuracy change and speed-up against fixed tau 1 at its level, where that ran."""
     baseline = {r["concurrency"]: r for r in results if r["policy"] == "fixed-1.0"}
     for r in results:
         base = baseline.get(r["concurrency"])
@@ -366,22 +429,15 @@ async def run_loadtest_async(config: LoadtestConfig, log=print) -> dict:
         # each round against fixed tau 1 in the same round: the machine's drift cancels
         ratios = [a / b for a, b in zip(r["tokens_per_s_rounds"], base["tokens_per_s_rounds"]) if a and b]
         r["speedup_vs_tau1"] = round(statistics.median(ratios), 3) if ratios else None
-    return {
-        "url": url,
-        "model": model,
-        "requests": len(examples),
-        "repeats": config.repeats,
-        "max_tokens": config.max_tokens,
-        "data": "toy test split",
-        "concurrency": list(config.concurrency),
-        "policies": settings,
-        "results": results,
-    }
 
 
-async def _admin(client, url: str, headers: dict, body: dict | None = None) -> dict:
+async def _admin_policy(server: _Target, body: dict | None = None) -> dict:
+    """The server's tau policy: read it, or set it to ``body``."""
+    url, headers = server.url + "/admin/policy", server.headers
     response = await (
-        client.post(url, json=body, headers=headers) if body is not None else client.get(url, headers=headers)
+        server.client.post(url, json=body, headers=headers)
+        if body is not None
+        else server.client.get(url, headers=headers)
     )
     if response.status_code != 200:
         raise UserError(

@@ -134,17 +134,12 @@ def run_vllm_bench(config: LoadtestConfig, *, start_timeout: float = 600.0, log=
 
 
 async def _measure(servers, field, config: LoadtestConfig, log, settle: float = 3.0) -> list[dict]:
-    import httpx
-
     from ..data import toy
-    from .loadtest import _one_request, _run_level, _summarise
+    from .loadtest import _one_request, _run_level, _summarise, http_client
 
     examples = toy.make_split("test", config.requests, seed=config.seed)
-    limits = httpx.Limits(
-        max_connections=max(config.concurrency) + 4, max_keepalive_connections=max(config.concurrency) + 4
-    )
     runs = []
-    async with httpx.AsyncClient(limits=limits, timeout=config.timeout) as client:
+    async with http_client(config) as client:
         models = {}
         for kind, server in servers.items():
             models[kind] = (await client.get(server.url + "/v1/models")).json()["data"][0]["id"]
