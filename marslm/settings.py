@@ -89,7 +89,13 @@ def add_options(
             help_text += f" (default {default})"
         common = dict(dest=f.name, help=help_text)
         if f.name in positional:
-            parser.add_argument(f.name, choices=meta.get("choices"), help=help_text)
+            parser.add_argument(
+                f.name,
+                choices=meta.get("choices"),
+                nargs=meta.get("nargs"),
+                metavar=meta.get("metavar"),
+                help=help_text,
+            )
             continue
         names = [meta.get("flag") or "--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
         if meta.get("repeat"):

@@ -19,21 +19,29 @@ rounds pooled (tokens over summed wall time) and each round's tokens per second.
 
 Everything is bounded: ``requests`` per run, ``--timeout`` per request, and a wall-clock
 ``--deadline`` after which the remaining runs are skipped.
+
+The settings of a run, also those of ``--engine vllm`` (``vllm_loadtest.py``), are a
+:class:`LoadtestConfig`, checked when it is made; the CLI builds it from its options.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from ..cli.common import floats, ints, no_extra_args
 from ..decode.params import check_tau
 from ..errors import UserError
+from ..settings import flag_of, setting
 
 POLICIES = ("fixed-1.0", "fixed-0.95", "adaptive")
+ENGINES = ("marslm", "vllm")
 
 
 def policy_settings(name: str, adaptive_tau: float = 0.95, tau_floor: float = 0.9) -> dict:
@@ -54,6 +62,85 @@ def policy_settings(name: str, adaptive_tau: float = 0.95, tau_floor: float = 0.
             raise UserError(f"bad policy {name!r} ({exc}); use fixed-<tau> or adaptive") from None
         return {"policy": "fixed", "tau": tau, "tau_floor": min(tau_floor, tau)}
     raise UserError(f"bad policy {name!r}; use fixed-<tau> or adaptive")
+
+
+@dataclass
+class LoadtestConfig:
+    """One ``marslm loadtest`` run; its options are these fields (settings.py), checked when it is made.
+
+    Two engines share them: a running marslm server (the default: ``url`` and the policies) and
+    vLLM servers started on ``checkpoint`` (``taus`` and ``vllm_args``); each checks the fields it
+    reads.
+    """
+
+    url: str = setting("http://127.0.0.1:8000", "server base URL")
+    concurrency: list = setting([1, 8, 32], "comma-separated levels", parse=ints)
+    requests: int = setting(64, "requests per policy and level")
+    policies: list = setting(
+        list(POLICIES),
+        "comma-separated: fixed-<tau> or adaptive",
+        parse=lambda text: [p for p in text.split(",") if p],
+    )
+    adaptive_tau: float = setting(0.95, "ceiling of the adaptive policy")
+    tau_floor: float = setting(0.9, "floor of the adaptive policy")
+    max_tokens: int = setting(192, "longest answer, in tokens")
+    api_key: str | None = setting(None, "the server's --api-key (the admin API needs it)")
+    model: str | None = setting(None, "model name to send (default: the server's first)")
+    timeout: float = setting(300.0, "seconds per request")
+    deadline: float = setting(3600.0, "skip remaining runs after this many seconds")
+    seed: int = setting(0, "seed of the toy test split")
+    json_path: str | None = setting(None, "write the report as JSON to FILE", flag="--json", metavar="FILE")
+    engine: str = setting(
+        "marslm",
+        "vllm: start vLLM servers on --checkpoint (plain, ngram and MARS, in the environment of "
+        "`make vllm-env`) and compare vLLM plain AR, ngram, MARS lossless and MARS at --taus; "
+        "--url and the policies do not apply",
+        choices=ENGINES,
+    )
+    checkpoint: str | None = setting(None, "with --engine vllm: the checkpoint to serve", metavar="DIR")
+    taus: list = setting([0.95], "with --engine vllm: MARS taus", parse=floats)
+    repeats: int = setting(
+        3,
+        "interleaved rounds: each runs every level and every policy (vLLM: every server) once, "
+        "side by side, so a shared machine's drift slows them alike",
+    )
+    vllm_args: tuple = setting(
+        (),
+        "with --engine vllm: options for every `vllm serve`, e.g. -- --gpu-memory-utilization 0.25",
+        nargs="*",
+        metavar="-- VLLM_ARGS",
+    )
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "vllm":
+            if not self.checkpoint:
+                raise UserError("--engine vllm needs --checkpoint DIR (the checkpoint the servers load)")
+            self._check_load()
+            for tau in self.taus:
+                check_tau(tau, "prob")
+            return
+        no_extra_args(self)
+        self._check_load()
+        if not self.policies:
+            raise UserError("--policies is empty")
+        self.policy_bodies()
+
+    def _check_load(self) -> None:
+        """The load itself, whichever engine serves it."""
+        if self.requests < 1 or self.repeats < 1 or not self.concurrency or min(self.concurrency) < 1:
+            raise UserError("--requests, --repeats and every --concurrency value must be >= 1")
+        if self.max_tokens < 1:
+            raise UserError(f"{flag_of(LoadtestConfig, 'max_tokens')} must be >= 1, got {self.max_tokens}")
+        for name in ("timeout", "deadline"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise UserError(f"{flag_of(LoadtestConfig, name)} must be a finite number of seconds > 0, got {value}")
+
+    def policy_bodies(self) -> dict:
+        """The ``POST /admin/policy`` body of each policy, by name (a bad policy or tau is refused)."""
+        return {name: policy_settings(name, self.adaptive_tau, self.tau_floor) for name in self.policies}
 
 
 @dataclass
@@ -187,94 +274,44 @@ def _round(value, digits: int = 4):
     return None if value is None else round(value, digits)
 
 
-async def run_loadtest_async(
-    url: str,
-    *,
-    concurrencies=(1, 8, 32),
-    requests: int = 64,
-    policies=POLICIES,
-    max_tokens: int = 192,
-    api_key: str | None = None,
-    model: str | None = None,
-    adaptive_tau: float = 0.95,
-    tau_floor: float = 0.9,
-    timeout: float = 300.0,
-    deadline: float = 3600.0,
-    seed: int = 0,
-    repeats: int = 1,
-    log=print,
-) -> dict:
+def http_client(config: LoadtestConfig):
+    """An ``httpx.AsyncClient`` with a connection for every worker of the highest level, and spares
+    for the warm-up and admin calls."""
     import httpx
 
+    connections = max(config.concurrency) + 4
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(limits=limits, timeout=config.timeout)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The server under test, as every request reaches it."""
+
+    client: Any  # an httpx.AsyncClient
+    url: str
+    headers: dict
+    model: str
+
+
+async def run_loadtest_async(config: LoadtestConfig, log=print) -> dict:
     from ..data import toy
 
-    url = url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    settings = {name: policy_settings(name, adaptive_tau, tau_floor) for name in policies}
-    examples = toy.make_split("test", requests, seed=seed)
-    limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
-    started = time.perf_counter()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    url = config.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    bodies = config.policy_bodies()
+    examples = toy.make_split("test", config.requests, seed=config.seed)
+    stop_at = time.perf_counter() + config.deadline
+    async with http_client(config) as client:
+        server = _Target(client, url, headers, await _served_model(client, url, headers, config.model))
+        original = await _admin_policy(server)
         try:
-            response = await client.get(url + "/v1/models", headers=headers)
-        except httpx.HTTPError as exc:
-            raise UserError(f"cannot reach {url}: {exc}") from None
-        if response.status_code != 200:
-            raise UserError(f"{url}/v1/models answered {response.status_code}: {response.text[:200]}")
-        model = model or response.json()["data"][0]["id"]
-        original = await _admin(client, url + "/admin/policy", headers)
-        results = []
-        try:
-            # one unmeasured request: first-call costs (allocator, kernels) stay out of the numbers,
-            # and a request the server refuses (an unknown --model, say) is refused before the load
-            warm = await _one_request(client, url, headers, model, examples[0].messages, 8, timeout)
-            if not warm.ok:
-                raise UserError(f"the server failed the first request, before any load was sent: {warm.error}")
-            runs: dict[tuple, list] = {}  # (policy, concurrency) -> [(samples, wall)] per round
-            for round_ in range(repeats):
-                for concurrency in concurrencies:
-                    for name in policies:
-                        if time.perf_counter() - started > deadline:
-                            break
-                        # re-applied before every run: an adaptive tau starts each run at its ceiling
-                        await _admin(client, url + "/admin/policy", headers, settings[name])
-                        samples, wall = await _run_level(
-                            client, url, headers, model, examples, concurrency, max_tokens, timeout
-                        )
-                        runs.setdefault((name, concurrency), []).append((samples, wall))
-                        log(
-                            f"loadtest: {round_ + 1}/{repeats} {name:>10} x{concurrency:<3} "
-                            f"{_tokens_per_s(samples, wall):.0f} tok/s"
-                        )
-            if time.perf_counter() - started > deadline:
-                log(f"loadtest: deadline of {deadline:.0f} s reached; the remaining runs were skipped")
-            for name in policies:
-                for concurrency in concurrencies:
-                    if (name, concurrency) not in runs:
-                        continue
-                    rounds = runs[name, concurrency]
-                    samples = [s for round_samples, _ in rounds for s in round_samples]
-                    wall = sum(w for _, w in rounds)
-                    correct = await asyncio.to_thread(
-                        toy.score_many, examples * len(rounds), [s.text if s.ok else None for s in samples]
-                    )
-                    entry = {
-                        "policy": name,
-                        "concurrency": concurrency,
-                        "requests": len(samples),
-                        **_summarise(samples, wall, correct),
-                        "tokens_per_s_rounds": [_tokens_per_s(r, w) for r, w in rounds],
-                    }
-                    results.append(entry)
-                    log(
-                        f"loadtest: {name:>10} x{concurrency:<3} {entry['tokens_per_s']} tok/s, "
-                        f"p50 {entry['latency_s']['p50']} s, accuracy {entry['accuracy']}, errors {entry['errors']}"
-                    )
+            await _warm_up(server, examples[0], config.timeout)
+            runs = await _interleaved_runs(server, examples, bodies, config, stop_at, log)
+            results = await _pooled_results(runs, examples, config, log)
         finally:
-            await _admin(
-                client,
-                url + "/admin/policy",
-                headers,
+            await _admin_policy(
+                server,
                 {
                     "policy": original["policy"],
                     "tau": original["ceiling"],
@@ -285,6 +322,103 @@ async def run_loadtest_async(
     if not any(r["ok"] for r in results):  # a report of nothing but errors would read as a result
         why = next((r["first_error"] for r in results if r["first_error"]), "no run started before --deadline")
         raise UserError(f"no request succeeded, so no report: {why}")
+    _compare_with_tau1(results)
+    return {
+        "url": url,
+        "model": server.model,
+        "requests": len(examples),
+        "repeats": config.repeats,
+        "max_tokens": config.max_tokens,
+        "data": "toy test split",
+        "concurrency": list(config.concurrency),
+        "policies": bodies,
+        "results": results,
+    }
+
+
+async def _served_model(client, url: str, headers: dict, model: str | None) -> str:
+    """``model``, or the first the server lists; refused when the server cannot be reached."""
+    import httpx
+
+    try:
+        response = await client.get(url + "/v1/models", headers=headers)
+    except httpx.HTTPError as exc:
+        raise UserError(f"cannot reach {url}: {exc}") from None
+    if response.status_code != 200:
+        raise UserError(f"{url}/v1/models answered {response.status_code}: {response.text[:200]}")
+    return model or response.json()["data"][0]["id"]
+
+
+async def _warm_up(server: _Target, example, timeout: float) -> None:
+    """One unmeasured request: first-call costs (allocator, kernels) stay out of the numbers, and a
+    request the server refuses (an unknown --model, say) is refused before the load."""
+    warm = await _one_request(server.client, server.url, server.headers, server.model, example.messages, 8, timeout)
+    if not warm.ok:
+        raise UserError(f"the server failed the first request, before any load was sent: {warm.error}")
+
+
+async def _interleaved_runs(
+    server: _Target, examples, bodies: dict, config: LoadtestConfig, stop_at: float, log
+) -> dict:
+    """``{(policy, concurrency): [(samples, wall), ...]}``, one entry per round that started
+    before ``stop_at`` (a ``time.perf_counter()`` reading)."""
+    runs: dict[tuple, list] = {}
+    for round_, concurrency, name in itertools.product(range(config.repeats), config.concurrency, config.policies):
+        if time.perf_counter() > stop_at:
+            break
+        # re-applied before every run: an adaptive tau starts each run at its ceiling
+        await _admin_policy(server, bodies[name])
+        samples, wall = await _run_level(
+            server.client,
+            server.url,
+            server.headers,
+            server.model,
+            examples,
+            concurrency,
+            config.max_tokens,
+            config.timeout,
+        )
+        runs.setdefault((name, concurrency), []).append((samples, wall))
+        log(
+            f"loadtest: {round_ + 1}/{config.repeats} {name:>10} x{concurrency:<3} "
+            f"{_tokens_per_s(samples, wall):.0f} tok/s"
+        )
+    if time.perf_counter() > stop_at:
+        log(f"loadtest: deadline of {config.deadline:.0f} s reached; the remaining runs were skipped")
+    return runs
+
+
+async def _pooled_results(runs: dict, examples, config: LoadtestConfig, log) -> list[dict]:
+    """One result per policy and level that ran: its rounds' samples scored and summarised together."""
+    from ..data import toy
+
+    results = []
+    for name, concurrency in itertools.product(config.policies, config.concurrency):
+        if (name, concurrency) not in runs:
+            continue
+        rounds = runs[name, concurrency]
+        samples = [s for round_samples, _ in rounds for s in round_samples]
+        wall = sum(w for _, w in rounds)
+        correct = await asyncio.to_thread(
+            toy.score_many, examples * len(rounds), [s.text if s.ok else None for s in samples]
+        )
+        entry = {
+            "policy": name,
+            "concurrency": concurrency,
+            "requests": len(samples),
+            **_summarise(samples, wall, correct),
+            "tokens_per_s_rounds": [_tokens_per_s(r, w) for r, w in rounds],
+        }
+        results.append(entry)
+        log(
+            f"loadtest: {name:>10} x{concurrency:<3} {entry['tokens_per_s']} tok/s, "
+            f"p50 {entry['latency_s']['p50']} s, accuracy {entry['accuracy']}, errors {entry['errors']}"
+        )
+    return results
+
+
+def _compare_with_tau1(results: list[dict]) -> None:
+    """Add each result's accuracy change and speed-up against fixed tau 1 at its level, where that ran."""
     baseline = {r["concurrency"]: r for r in results if r["policy"] == "fixed-1.0"}
     for r in results:
         base = baseline.get(r["concurrency"])
@@ -295,22 +429,15 @@ async def run_loadtest_async(
         # each round against fixed tau 1 in the same round: the machine's drift cancels
         ratios = [a / b for a, b in zip(r["tokens_per_s_rounds"], base["tokens_per_s_rounds"]) if a and b]
         r["speedup_vs_tau1"] = round(statistics.median(ratios), 3) if ratios else None
-    return {
-        "url": url,
-        "model": model,
-        "requests": len(examples),
-        "repeats": repeats,
-        "max_tokens": max_tokens,
-        "data": "toy test split",
-        "concurrency": list(concurrencies),
-        "policies": {n: settings[n] for n in policies},
-        "results": results,
-    }
 
 
-async def _admin(client, url: str, headers: dict, body: dict | None = None) -> dict:
+async def _admin_policy(server: _Target, body: dict | None = None) -> dict:
+    """The server's tau policy: read it, or set it to ``body``."""
+    url, headers = server.url + "/admin/policy", server.headers
     response = await (
-        client.post(url, json=body, headers=headers) if body is not None else client.get(url, headers=headers)
+        server.client.post(url, json=body, headers=headers)
+        if body is not None
+        else server.client.get(url, headers=headers)
     )
     if response.status_code != 200:
         raise UserError(
@@ -320,8 +447,8 @@ async def _admin(client, url: str, headers: dict, body: dict | None = None) -> d
     return response.json()
 
 
-def run_loadtest(url: str, **kwargs) -> dict:
-    return asyncio.run(run_loadtest_async(url, **kwargs))
+def run_loadtest(config: LoadtestConfig, log=print) -> dict:
+    return asyncio.run(run_loadtest_async(config, log))
 
 
 def format_table(report: dict) -> str:

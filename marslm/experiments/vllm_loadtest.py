@@ -29,9 +29,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..serve.vllm_launch import serve_command
+
+if TYPE_CHECKING:
+    from .loadtest import LoadtestConfig
 
 
 @dataclass(frozen=True)
@@ -100,67 +104,48 @@ class _Server:
                 self.proc.wait()
 
 
-def run_vllm_bench(
-    model: str,
-    *,
-    concurrencies=(1, 8, 32),
-    requests: int = 64,
-    repeats: int = 3,
-    taus=(0.95,),
-    max_tokens: int = 192,
-    timeout: float = 300.0,
-    start_timeout: float = 600.0,
-    seed: int = 0,
-    vllm_args: list[str] = (),
-    log=print,
-) -> dict:
-    field = contenders(taus)
+def run_vllm_bench(config: LoadtestConfig, *, start_timeout: float = 600.0, log=print) -> dict:
+    """Start the servers on ``config.checkpoint``, measure every contender, stop the servers."""
+    field = contenders(config.taus)
     servers: dict[str, _Server] = {}
     with tempfile.TemporaryDirectory(prefix="marslm-vllm-bench-") as log_dir:
         try:
             for kind in dict.fromkeys(c.server for c in field):
-                servers[kind] = _Server(model, kind, list(vllm_args), Path(log_dir))
+                servers[kind] = _Server(config.checkpoint, kind, list(config.vllm_args), Path(log_dir))
             deadline = time.monotonic() + start_timeout
             for server in servers.values():
                 server.wait(deadline)
             log(f"vllm bench: {len(servers)} servers up")
-            runs = asyncio.run(
-                _measure(servers, field, concurrencies, requests, repeats, max_tokens, timeout, seed, log)
-            )
+            runs = asyncio.run(_measure(servers, field, config, log))
         finally:
             for server in servers.values():
                 server.stop()
     return {
-        "model": model,
+        "model": config.checkpoint,
         "engine": "vllm",
-        "requests": requests,
-        "max_tokens": max_tokens,
-        "repeats": repeats,
-        "concurrency": list(concurrencies),
+        "requests": config.requests,
+        "max_tokens": config.max_tokens,
+        "repeats": config.repeats,
+        "concurrency": list(config.concurrency),
         "data": "toy test split",
         "runs": runs,
-        "results": summarise(runs, field, concurrencies),
+        "results": summarise(runs, field, config.concurrency),
     }
 
 
-async def _measure(
-    servers, field, concurrencies, requests, repeats, max_tokens, timeout, seed, log, settle: float = 3.0
-) -> list[dict]:
-    import httpx
-
+async def _measure(servers, field, config: LoadtestConfig, log, settle: float = 3.0) -> list[dict]:
     from ..data import toy
-    from .loadtest import _one_request, _run_level, _summarise
+    from .loadtest import _one_request, _run_level, _summarise, http_client
 
-    examples = toy.make_split("test", requests, seed=seed)
-    limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
+    examples = toy.make_split("test", config.requests, seed=config.seed)
     runs = []
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with http_client(config) as client:
         models = {}
         for kind, server in servers.items():
             models[kind] = (await client.get(server.url + "/v1/models")).json()["data"][0]["id"]
-            await _one_request(client, server.url, {}, models[kind], examples[0].messages, 8, timeout)  # warm-up
-        for repeat in range(repeats):
-            for concurrency in concurrencies:
+            await _one_request(client, server.url, {}, models[kind], examples[0].messages, 8, config.timeout)  # warm-up
+        for repeat in range(config.repeats):
+            for concurrency in config.concurrency:
                 for contender in field:
                     server = servers[contender.server]
                     # A vLLM worker keeps polling for a moment after its last request; on a machine
@@ -173,8 +158,8 @@ async def _measure(
                         models[contender.server],
                         examples,
                         concurrency,
-                        max_tokens,
-                        timeout,
+                        config.max_tokens,
+                        config.timeout,
                         contender.fields,
                     )
                     correct = await asyncio.to_thread(
