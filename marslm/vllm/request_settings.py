@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from ..decode.acceptance import METRICS, metric_code
-from ..decode.params import MODES, ParamError, check_tau
+from ..decode.params import MODES, ParamError, check_tau, one_token
 
 OFF, THRESHOLD, LOSSLESS = range(3)
 FIELDS = ("tau", "metric", "mode")
@@ -110,5 +110,4 @@ def row_settings(extra_args: dict | None, greedy: bool, config: PluginConfig) ->
     mode = fields.get("mode") or config.mode
     if mode == "lossless":
         return RowSettings(LOSSLESS, tau, metric_code(metric))
-    one_token = tau <= 0 if metric == "entropy" else tau >= 1
-    return RowSettings(OFF if one_token else THRESHOLD, tau, metric_code(metric))
+    return RowSettings(OFF if one_token(tau, metric) else THRESHOLD, tau, metric_code(metric))
