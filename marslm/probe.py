@@ -473,12 +473,17 @@ def format_probe(report: dict) -> str:
     by_source = ", ".join(f"{s} {_pct(v['top1_agreement'])}" for s, v in fid["by_source"].items())
     baseline = report.get("original_bf16")
     lines = [
-        f"{report['items']} items, {report['answer_tokens']} answer tokens, {report['blocks']} blocks of "
-        f"B={report['block_size']}" + (f", {report['seconds']:.1f} s" if "seconds" in report else ""),
+        f"{fid['items']} items, {fid['answer_tokens']} answer tokens"
+        + (f", {report['blocks']} blocks of B={report['block_size']}" if "blocks" in report else "")
+        + (f", {report['seconds']:.1f} s" if "seconds" in report else ""),
         f"fidelity (clean top-1 = reference): {_pct(fid['top1_agreement'])} ({by_source})"
         + (f"; original in bf16: {_pct(baseline['fidelity']['top1_agreement'])}" if baseline else ""),
         f"items whose every token agrees: {_pct(fid['items_all_agree'])}; mean agreeing prefix "
         f"{_num(fid['mean_agreeing_prefix'], 1)} tokens",
+    ]
+    if "offsets" not in report:  # a model without a mask token: fidelity is all there is
+        return "\n".join(lines)
+    lines += [
         "tokens per forward, teacher-forced, B candidates: "
         + ", ".join(f"paper rule tau {t}: {v:.2f}" for t, v in report["tokens_per_forward_paper_tf"].items() if v)
         + (

@@ -191,3 +191,20 @@ def test_cli_probe_refuses_bad_input_in_one_line(tiny_model_dir, data, extra, me
     assert main(args + extra) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_cli_probe_without_a_mask_token_reports_fidelity_only(make_tiny_model, distilled, tmp_path, capsys):
+    """An AR checkpoint (no <|mask|>): its clean stream is all there is to probe, so the probe
+    measures that instead of refusing."""
+    from tests.helpers import save_model_dir
+    from tests.test_train import tokenizer_without_mask
+
+    model_dir = save_model_dir(make_tiny_model(seed=0), tokenizer_without_mask(), tmp_path / "ar")
+    args = ["probe", "--model", str(model_dir), "--data", str(distilled)]
+    assert main(args + ["--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["mask_token_id"] is None and "offsets" not in printed
+    assert printed["fidelity"]["items"] == 6 and 0 <= printed["fidelity"]["top1_agreement"] <= 1
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "6 items" in table and "fidelity (clean top-1 = reference)" in table and "| offset |" not in table

@@ -75,32 +75,35 @@ def run(args) -> int:
     device = resolve_device(args.device)
     model, tokenizer, _ = load_model(args.model, device=device)
     facts = checkpoint_facts(model, tokenizer)
-    if facts.mask_token_id is None:
-        raise UserError(f"{args.model}: the tokenizer has no mask token (<|mask|>); is this a MARS checkpoint?")
-    if facts.stage != "mars":
-        logging.getLogger("marslm").warning(
-            "%s is not a MARS checkpoint (marslm.json stage %r): its masks were never trained; block size %d assumed",
-            args.model,
-            facts.stage,
-            facts.block_size,
-        )
     items = load_probe_items(args.data, tokenizer, args.limit)
     progress = not args.json
-    report = {
-        "model": args.model,
-        "data": args.data,
-        "mask_token_id": facts.mask_token_id,
-        **probe(
-            model,
-            items,
-            block_size=facts.block_size,
-            mask_token_id=facts.mask_token_id,
-            taus=tuple(args.tau),
-            pad_id=facts.pad_id,
-            batch_size=args.batch_size,
-            progress=progress,
-        ),
-    }
+    report = {"model": args.model, "data": args.data, "mask_token_id": facts.mask_token_id}
+    if facts.mask_token_id is None:
+        logging.getLogger("marslm").warning(
+            "%s has no mask token (<|mask|>): fidelity only, from the clean stream", args.model
+        )
+        report.update(probe_clean(model, items, pad_id=facts.pad_id, batch_size=args.batch_size, progress=progress))
+    else:
+        if facts.stage != "mars":
+            logging.getLogger("marslm").warning(
+                "%s is not a MARS checkpoint (marslm.json stage %r): its masks were never trained; block size %d "
+                "assumed",
+                args.model,
+                facts.stage,
+                facts.block_size,
+            )
+        report.update(
+            probe(
+                model,
+                items,
+                block_size=facts.block_size,
+                mask_token_id=facts.mask_token_id,
+                taus=tuple(args.tau),
+                pad_id=facts.pad_id,
+                batch_size=args.batch_size,
+                progress=progress,
+            )
+        )
     if args.original:
         del model
         original, original_tokenizer, _ = load_model(args.original, dtype="float32", device=device)
