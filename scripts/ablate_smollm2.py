@@ -62,21 +62,13 @@ ARMS = {
         "all-kl, the masks' targets half the original's distribution",
         dict(learning_rate=5e-5, soft_clean=1.0, soft_masked=0.5),
     ),
-    "all-kl-soft-lr2e-4": (
-        "all-kl-soft at lr 2e-4",
-        dict(learning_rate=2e-4, soft_clean=1.0, soft_masked=0.5),
-    ),
     "all-kl-soft-lr1e-5": (
-        "all-kl-soft at lr 1e-5: Adam moves every weight about the learning rate per step, gradient or not",
+        "all-kl-soft at lr 1e-5",
         dict(learning_rate=1e-5, soft_clean=1.0, soft_masked=0.5),
     ),
     "all-kl-soft-lr2e-6": (
         "all-kl-soft at lr 2e-6",
         dict(learning_rate=2e-6, soft_clean=1.0, soft_masked=0.5),
-    ),
-    "top16-masklr-kl-soft": (
-        "top16-masklr with the KL anchor and half-soft masks",
-        dict(train_layers=16, learning_rate=1e-4, mask_lr=1e-3, soft_clean=1.0, soft_masked=0.5),
     ),
     "top16-masklr-cut": (
         "top16-masklr with the cut answers kept as truncated examples",
