@@ -231,8 +231,10 @@ def test_soft_clean_anchors_to_the_starting_model_through_the_trainer(base, writ
     assert again == anchored  # the second run read the teacher's cache
 
 
-def test_soft_masked_needs_stage_mars(base, write_chat_jsonl, tmp_path):
+def test_soft_target_and_optimizer_settings_are_checked(base, write_chat_jsonl, tmp_path):
     with pytest.raises(UserError, match="--soft-masked"):
         TrainConfig(stage="ar", model=str(base), data="toy", output=str(tmp_path / "o"), soft_masked=0.5).validate()
     with pytest.raises(UserError, match="--soft-clean"):
         TrainConfig(stage="mars", model=str(base), data="toy", output=str(tmp_path / "o"), soft_clean=1.5).validate()
+    with pytest.raises(UserError, match="--adam-epsilon"):
+        TrainConfig(stage="mars", model=str(base), data="toy", output=str(tmp_path / "o"), adam_epsilon=0).validate()
