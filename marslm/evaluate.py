@@ -22,11 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .cli.common import floats, ints, strings
 from .decode.params import ADAPTIVE_WIDTH, CACHE_MODES, METRICS, MODES, DecoderOptions, DecodingParams, check_tau
 from .errors import UserError
 from .files import read_json, write_json_atomically
-from .settings import flag_of, setting
+from .settings import flag_of, floats, ints, setting, strings
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
 # mode, and a confident prediction has H well below 0.5.

@@ -134,3 +134,22 @@ def _scalar(kind):
     """The argparse type of an annotation such as ``int | None``."""
     options = [k for k in typing.get_args(kind) if k is not type(None)] or [kind]
     return options[0] if options[0] in (int, float, str) else str
+
+
+# List-valued option types (a setting's parse, or an argparse type): comma-separated values.
+def floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def strings(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_unsafe_exec, code_execution, ints
+from ..settings import ints
+from .common import add_unsafe_exec, code_execution
 
 COMMAND = "ablate"
 

@@ -1,4 +1,4 @@
-"""What several subcommands share: list-valued option types, code execution, JSON output."""
+"""What several subcommands share: flags, code execution, JSON output."""
 
 from __future__ import annotations
 
@@ -8,24 +8,6 @@ from ..errors import UserError
 
 EXIT_USAGE = 2  # a mistake the user can fix: one line on stderr
 EXIT_FAILED_CELLS = 1  # eval: some settings failed (out of memory, say); the rest is reported
-
-
-def floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def strings(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def add_device(parser) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import EXIT_FAILED_CELLS, add_adaptive_width, add_device, add_unsafe_exec, code_execution, strings
+from ..settings import strings
+from .common import EXIT_FAILED_CELLS, add_adaptive_width, add_device, add_unsafe_exec, code_execution
 
 COMMAND = "eval"
 

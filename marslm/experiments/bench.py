@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..chat import encode_prompt
-from ..cli.common import floats, ints, strings
 from ..decode import generate
 from ..decode.generation import with_overrides
 from ..decode.params import DecoderOptions, DecodingParams, check_tau
 from ..errors import UserError
-from ..settings import flag_of, setting
+from ..settings import flag_of, floats, ints, setting, strings
 from .train_step import SHAPES
 
 PAPER_REFERENCE = (

@@ -35,10 +35,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..cli.common import floats, ints, no_extra_args
+from ..cli.common import no_extra_args
 from ..decode.params import check_tau
 from ..errors import UserError
-from ..settings import flag_of, setting
+from ..settings import flag_of, floats, ints, setting
 
 POLICIES = ("fixed-1.0", "fixed-0.95", "adaptive")
 ENGINES = ("marslm", "vllm")
