@@ -519,14 +519,14 @@ def cached(key: str, compute):
     return value
 
 
-def cached_encoding(cfg: TrainConfig, tokenizer, encode):
-    """``encode()``'s ``(examples, truncated, dropped)``, computed once per dataset and tokenizer."""
+def cached_encoding(data_key: str, encode):
+    """``encode()``'s ``(examples, truncated, dropped)``, computed once per :func:`_encoding_key`."""
 
     def compute():
         examples, truncated, dropped = encode()
         return {"examples": examples, "truncated": truncated, "dropped": dropped}
 
-    value = cached(_encoding_key(cfg, tokenizer), compute)
+    value = cached(data_key, compute)
     return value["examples"], value["truncated"], value["dropped"]
 
 
@@ -539,16 +539,16 @@ def _model_identity(model_name: str) -> list:
     return [str(path.resolve())] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
 
 
-def with_teacher(cfg: TrainConfig, tokenizer, model, examples: list[dict], pad_id: int) -> list[dict]:
+def with_teacher(cfg: TrainConfig, data_key: str, model, examples: list[dict], pad_id: int) -> list[dict]:
     """The examples with the starting model's top-k at every label (teacher.py), when a soft
-    target asks for it; computed once per dataset, model and k."""
+    target asks for it; computed once per encoded dataset (``data_key``), model and k."""
     if not (cfg.soft_clean or cfg.soft_masked):
         return examples
     from accelerate import PartialState
 
     from .teacher import teacher_top_k
 
-    key = json.dumps([_encoding_key(cfg, tokenizer), cfg.teacher_top_k, _model_identity(cfg.model)], default=str)
+    key = json.dumps([data_key, cfg.teacher_top_k, _model_identity(cfg.model)], default=str)
     digest = "teacher-" + hashlib.sha256(key.encode()).hexdigest()[:24]
     model.to(PartialState().device)
     tops = cached(digest, lambda: teacher_top_k(model, examples, cfg.teacher_top_k, pad_id, cfg.progress))
@@ -575,16 +575,16 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     eos_id = end_of_turn_id(tokenizer, stop_ids)  # what block padding repeats (objective.pad_to_block)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
 
+    data_key = _encoding_key(cfg, tokenizer)  # hashes the data file and the vocabulary: once
     examples, truncated, dropped = cached_encoding(
-        cfg,
-        tokenizer,
+        data_key,
         lambda: encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids, eos_id, generated_answers(cfg)),
     )
     if truncated:
         log.warning(
             "%d of %d conversations were truncated to --max-length %d", truncated, len(conversations), cfg.max_length
         )
-    examples = with_teacher(cfg, tokenizer, model, examples, pad_id)  # the model as it starts
+    examples = with_teacher(cfg, data_key, model, examples, pad_id)  # the model as it starts
     loss_fn, collator, mask_id, block_size = _objective(cfg, model, tokenizer, pad_id, eos_id)
     model, mask_row = _trainable_part(model, cfg, mask_id)
     if cfg.gradient_checkpointing:
