@@ -14,34 +14,6 @@ from tests.helpers import assert_same_loss_and_grads, stage_loss_and_grads
 MASK_ID, EOS_ID, PAD_ID = 3, 2, 0
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("softcap", [None, 5.0])
-def test_fused_cross_entropy_equals_the_literal_loss_in_small_chunks(bias, softcap):
-    torch.manual_seed(0)
-    head = torch.nn.Linear(8, 11, bias=bias)
-    hidden = torch.randn(7, 8, requires_grad=True)
-    labels = torch.randint(0, 11, (7,))
-    weights = torch.rand(7)
-
-    loss, ce = fused_cross_entropy(head, hidden, labels, weights, softcap, rows_per_chunk=3)
-    loss.backward()
-    ours = [hidden.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if bias else [])
-    hidden.grad = None
-    head.zero_grad()
-
-    logits = head(hidden)
-    if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
-    literal_ce = F.cross_entropy(logits, labels, reduction="none")
-    (literal_ce * weights).sum().backward()
-    literal = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
-
-    torch.testing.assert_close(ce, literal_ce.detach())
-    torch.testing.assert_close(loss.detach(), (literal_ce * weights).sum().detach())
-    for got, want in zip(ours, literal):
-        torch.testing.assert_close(got, want)
-
-
 def _literal_soft_ce(logits, targets: SparseTargets):
     """The soft cross-entropy written out over the whole vocabulary (autograd gives its gradient)."""
     log_q = torch.log_softmax(logits.float(), dim=-1)
@@ -63,13 +35,15 @@ def _soft_targets(n, vocab, k):
     return SparseTargets(ids, probs)
 
 
+@pytest.mark.parametrize("kind", ["labels", "soft"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_fused_soft_cross_entropy_equals_the_literal_loss_in_small_chunks(bias, softcap):
-    torch.manual_seed(1)
+def test_fused_cross_entropy_equals_the_literal_loss_in_small_chunks(kind, bias, softcap):
+    """Labels against torch's own cross-entropy; soft targets against the formula written out."""
+    torch.manual_seed(0 if kind == "labels" else 1)
     head = torch.nn.Linear(8, 11, bias=bias)
     hidden = torch.randn(7, 8, requires_grad=True)
-    targets = _soft_targets(7, 11, 4)
+    targets = torch.randint(0, 11, (7,)) if kind == "labels" else _soft_targets(7, 11, 4)
     weights = torch.rand(7)
 
     loss, ce = fused_cross_entropy(head, hidden, targets, weights, softcap, rows_per_chunk=3)
@@ -81,11 +55,15 @@ def test_fused_soft_cross_entropy_equals_the_literal_loss_in_small_chunks(bias, 
     logits = head(hidden)
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
-    literal_ce = _literal_soft_ce(logits, targets)
+    if kind == "labels":
+        literal_ce = F.cross_entropy(logits, targets, reduction="none")
+    else:
+        literal_ce = _literal_soft_ce(logits, targets)
     (literal_ce * weights).sum().backward()
     literal = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
 
     torch.testing.assert_close(ce, literal_ce.detach())
+    torch.testing.assert_close(loss.detach(), (literal_ce * weights).sum().detach())
     for got, want in zip(ours, literal):
         torch.testing.assert_close(got, want)
 
