@@ -136,15 +136,15 @@ def _soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Te
     on = target > 0
     rest = (1 - probs.sum(dim=-1)).clamp(min=0)
     spread = rest > 0
+    any_spread = bool(spread.any())  # one device sync for the chunk
     ce = -(target * torch.where(on, logits - lse[:, None], 0)).sum(dim=-1)
-    log_outside = torch.zeros_like(lse)  # log(1 - Q), read only where some mass is left over
-    if spread.any():
-        log_outside = torch.logsumexp(logits.masked_fill(on, float("-inf")), dim=-1) - lse
+    if any_spread:
+        log_outside = torch.logsumexp(logits.masked_fill(on, float("-inf")), dim=-1) - lse  # log(1 - Q)
         ce = ce - torch.where(spread, rest * log_outside, 0)
     if not with_grad:
         return ce, None
     grad = torch.exp(logits - lse[:, None])
-    if spread.any():
+    if any_spread:
         outside = 1 - torch.where(spread, rest * torch.exp(-log_outside), 0)
         grad = torch.where(on, grad, grad * outside[:, None])
     return ce, grad - target
