@@ -1,0 +1,257 @@
+"""Exact MARS: parameters that act only where the input is the mask token.
+
+MARS's attention rule never lets a clean position attend to a mask position (masks.py). So a
+change that acts only at mask positions cannot change any clean position's output: the model's
+next-token path stays the original, bit for bit, whatever the change learns. This module is that
+change, for a frozen model:
+
+- ``rows``: the mask's input embedding, one row per offset inside a block (the i-th mask of a
+  block reads row i) or one shared row;
+- a LoRA of rank r on every Linear of the decoder layers, added to the Linear's output only at
+  mask positions (a gate per position, Apple's "Your LLM Knows the Future", arXiv 2507.11851).
+
+No model code is touched. Hooks do the work, set per forward from the input ids: a pre-hook on
+the model finds the mask positions, the embedding's hooks put the mask rows there, and each
+gated Linear's hook adds its low-rank update there alone. A model without mask tokens in its
+input (HF ``generate``, a clean stream) runs exactly as it did.
+
+The mask token needs no row of the original embedding: by default its id is one past the last
+row, an id no tokenizer produces and no output layer predicts, so the base checkpoint's files,
+tokenizer included, stay the original's. ``AdapterSpec`` is saved in ``marslm.json`` and the
+weights in ``mars_adapter.safetensors`` beside them (:func:`save` / :func:`load`).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import UserError
+from .modeling import unwrap_model
+
+FILENAME = "mars_adapter.safetensors"
+# Where the adapter lives on the model it is attached to: a submodule, so that the optimizer, the
+# Trainer's checkpoints, ``.to(device)`` and ``.to(dtype)`` all see its parameters.
+ATTRIBUTE = "mars_adapter"
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """The shape of an adapter; saved in ``marslm.json`` as the ``adapter`` entry."""
+
+    mask_token_id: int
+    hidden_size: int
+    rows: int  # mask embedding rows: 1 (shared) or B (one per offset inside a block)
+    rank: int  # LoRA rank; 0 trains the mask rows alone
+    alpha: float  # LoRA scale alpha / rank
+    targets: tuple[str, ...]  # the gated Linears, by their names in the model
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str) -> AdapterSpec:
+        try:
+            spec = cls(**{**raw, "targets": tuple(raw["targets"])})
+        except (TypeError, KeyError) as exc:
+            raise UserError(f"{where}: the adapter entry is not valid ({exc})") from None
+        if spec.rows < 1 or spec.rank < 0 or spec.hidden_size < 1 or spec.mask_token_id < 0:
+            raise UserError(f"{where}: the adapter entry is not valid: {raw}")
+        return spec
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "targets": list(self.targets)}
+
+
+def linear_targets(model) -> tuple[str, ...]:
+    """Every Linear inside the decoder layers, by name (the output projection is not one of them:
+    the fused loss runs it outside the model's forward)."""
+    layers = unwrap_model(model).get_decoder().layers
+    prefix = _name_of(model, layers)
+    return tuple(
+        f"{prefix}.{name}" for name, module in layers.named_modules() if isinstance(module, nn.Linear) and name
+    )
+
+
+def _name_of(model, target: nn.Module) -> str:
+    return next(name for name, module in model.named_modules() if module is target)
+
+
+class _LoRA(nn.Module):
+    def __init__(self, in_features: int, out_features: int, rank: int):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(rank, in_features))
+        self.b = nn.Parameter(torch.zeros(out_features, rank))  # starts as no change at all
+        nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
+
+
+class MaskAdapter(nn.Module):
+    """Mask rows and gated LoRA weights; :meth:`attach` hooks them into a model."""
+
+    def __init__(self, spec: AdapterSpec, shapes: dict[str, tuple[int, int]] | None = None):
+        super().__init__()
+        self.spec = spec
+        self.rows = nn.Parameter(torch.zeros(spec.rows, spec.hidden_size))
+        shapes = shapes or {}
+        self.lora = nn.ModuleList(
+            _LoRA(*shapes.get(name, (1, 1)), spec.rank) for name in (spec.targets if spec.rank else ())
+        )
+        self._handles: list = []
+        self._gate = None  # (flat indices of the mask positions, their offsets) during one forward
+        self._explicit_offsets = None
+
+    @classmethod
+    def for_model(cls, model, mask_token_id: int, rank: int, rows: int, alpha: float | None = None) -> MaskAdapter:
+        """A fresh adapter for ``model``: LoRA factors ``b`` at zero (no change yet), mask rows at the
+        mask token's embedding where the model has one, else the mean embedding."""
+        inner = unwrap_model(model)
+        embedding = inner.get_input_embeddings().weight
+        targets = linear_targets(inner) if rank else ()
+        modules = dict(inner.named_modules())
+        shapes = {name: (modules[name].in_features, modules[name].out_features) for name in targets}
+        spec = AdapterSpec(mask_token_id, embedding.shape[1], rows, rank, float(alpha or rank or 1), targets)
+        adapter = cls(spec, shapes)
+        with torch.no_grad():
+            start = embedding[mask_token_id] if mask_token_id < len(embedding) else embedding.mean(dim=0)
+            adapter.rows.copy_(start.float().expand_as(adapter.rows))
+        return adapter.to(device=embedding.device)
+
+    # --- hooks -----------------------------------------------------------------------------------
+
+    def attach(self, model) -> None:
+        """Hook the adapter into ``model`` and register it as its ``mars_adapter`` submodule."""
+        inner = unwrap_model(model)
+        if getattr(inner, ATTRIBUTE, None) is not None:
+            raise UserError("the model already has a MARS adapter attached")
+        modules = dict(inner.named_modules())
+        missing = [name for name in self.spec.targets if name not in modules]
+        if missing:
+            raise UserError(f"the adapter gates {missing[0]}, which this model does not have")
+        setattr(inner, ATTRIBUTE, self)
+        embedding = inner.get_input_embeddings()
+        decoder = inner.get_decoder()  # every path to the layers goes through it, with the input ids
+        self._handles = [
+            decoder.register_forward_pre_hook(self._find_masks, with_kwargs=True),
+            decoder.register_forward_hook(self._forget_masks),
+            embedding.register_forward_pre_hook(self._valid_ids),
+            embedding.register_forward_hook(self._put_rows),
+        ]
+        for name, lora in zip(self.spec.targets if self.spec.rank else (), self.lora):
+            self._handles.append(modules[name].register_forward_hook(self._gated_update(lora)))
+
+    def detach(self, model) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        inner = unwrap_model(model)
+        if getattr(inner, ATTRIBUTE, None) is self:
+            delattr(inner, ATTRIBUTE)
+
+    @contextmanager
+    def offsets(self, offsets: torch.Tensor):
+        """Within the block, the next forwards read each mask's offset from ``offsets`` (``[rows,
+        columns]`` like the input ids) instead of deriving it from the attention mask."""
+        self._explicit_offsets = offsets
+        try:
+            yield
+        finally:
+            self._explicit_offsets = None
+
+    def _find_masks(self, module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            self._gate = None
+            return None
+        is_mask = input_ids == self.spec.mask_token_id
+        index = is_mask.flatten().nonzero().squeeze(1)
+        if self._explicit_offsets is not None:
+            offsets = self._explicit_offsets.flatten()[index]
+        else:
+            offsets = mask_offsets(is_mask, kwargs.get("attention_mask"))[is_mask]
+        self._gate = (input_ids.shape, index, offsets.clamp(0, self.spec.rows - 1))
+        return None
+
+    def _forget_masks(self, module, args, output):
+        self._gate = None
+
+    def _valid_ids(self, module, args):
+        # the mask id may lie past the embedding's last row; the row put there replaces the lookup
+        (ids,) = args
+        return (torch.where(ids == self.spec.mask_token_id, 0, ids),)
+
+    def _put_rows(self, module, args, output):
+        if self._gate is None or not len(self._gate[1]):
+            return output
+        _, index, offsets = self._gate
+        flat = output.reshape(-1, output.shape[-1])
+        return flat.index_copy(0, index, self.rows[offsets].to(output.dtype)).reshape(output.shape)
+
+    def _gated_update(self, lora: _LoRA):
+        scale = self.spec.alpha / self.spec.rank
+
+        def hook(module, args, output):
+            if self._gate is None or not len(self._gate[1]):
+                return output
+            shape, index, _ = self._gate
+            x = args[0]
+            if x.shape[:-1].numel() != shape.numel():
+                raise UserError(f"a gated Linear saw {tuple(x.shape[:-1])} tokens for {tuple(shape)} input ids")
+            picked = x.reshape(-1, x.shape[-1])[index]
+            update = (picked.to(lora.a.dtype) @ lora.a.T @ lora.b.T) * scale
+            flat = output.reshape(-1, output.shape[-1])
+            return flat.index_add(0, index, update.to(output.dtype)).reshape(output.shape)
+
+        return hook
+
+
+def mask_offsets(is_mask: torch.Tensor, attention_mask) -> torch.Tensor:
+    """``[rows, columns]``: how many mask tokens of the fed input each position attends to, itself
+    excluded: a mask's offset inside its block (training) or its group (decoding).
+
+    Read off a dense 4-D mask (True or 0 where a query may attend; its last ``columns`` keys are
+    the fed tokens, the ones before them cached slots, which never hold a mask), else counted as
+    causal attention over the row.
+    """
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        fed = attention_mask[:, 0, :, -is_mask.shape[1] :]
+        visible = fed if fed.dtype == torch.bool else fed > torch.finfo(fed.dtype).min / 2
+        return (visible & is_mask[:, None, :]).sum(-1) - 1
+    return is_mask.long().cumsum(1) - 1
+
+
+def adapter_of(model) -> MaskAdapter | None:
+    """The adapter attached to ``model`` (None: a plain model)."""
+    return getattr(unwrap_model(model), ATTRIBUTE, None)
+
+
+def save(adapter: MaskAdapter, directory: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {name: value.detach().float().cpu().contiguous() for name, value in adapter.state_dict().items()}
+    save_file(tensors, str(Path(directory, FILENAME)))
+
+
+def load(spec: AdapterSpec, directory: str | Path, model) -> MaskAdapter:
+    """The adapter saved in ``directory``, attached to ``model``, in the model's dtype and device."""
+    from safetensors.torch import load_file
+
+    path = Path(directory, FILENAME)
+    if not path.is_file():
+        raise UserError(f"{directory}: marslm.json describes an adapter, but {FILENAME} is missing")
+    inner = unwrap_model(model)
+    modules = dict(inner.named_modules())
+    missing = [name for name in spec.targets if name not in modules]
+    if missing:
+        raise UserError(f"{directory}: the adapter gates {missing[0]}, which the model does not have")
+    shapes = {name: (modules[name].in_features, modules[name].out_features) for name in spec.targets}
+    adapter = MaskAdapter(spec, shapes)
+    try:
+        adapter.load_state_dict(load_file(str(path)))
+    except (RuntimeError, OSError) as exc:
+        raise UserError(f"{path}: {str(exc).strip().splitlines()[0]}") from None
+    weight = inner.get_input_embeddings().weight
+    adapter.to(device=weight.device, dtype=weight.dtype)
+    adapter.attach(inner)
+    return adapter
