@@ -37,39 +37,65 @@ def two_stream_mask(seq_len: int, block_size: int, device: torch.device | str | 
     return packed_two_stream_mask(positions, torch.zeros_like(positions), noisy, block_size)[0, 0]
 
 
-def _visible(q_pos, k_pos, q_noisy, k_noisy, q_seg, k_seg, block_size: int):
-    """The rule above, elementwise over broadcastable query (q_*) and key (k_*) descriptors."""
+def _visible(q_pos, k_pos, q_stream, k_stream, q_seg, k_seg, q_phase, block_size: int):
+    """The rule above, elementwise over broadcastable query (q_*) and key (k_*) descriptors.
+
+    A stream is 0 for the clean one and s >= 1 for the s-th noisy copy (a bool: one copy); a
+    noisy copy counts its blocks from its own phase, ``blk(p) = (p + phase) // B``, so each copy
+    puts every token at another offset inside its block. Copies never see each other.
+    """
     causal = k_pos <= q_pos
-    q_blk, k_blk = q_pos // block_size, k_pos // block_size
+    q_noisy, k_noisy = q_stream > 0, k_stream > 0
+    q_blk, k_blk = (q_pos + q_phase) // block_size, (k_pos + q_phase) // block_size
     clean_to_clean = ~q_noisy & ~k_noisy & causal
-    noisy_to_noisy = q_noisy & k_noisy & (k_blk == q_blk) & causal
+    noisy_to_noisy = q_noisy & (k_stream == q_stream) & (k_blk == q_blk) & causal
     noisy_to_clean = q_noisy & ~k_noisy & (k_blk < q_blk)
     return (clean_to_clean | noisy_to_noisy | noisy_to_clean) & (q_seg == k_seg)
 
 
 def packed_two_stream_mask(
-    position_ids: torch.Tensor, segment_ids: torch.Tensor, is_noisy: torch.Tensor, block_size: int
+    position_ids: torch.Tensor,
+    segment_ids: torch.Tensor,
+    streams: torch.Tensor,
+    block_size: int,
+    phases: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[rows, 1, W, W]`` training mask for rows that hold several sequences' two streams.
 
-    ``position_ids`` / ``segment_ids`` / ``is_noisy`` ``[rows, W]`` describe every column: its
+    ``position_ids`` / ``segment_ids`` / ``streams`` ``[rows, W]`` describe every column: its
     position inside its own sequence, which sequence of the row it belongs to (-1: padding), and
-    which stream. Attention never crosses a sequence; inside one, the rule above holds. Blocks are
-    counted from each sequence's start, so every sequence must be EOS-padded to a multiple of B
+    which stream (0 clean, s >= 1 the s-th noisy copy; a bool says noisy or not). ``phases``
+    ``[rows, W]``: the block phase of each noisy column's copy (None: 0). Attention never crosses
+    a sequence; inside one, the rule above holds. Blocks are counted from each sequence's start
+    (shifted by the phase), so every sequence is EOS-padded to a multiple of B
     (objective.pad_to_block). Nothing here needs a stream to be complete or in order: the training
-    batch leaves out the noisy copies no loss depends on (objective.two_stream_batch).
+    batch leaves out the noisy columns no loss depends on (objective.two_stream_batch).
     """
     _check_block_size(block_size)
     q, k = (slice(None), slice(None), None), (slice(None), None, slice(None))
+    phases = torch.zeros_like(position_ids) if phases is None else phases
     return _visible(
-        position_ids[q], position_ids[k], is_noisy[q], is_noisy[k], segment_ids[q], segment_ids[k], block_size
+        position_ids[q],
+        position_ids[k],
+        streams[q],
+        streams[k],
+        segment_ids[q],
+        segment_ids[k],
+        phases[q],
+        block_size,
     )[:, None]
 
 
 def two_stream_block_mask(
-    position_ids: torch.Tensor, segment_ids: torch.Tensor, is_noisy: torch.Tensor, block_size: int
+    position_ids: torch.Tensor,
+    segment_ids: torch.Tensor,
+    streams: torch.Tensor,
+    block_size: int,
+    phases: torch.Tensor | None = None,
+    first_query: int = 0,
 ):
-    """The same mask as :func:`packed_two_stream_mask`, as a FlexAttention ``BlockMask``.
+    """The same mask as :func:`packed_two_stream_mask`, as a FlexAttention ``BlockMask``, for the
+    queries from column ``first_query`` on (the keys are every column).
 
     FlexAttention evaluates the rule per tile and skips the tiles where it is false everywhere (a
     clean query never sees the noisy stream; a noisy one sees only its own block of it), and no
@@ -78,30 +104,43 @@ def two_stream_block_mask(
     from torch.nn.attention.flex_attention import create_block_mask
 
     _check_block_size(block_size)
+    phases = torch.zeros_like(position_ids) if phases is None else phases
 
     def mask_mod(b, h, q, k):
+        q = q + first_query
         return _visible(
             position_ids[b, q],
             position_ids[b, k],
-            is_noisy[b, q],
-            is_noisy[b, k],
+            streams[b, q],
+            streams[b, k],
             segment_ids[b, q],
             segment_ids[b, k],
+            phases[b, q],
             block_size,
         )
 
     rows, width = position_ids.shape
-    return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=width, KV_LEN=width, device=position_ids.device)
+    return create_block_mask(
+        mask_mod, B=rows, H=None, Q_LEN=width - first_query, KV_LEN=width, device=position_ids.device
+    )
 
 
 def training_mask(
-    position_ids: torch.Tensor, segment_ids: torch.Tensor, is_noisy: torch.Tensor, block_size: int, model
+    position_ids: torch.Tensor,
+    segment_ids: torch.Tensor,
+    streams: torch.Tensor,
+    block_size: int,
+    model,
+    phases: torch.Tensor | None = None,
+    first_query: int = 0,
 ):
     """The training mask in the form the model's attention back-end takes: a ``BlockMask`` for
-    FlexAttention, else the dense mask through :func:`for_attention`."""
+    FlexAttention, else the dense mask through :func:`for_attention`; for the queries from column
+    ``first_query`` on (a forward that feeds only those, over a cache of the columns before)."""
     if attention_implementation(model) == "flex_attention":
-        return two_stream_block_mask(position_ids, segment_ids, is_noisy, block_size)
-    return for_attention(packed_two_stream_mask(position_ids, segment_ids, is_noisy, block_size), model)
+        return two_stream_block_mask(position_ids, segment_ids, streams, block_size, phases, first_query)
+    dense = packed_two_stream_mask(position_ids, segment_ids, streams, block_size, phases)
+    return for_attention(dense[:, :, first_query:], model)
 
 
 def _check_block_size(block_size: int) -> None:

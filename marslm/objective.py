@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .adapter import adapter_of
 from .chat import IGNORE
 from .head_loss import SparseTargets, cross_entropy, has_linear_head, target_loss
 from .masks import packed_two_stream_mask, training_mask
+from .teacher import top_k_rows
 
 
 def pad_to_block(input_ids: list[int], labels: list[int], block_size: int, eos_id: int):
@@ -145,24 +147,56 @@ class TwoStreamBatch:
     input_ids: torch.Tensor  # [rows, T + N]: each row's clean tokens, then its noisy copies
     position_ids: torch.Tensor  # [rows, T + N]
     segment_ids: torch.Tensor  # [rows, T + N] the sequence of the row each column belongs to; -1 padding
-    is_noisy: torch.Tensor  # [rows, T + N] bool
+    streams: torch.Tensor  # [rows, T + N] 0 for the clean stream, s >= 1 for the s-th noisy copy
+    phases: torch.Tensor  # [rows, T + N] the block phase of each noisy column's copy (0 on the clean stream)
     block_size: int
     labels: torch.Tensor  # [rows, T] clean-stream targets, IGNORE where no loss
     noisy_labels: torch.Tensor  # [rows, N] noisy-stream targets (the same targets, in the noisy columns)
     noisy_columns: torch.Tensor  # [rows, N] the clean column each noisy column copies; -1 for padding
 
     @property
+    def is_noisy(self) -> torch.Tensor:
+        return self.streams > 0
+
+    @property
     def attention_mask(self) -> torch.Tensor:
         """``[rows, 1, T + N, T + N]`` bool, True where a query may attend."""
-        return packed_two_stream_mask(self.position_ids, self.segment_ids, self.is_noisy, self.block_size)
+        return packed_two_stream_mask(self.position_ids, self.segment_ids, self.streams, self.block_size, self.phases)
 
-    def mask_for(self, model):
-        """The mask as the model's attention back-end takes it (masks.training_mask)."""
-        return training_mask(self.position_ids, self.segment_ids, self.is_noisy, self.block_size, model)
+    def mask_for(self, model, first_query: int = 0):
+        """The mask as the model's attention back-end takes it (masks.training_mask), for the
+        queries from column ``first_query`` on."""
+        return training_mask(
+            self.position_ids, self.segment_ids, self.streams, self.block_size, model, self.phases, first_query
+        )
+
+    def mask_offsets(self) -> torch.Tensor:
+        """``[rows, N]``: how many masks of its own block each noisy mask attends to before itself (its
+        offset: the i-th mask of a block predicts the token i + 2 places past the last real token it
+        sees, as the i-th mask after a prefix does in decoding); 0 at the other noisy columns.
+
+        A block's masks are consecutive kept columns of one copy and one sequence, so this is a
+        running count that restarts at each (copy, sequence, block).
+        """
+        width = self.labels.shape[1]
+        is_mask = self.noisy_labels != IGNORE
+        blk = (self.position_ids[:, width:] + self.phases[:, width:]) // self.block_size
+        group = torch.stack([self.streams[:, width:], self.segment_ids[:, width:], blk], dim=-1)
+        starts = torch.ones_like(is_mask)
+        starts[:, 1:] = (group[:, 1:] != group[:, :-1]).any(-1)
+        seen = is_mask.long().cumsum(1)
+        columns = torch.arange(is_mask.shape[1], device=is_mask.device).expand_as(is_mask)
+        group_start = torch.where(starts, columns, 0).cummax(dim=1).values
+        before_group = (seen - is_mask.long()).gather(1, group_start)
+        return torch.where(is_mask, seen - before_group - 1, 0)
 
 
 def needed_noisy_columns(
-    labels: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor, block_size: int
+    labels: torch.Tensor,
+    position_ids: torch.Tensor,
+    segment_ids: torch.Tensor,
+    block_size: int,
+    phases: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[rows, T]`` bool: the columns whose noisy copy some loss term depends on.
 
@@ -172,11 +206,12 @@ def needed_noisy_columns(
     stop at the last target. Everything else in the noisy half (the prompt before that block, the
     padding after the end) is attended by no scored query: leaving it out changes no loss and no
     gradient, and saves about a quarter of the tokens of a two-stream batch on the toy suite.
+    ``phases`` ``[rows, T]``: the copy's block phase at each column (None: 0).
     """
     target = labels != IGNORE
     scored = torch.zeros_like(target)
     scored[:, :-1] = target[:, 1:] & (segment_ids[:, 1:] == segment_ids[:, :-1])
-    blk = position_ids // block_size
+    blk = (position_ids if phases is None else position_ids + phases) // block_size
     seg = segment_ids.clamp(min=0)  # padding (-1) has no targets; masked out below
     n_seg = int(seg.max()) + 1
     none = torch.iinfo(torch.long).max
@@ -189,6 +224,24 @@ def needed_noisy_columns(
     return (segment_ids >= 0) & (blk >= first_blk.gather(1, seg)) & (position_ids <= last_target.gather(1, seg))
 
 
+def draw_phases(
+    segment_ids: torch.Tensor | None, rows: int, block_size: int, streams: int, random_phase: bool
+) -> torch.Tensor:
+    """``[rows, sequences, streams]``: the block phase of each noisy copy of each sequence.
+
+    Copies of one sequence take distinct phases (while there are B of them), so B copies put every
+    token at every offset of a block in one pass. ``random_phase`` draws them per sequence (a
+    different offset for each token at each epoch); else copy s has phase s - 1.
+    """
+    sequences = 1 if segment_ids is None else int(segment_ids.max()) + 1
+    device = None if segment_ids is None else segment_ids.device
+    order = torch.arange(streams, device=device) % block_size
+    if not random_phase:
+        return order.expand(rows, sequences, streams).clone()
+    shuffled = torch.rand(rows, sequences, block_size, device=device).argsort(dim=-1)
+    return shuffled.gather(-1, order.expand(rows, sequences, streams))
+
+
 def two_stream_batch(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
@@ -196,8 +249,11 @@ def two_stream_batch(
     mask_token_id: int,
     position_ids: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
+    phases: torch.Tensor | None = None,
 ) -> TwoStreamBatch:
-    """``[x ; x~]`` per row, with x~ cut down to the columns the loss needs (needed_noisy_columns).
+    """``[x ; x~_1 ; ... ; x~_S]`` per row, each x~ cut down to the columns the loss needs
+    (needed_noisy_columns). ``phases`` ``[rows, sequences, S]`` (:func:`draw_phases`): one noisy
+    copy per phase; None is one copy at phase 0, the paper's batch.
 
     A padded batch is the packed case with one sequence per row (its right padding is harmless:
     real tokens never attend later columns, and no target lies there).
@@ -206,31 +262,44 @@ def two_stream_batch(
     if segment_ids is None:
         position_ids = torch.arange(width, device=input_ids.device).expand(rows, -1)
         segment_ids = torch.zeros_like(input_ids)
+    if phases is None:
+        phases = draw_phases(segment_ids, rows, block_size, 1, random_phase=False)
     noisy_ids = torch.where(labels != IGNORE, torch.full_like(input_ids, mask_token_id), input_ids)
-
-    keep = needed_noisy_columns(labels, position_ids, segment_ids, block_size)
-    counts = keep.sum(dim=1)
-    # Kept columns first, in their order; a row with fewer is padded (segment -1, no targets).
-    columns = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, : int(counts.max())]
-    real = torch.arange(columns.shape[1], device=input_ids.device) < counts[:, None]
-    noisy_ids = torch.where(real, noisy_ids.gather(1, columns), mask_token_id)
-    noisy_positions = torch.where(real, position_ids.gather(1, columns), 0)
-    noisy_segments = torch.where(real, segment_ids.gather(1, columns), -1)
-    noisy_labels = torch.where(real, labels.gather(1, columns), IGNORE)
-
-    z_positions = torch.cat([position_ids, noisy_positions], dim=1)
-    z_segments = torch.cat([segment_ids, noisy_segments], dim=1)
-    is_noisy = (torch.arange(z_positions.shape[1], device=input_ids.device) >= width)[None].expand(rows, -1)
+    sequence_phase = segment_ids.clamp(min=0)[:, :, None].expand(-1, -1, phases.shape[2])
+    column_phases = phases.gather(1, sequence_phase)  # [rows, T, S]
+    copies = [
+        _noisy_copy(noisy_ids, labels, position_ids, segment_ids, column_phases[:, :, s], block_size, mask_token_id)
+        for s in range(phases.shape[2])
+    ]
+    streams = [torch.zeros_like(input_ids)] + [torch.full_like(c["ids"], s + 1) for s, c in enumerate(copies)]
     return TwoStreamBatch(
-        torch.cat([input_ids, noisy_ids], dim=1),
-        z_positions,
-        z_segments,
-        is_noisy,
-        block_size,
-        labels,
-        noisy_labels,
-        torch.where(real, columns, -1),
+        input_ids=torch.cat([input_ids] + [c["ids"] for c in copies], dim=1),
+        position_ids=torch.cat([position_ids] + [c["positions"] for c in copies], dim=1),
+        segment_ids=torch.cat([segment_ids] + [c["segments"] for c in copies], dim=1),
+        streams=torch.cat(streams, dim=1),
+        phases=torch.cat([torch.zeros_like(input_ids)] + [c["phases"] for c in copies], dim=1),
+        block_size=block_size,
+        labels=labels,
+        noisy_labels=torch.cat([c["labels"] for c in copies], dim=1),
+        noisy_columns=torch.cat([c["columns"] for c in copies], dim=1),
     )
+
+
+def _noisy_copy(noisy_ids, labels, position_ids, segment_ids, phases, block_size: int, mask_token_id: int) -> dict:
+    """One noisy copy at the given per-column phases, its kept columns first in their order; a row
+    with fewer is padded (segment -1, no targets)."""
+    keep = needed_noisy_columns(labels, position_ids, segment_ids, block_size, phases)
+    counts = keep.sum(dim=1)
+    columns = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, : int(counts.max())]
+    real = torch.arange(columns.shape[1], device=labels.device) < counts[:, None]
+    return {
+        "ids": torch.where(real, noisy_ids.gather(1, columns), mask_token_id),
+        "positions": torch.where(real, position_ids.gather(1, columns), 0),
+        "segments": torch.where(real, segment_ids.gather(1, columns), -1),
+        "phases": torch.where(real, phases.gather(1, columns), 0),
+        "labels": torch.where(real, labels.gather(1, columns), IGNORE),
+        "columns": torch.where(real, columns, -1),
+    }
 
 
 # t ~ U(T_MIN, 1) for the inverse-t weighting, as the reference's masked-diffusion trainer draws it
@@ -366,6 +435,7 @@ def mars_loss(
     teacher_probs: torch.Tensor | None = None,
     soft_clean: float = 0.0,
     soft_masked: float = 0.0,
+    masking: Masking | None = None,
 ) -> dict[str, torch.Tensor]:
     """``noisy + ar_weight * clean``, each normalised as :func:`target_weights` says.
 
@@ -373,8 +443,11 @@ def mars_loss(
     per sequence: the reference's "w/o SFT loss" ablation. ``denominator``, ``target_logits``, the
     teacher and ``soft_clean`` as in :func:`ar_loss`; ``soft_masked`` is the original's share in the
     noisy stream's targets (a mask predicting token t learns the original's distribution at t).
+    ``masking``: block phases, noisy copies and offset weights (:class:`Masking`; None: the paper's).
     """
-    batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids)
+    masking = masking or Masking()
+    phases = masking.phases(segment_ids, len(input_ids), block_size)
+    batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids, phases)
     inputs = {
         "input_ids": batch.input_ids,
         "position_ids": batch.position_ids,
@@ -385,18 +458,12 @@ def mars_loss(
     weights = target_weights(labels, segment_ids, normalization)
     if denominator is None:
         denominator = max(1.0, float(weights.sum()))
-    noisy_weights = weights
-    if masked_weighting == "inverse-t":
-        noisy_weights = weights * inverse_t_factors(labels, segment_ids)
-    # the noisy columns are copies of clean ones: their targets carry the same weights
-    noisy_weights = torch.where(batch.noisy_columns >= 0, noisy_weights.gather(1, batch.noisy_columns.clamp(min=0)), 0)
-
     teacher = noisy_teacher = None
     if teacher_ids is not None:
         teacher = (teacher_ids, teacher_probs)
         noisy_teacher = tuple(_copied_columns(t, batch.noisy_columns) for t in teacher)
     clean = _targets_at(labels, weights, teacher, soft_clean)
-    noisy = _targets_at(batch.noisy_labels, noisy_weights, noisy_teacher, soft_masked)
+    noisy = _masked_targets(batch, weights, segment_ids, masked_weighting, noisy_teacher, soft_masked, masking)
     rows = torch.cat([clean[0], noisy[0]])
     columns = torch.cat([clean[1], noisy[1] + seq_len])
     targets = SparseTargets.cat(clean[2], noisy[2])
@@ -406,6 +473,112 @@ def mars_loss(
     clean_loss = (ce[:n_clean] * clean[3]).sum() / denominator
     noisy_loss = (ce[n_clean:] * noisy[3]).sum() / denominator
     return {"loss": loss, "noisy_loss": noisy_loss.detach(), "clean_loss": clean_loss.detach()}
+
+
+@dataclass(frozen=True)
+class Masking:
+    """How the masked stream covers the data; the defaults are the paper's (one copy, blocks from
+    each sequence's start, every offset weighing the same).
+
+    ``random_phase``: each sequence's blocks start at a random phase, drawn per step, so a token is
+    trained at a different offset each epoch. ``streams``: noisy copies of each sequence in one
+    row, at distinct phases (B copies train every token at every offset in one pass); their loss
+    is averaged. ``offset_decay``: a mask's target weighs ``offset_decay ** offset``, so the near
+    offsets, which decoding accepts first, count most.
+    """
+
+    random_phase: bool = False
+    streams: int = 1
+    offset_decay: float = 1.0
+
+    def phases(self, segment_ids: torch.Tensor | None, rows: int, block_size: int) -> torch.Tensor:
+        return draw_phases(segment_ids, rows, block_size, self.streams, self.random_phase)
+
+
+def _masked_targets(batch, weights, segment_ids, masked_weighting: str, teacher, share: float, masking: Masking):
+    """The noisy stream's ``(rows, columns, targets, weights)`` (:func:`_targets_at`)."""
+    if masked_weighting == "inverse-t":
+        weights = weights * inverse_t_factors(batch.labels, segment_ids)
+    # the noisy columns are copies of clean ones: their targets carry the same weights
+    columns = batch.noisy_columns
+    noisy_weights = torch.where(columns >= 0, weights.gather(1, columns.clamp(min=0)), 0) / masking.streams
+    if masking.offset_decay != 1.0:
+        # the output at column i - 1 predicts label i: its offset weighs that target
+        offsets = batch.mask_offsets().roll(1, dims=1)
+        noisy_weights = noisy_weights * masking.offset_decay ** offsets.to(noisy_weights.dtype)
+    return _targets_at(batch.noisy_labels, noisy_weights, teacher, share)
+
+
+def exact_mars_loss(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    position_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    normalization: str = "sequence",
+    masked_weighting: str = "uniform",
+    denominator: float | None = None,
+    target_logits: bool = True,
+    soft_masked: float = 0.0,
+    teacher_top_k: int = 16,
+    masking: Masking | None = None,
+) -> dict[str, torch.Tensor]:
+    """The masked stream's loss for a frozen model whose masks carry an adapter (adapter.py).
+
+    The clean stream has nothing to learn, so it runs once without autograd and leaves its keys
+    and values as the cache the masked stream reads: the backward pass, and the activations it
+    keeps, cover the masked stream alone. The clean stream's distribution at each target is the
+    frozen model's own, a teacher for the masks at no extra cost (``soft_masked``, top
+    ``teacher_top_k``). Arguments as in :func:`mars_loss`.
+    """
+    masking = masking or Masking()
+    phases = masking.phases(segment_ids, len(input_ids), block_size)
+    batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids, phases)
+    width = input_ids.shape[1]
+    cache, teacher = clean_pass(model, batch, teacher_top_k if soft_masked else 0)
+    noisy_teacher = None if teacher is None else tuple(_copied_columns(t, batch.noisy_columns) for t in teacher)
+
+    weights = target_weights(labels, segment_ids, normalization)
+    if denominator is None:
+        denominator = max(1.0, float(weights.sum()))
+    rows, columns, targets, noisy_w = _masked_targets(
+        batch, weights, segment_ids, masked_weighting, noisy_teacher, soft_masked, masking
+    )
+    inputs = {
+        "input_ids": batch.input_ids[:, width:],
+        "position_ids": batch.position_ids[:, width:],
+        "attention_mask": batch.mask_for(model, first_query=width),
+        "cache": cache,
+        "use_cache": True,
+    }
+    with adapter_of(model).offsets(batch.mask_offsets()):
+        loss, ce = _loss_at(model, inputs, rows, columns, targets, noisy_w / denominator, target_logits)
+    noisy_loss = (ce * noisy_w).sum() / denominator
+    return {"loss": loss, "noisy_loss": noisy_loss.detach()}
+
+
+@torch.no_grad()
+def clean_pass(model, batch: TwoStreamBatch, top_k: int = 0):
+    """``(cache, teacher)``: the clean stream's keys and values, and with ``top_k`` the model's top-k
+    next-token distribution at every target (``[rows, T, k]`` ids and probabilities, on the label
+    each output predicts, as teacher.py keeps them; None without)."""
+    width = batch.labels.shape[1]
+    inputs = {
+        "input_ids": batch.input_ids[:, :width],
+        "position_ids": batch.position_ids[:, :width],
+        "attention_mask": training_mask(
+            batch.position_ids[:, :width], batch.segment_ids[:, :width], batch.streams[:, :width], 1, model
+        ),
+        "use_cache": True,
+    }
+    if not top_k:
+        return model(**inputs, logits_to_keep=1).past_key_values, None
+    scored = torch.zeros_like(batch.labels, dtype=torch.bool)
+    scored[:, :-1] = batch.labels[:, 1:] != IGNORE
+    out = model(**inputs, logits_to_keep=scored)
+    return out.past_key_values, top_k_rows(out.logits.reshape(-1, out.logits.shape[-1]), scored, top_k)
 
 
 def _copied_columns(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,18 @@ def _groups(examples: list[dict], vocab_size: int) -> list[list[int]]:
     return groups + [group] if group else groups
 
 
+def top_k_rows(logits: torch.Tensor, scored: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, probs)``, ``[rows, T, k]`` int32 and float32: the top-k of ``logits`` (the outputs at the
+    ``scored [rows, T]`` columns, in row-major order), each on the label its output predicts (the
+    next column); zeros elsewhere."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k)
+    ids = torch.zeros((*scored.shape, k), dtype=torch.int32, device=logits.device)
+    probs = torch.zeros((*scored.shape, k), dtype=torch.float32, device=logits.device)
+    target = scored.roll(1, dims=1)
+    ids[target], probs[target] = top.indices.to(torch.int32), top.values.exp()
+    return ids, probs
+
+
 @torch.no_grad()
 def teacher_top_k(model, examples: list[dict], k: int, pad_id: int, progress: bool = False) -> list[dict]:
     """Per example, ``teacher_ids [T, k]`` (int32) and ``teacher_probs [T, k]`` (float32): at each
@@ -57,11 +69,7 @@ def teacher_top_k(model, examples: list[dict], k: int, pad_id: int, progress: bo
         input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
         scored = torch.zeros_like(labels, dtype=torch.bool)
         scored[:, :-1] = labels[:, 1:] != IGNORE  # the output at t-1 predicts the label at t
-        top = torch.log_softmax(logits_at(model, scored, input_ids=input_ids).float(), dim=-1).topk(k)
-        ids = torch.zeros((*labels.shape, k), dtype=torch.int32, device=device)
-        probs = torch.zeros((*labels.shape, k), dtype=torch.float32, device=device)
-        target = scored.roll(1, dims=1)  # shifted onto the label each output predicts
-        ids[target], probs[target] = top.indices.to(torch.int32), top.values.exp()
+        ids, probs = top_k_rows(logits_at(model, scored, input_ids=input_ids), scored, k)
         for row, i in enumerate(group):
             length = len(examples[i]["input_ids"])
             out[i] = {"teacher_ids": ids[row, :length].cpu(), "teacher_probs": probs[row, :length].cpu()}
