@@ -12,7 +12,27 @@ from .config import MarsConfig
 from .errors import UserError
 
 __version__ = "0.1.0"
-__all__ = ["DecoderOptions", "DecodingParams", "GenerationResult", "MarsConfig", "UserError", "generate", "__version__"]
+__all__ = [
+    "DecoderOptions",
+    "DecodingParams",
+    "GenerationResult",
+    "MarsConfig",
+    "UserError",
+    "generate",
+    "load",
+    "__version__",
+]
+
+
+def load(path: str, dtype=None, device=None):
+    """``(model, tokenizer)`` of a checkpoint marslm wrote, in either mode, ready for
+    :func:`marslm.generate`: an exact-mode checkpoint comes with its adapter attached (plain
+    ``from_pretrained`` gives the original model, which decodes one token per forward).
+    ``dtype``: as saved unless given; ``device``: the CPU unless given ("auto": the GPU if any)."""
+    from .modeling import load_model, resolve_device
+
+    model, tokenizer, _ = load_model(path, dtype=dtype, device=resolve_device(device))
+    return model, tokenizer
 
 
 def __getattr__(name):

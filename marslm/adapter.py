@@ -24,6 +24,7 @@ weights in ``mars_adapter.safetensors`` beside them (:func:`save` / :func:`load`
 from __future__ import annotations
 
 import math
+import shutil
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -221,16 +222,59 @@ def mask_offsets(is_mask: torch.Tensor, attention_mask) -> torch.Tensor:
     return is_mask.long().cumsum(1) - 1
 
 
+def choose_mask_id(model, tokenizer, mask_token: str) -> int:
+    """The mask token's id for a new adapter: the tokenizer's own mask token where the embedding has a
+    row for it, else the first id past the embedding's rows (one no text encodes to)."""
+    rows = unwrap_model(model).get_input_embeddings().weight.shape[0]
+    if mask_token in tokenizer.get_vocab():
+        mask_id = tokenizer.convert_tokens_to_ids(mask_token)
+        if mask_id < rows:
+            return mask_id
+    return rows
+
+
 def adapter_of(model) -> MaskAdapter | None:
     """The adapter attached to ``model`` (None: a plain model)."""
     return getattr(unwrap_model(model), ATTRIBUTE, None)
 
 
 def save(adapter: MaskAdapter, directory: str | Path) -> None:
+    """The adapter's weights, in float32, as ``mars_adapter.safetensors`` in ``directory``."""
     from safetensors.torch import save_file
 
     tensors = {name: value.detach().float().cpu().contiguous() for name, value in adapter.state_dict().items()}
     save_file(tensors, str(Path(directory, FILENAME)))
+
+
+def save_checkpoint(model, tokenizer, source: str, directory: str | Path) -> None:
+    """An exact-mode checkpoint in ``directory``: the original model's own files and the adapter.
+
+    From a local directory the original's files are copied as they are, so the weights (and their
+    dtype) are the original's byte for byte; from a hub id the model is saved in the dtype its
+    config names. Either way ``from_pretrained`` on the result is the original model.
+    """
+    adapter = adapter_of(model)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    adapter.detach(model)
+    try:
+        if Path(source).is_dir():
+            for path in Path(source).iterdir():
+                if path.is_file() and path.name not in MARSLM_FILES:
+                    shutil.copy2(path, directory / path.name)
+        else:
+            from transformers import AutoConfig
+
+            dtype = getattr(AutoConfig.from_pretrained(source), "dtype", None) or torch.float32
+            unwrap_model(model).to(dtype).save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+        save(adapter, directory)
+    finally:
+        adapter.attach(model)
+
+
+# Files a marslm checkpoint holds beside the model's own, which an exact checkpoint does not copy.
+MARSLM_FILES = ("marslm.json", FILENAME, "training_log.json")
 
 
 def load(spec: AdapterSpec, directory: str | Path, model) -> MaskAdapter:

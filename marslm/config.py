@@ -38,7 +38,14 @@ class MarsConfig:
     mask_token_id: int | None = None
     ar_weight: float = 1.0
     base_model: str | None = None
+    # Exact mode (adapter.py): the adapter's shape; its weights are in mars_adapter.safetensors and
+    # the model files are the original's. None: full mode, every trained weight is in the model.
+    adapter: dict | None = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def exact(self) -> bool:
+        return self.adapter is not None
 
     def save(self, directory: str | Path) -> None:
         Path(directory, FILENAME).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -66,3 +73,5 @@ class MarsConfig:
             raise UserError(f"{where}: block_size must be an integer >= 1, got {self.block_size!r}")
         if self.mask_token_id is not None and (not is_int(self.mask_token_id) or self.mask_token_id < 0):
             raise UserError(f"{where}: mask_token_id must be a token id (an integer >= 0), got {self.mask_token_id!r}")
+        if self.adapter is not None and not isinstance(self.adapter, dict):
+            raise UserError(f"{where}: adapter must be a JSON object, got {type(self.adapter).__name__}")

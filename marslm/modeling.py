@@ -60,6 +60,10 @@ def load_model(
             MarsConfig().block_size,
             MASK_TOKEN,
         )
+    elif mars_config.exact:
+        from . import adapter
+
+        adapter.load(adapter.AdapterSpec.from_dict(mars_config.adapter, name_or_path), name_or_path, model)
     elif mars_config.mask_token_id is not None:
         rows = model.get_input_embeddings().weight.shape[0]
         if mars_config.mask_token_id >= rows:
@@ -270,9 +274,14 @@ def checkpoint_facts(model, tokenizer, mask_token_id: int | None = None) -> Chec
     """Block size, mask token and padding id of a loaded model, from its ``marslm.json`` and tokenizer."""
     path = getattr(model, "name_or_path", None)
     config = saved_config(path) if path else None
-    if mask_token_id is None and config is not None:
+    from .adapter import adapter_of
+
+    # an exact checkpoint loaded without its adapter (plain from_pretrained) is the original model,
+    # which has no mask to decode with
+    without_adapter = config is not None and config.exact and adapter_of(model) is None
+    if mask_token_id is None and config is not None and not without_adapter:
         mask_token_id = config.mask_token_id
-    if mask_token_id is None:
+    if mask_token_id is None and not without_adapter:
         token = config.mask_token if config else MASK_TOKEN
         if token in tokenizer.get_vocab():
             mask_token_id = tokenizer.convert_tokens_to_ids(token)

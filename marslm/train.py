@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .adapter import MaskAdapter, adapter_of, choose_mask_id, save_checkpoint
 from .chat import encode_conversation, encode_generated, end_of_turn_id, stop_token_ids
 from .checkpoints import checkpoint_is_complete, resume_point
 from .config import (
@@ -53,10 +54,14 @@ from .modeling import (
     merge_lora,
     train_embedding_rows,
 )
-from .objective import ar_loss, collate, collate_packed, mars_loss
+from .objective import Masking, ar_loss, collate, collate_packed, exact_mars_loss, mars_loss
 from .settings import flag_of, setting
 
 log = logging.getLogger("marslm.train")
+# Exact mode's mask rows: one per offset inside a block, or one shared by every mask.
+MASK_ROWS = ("per-offset", "shared")
+# Exact mode's gated-LoRA rank when --lora-rank does not say.
+EXACT_RANK = 32
 
 
 def _family_weights(text: str) -> dict[str, float]:
@@ -187,6 +192,35 @@ class TrainConfig:
         metavar="R",
     )
     lora_alpha: float | None = setting(None, "LoRA scaling alpha (default: 2x the rank)")
+    exact: bool = setting(
+        False,
+        "exact mode (stage mars): the model stays frozen and an adapter trains that acts only where the "
+        "input is the mask token (mask embedding rows, and a LoRA on every decoder Linear gated per "
+        f"position; --lora-rank sets its rank, {EXACT_RANK} by default, 0 for the mask rows "
+        "alone). The checkpoint is the original's files plus the adapter: its one-token outputs are the "
+        "original's by construction, and the clean stream costs no backward pass",
+    )
+    mask_rows: str = setting(
+        "per-offset",
+        "exact mode: one mask embedding row per offset inside a block (per-offset), or one for all (shared)",
+        choices=MASK_ROWS,
+    )
+    random_phase: bool = setting(
+        False,
+        "start each sequence's blocks at a random offset, drawn at every step, so that over the epochs each "
+        "token is trained at every offset of a block (stage mars)",
+    )
+    masked_streams: int = setting(
+        1,
+        "noisy copies of each sequence per row, at distinct block phases: B copies train every token at "
+        "every offset in one pass, for about that many times the masked stream's cost (stage mars)",
+    )
+    offset_decay: float = setting(
+        1.0,
+        "a mask's loss weighs DECAY ** (its offset inside the block), so the near offsets, which decoding "
+        "accepts first, count most; 1 weighs them alike (stage mars)",
+        metavar="DECAY",
+    )
     soft_clean: float = setting(
         0.0,
         "share of the original model's own next-token distribution in the clean stream's targets, "
@@ -231,7 +265,7 @@ class TrainConfig:
             raise UserError(f"{flag('soft_masked')} is for stage mars (stage ar has no masks)")
         if self.mask_lr is not None:
             _check_range(flag("mask_lr"), self.mask_lr, low=0, low_open=True)
-            if not (self.mask_only or self.train_layers or self.freeze_embeddings or self.lora_rank):
+            if not (self.mask_only or self.train_layers or self.freeze_embeddings or self.lora_rank or self.exact):
                 raise UserError(
                     f"{flag('mask_lr')} needs frozen embeddings ({flag('train_layers')}, {flag('freeze_embeddings')}, "
                     f"{flag('lora_rank')} or {flag('mask_only')}): otherwise the mask row trains "
@@ -246,6 +280,9 @@ class TrainConfig:
             raise UserError(f"{flag('mask_only')} is for stage mars (stage ar reads no mask token)")
         if self.lora_alpha is not None:
             _check_range(flag("lora_alpha"), self.lora_alpha, low=0, low_open=True)
+        self._check_masking(flag)
+        if self.exact:
+            self._check_exact(flag)
         if self.attention == "flex" and not torch.cuda.is_available():
             raise UserError(
                 f"{flag('attention')} flex trains only on CUDA (torch has no FlexAttention backward on a CPU); use sdpa"
@@ -258,9 +295,9 @@ class TrainConfig:
             "logging_steps",
             "data_n",
             "train_layers",
-            "lora_rank",
             "vocab_multiple",
             "teacher_top_k",
+            "masked_streams",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -284,6 +321,29 @@ class TrainConfig:
         out = Path(self.output)
         if out.exists() and (not out.is_dir() or any(out.iterdir())) and not self.overwrite:
             raise UserError(f"output directory {out} already holds something; pass --overwrite to replace it")
+
+    def _check_masking(self, flag) -> None:
+        _check_range(flag("offset_decay"), self.offset_decay, low=0, high=1)
+        if self.lora_rank is not None and self.lora_rank < (0 if self.exact else 1):
+            raise UserError(f"{flag('lora_rank')} must be >= {0 if self.exact else 1}, got {self.lora_rank}")
+        if self.mask_rows not in MASK_ROWS:
+            raise UserError(f"{flag('mask_rows')} must be one of {', '.join(MASK_ROWS)}, got {self.mask_rows!r}")
+        changed = [
+            name
+            for name in ("random_phase", "masked_streams", "offset_decay", "exact")
+            if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default
+        ]
+        if changed and self.stage != "mars":
+            raise UserError(f"{flag(changed[0])} is for stage mars (stage ar has no masks)")
+
+    def _check_exact(self, flag) -> None:
+        """Exact mode trains the adapter alone: nothing that would train or anchor the model's weights."""
+        for name in ("mask_only", "train_layers", "freeze_embeddings", "soft_clean", "gradient_checkpointing"):
+            if getattr(self, name):
+                raise UserError(
+                    f"{flag('exact')} keeps the model frozen and trains only its adapter: drop {flag(name)}"
+                    + (" (the masked stream alone keeps activations)" if name == "gradient_checkpointing" else "")
+                )
 
 
 def _check_range(
@@ -345,6 +405,20 @@ def _trainable_part(model, cfg: TrainConfig, mask_id: int | None):
     """Freeze what the config keeps fixed and wrap LoRA adapters; returns ``(model, mask row matrix)``,
     the second the embedding matrix when only the mask token's row of it trains (else None)."""
     mask_row = None
+    if cfg.exact:
+        model.requires_grad_(False)
+        rank = EXACT_RANK if cfg.lora_rank is None else cfg.lora_rank
+        rows = cfg.block_size if cfg.mask_rows == "per-offset" else 1
+        adapter = MaskAdapter.for_model(model, mask_id, rank=rank, rows=rows, alpha=cfg.lora_alpha)
+        adapter.attach(model)
+        mask_row = adapter.rows if cfg.mask_lr is not None else None
+        log.warning(
+            "exact mode: the model is frozen; training an adapter of %s parameters (%d mask rows, gated LoRA rank %d)",
+            f"{count_parameters(adapter):,}",
+            rows,
+            rank,
+        )
+        return model, mask_row
     if cfg.mask_only:
         model.requires_grad_(False)
         mask_row = train_embedding_rows(model, [mask_id])
@@ -542,8 +616,8 @@ def _model_identity(model_name: str) -> list:
 def with_teacher(cfg: TrainConfig, data_key: str, model, examples: list[dict], pad_id: int) -> list[dict]:
     """The examples with the starting model's top-k at every label (teacher.py), when a soft
     target asks for it; computed once per encoded dataset (``data_key``), model and k."""
-    if not (cfg.soft_clean or cfg.soft_masked):
-        return examples
+    if cfg.exact or not (cfg.soft_clean or cfg.soft_masked):
+        return examples  # exact mode's teacher is its own clean stream (objective.exact_mars_loss)
     from accelerate import PartialState
 
     from .teacher import teacher_top_k
@@ -619,6 +693,9 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         loss_normalization=cfg.loss_normalization,
         masked_weighting=cfg.masked_weighting,
     )
+    adapter = adapter_of(model)
+    if adapter is not None:
+        summary.parameters -= count_parameters(adapter)
     if cfg.stage == "mars" and summary.parameters != parameters_before:
         log.warning(
             "the mask token needed a new embedding row: %d -> %d parameters", parameters_before, summary.parameters
@@ -629,6 +706,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         mask_token_id=mask_id,
         ar_weight=cfg.ar_weight if cfg.stage == "mars" else 1.0,
         base_model=cfg.model,
+        adapter=None if adapter is None else adapter.spec.to_dict(),
         extra={"train": asdict(summary), **cfg.extra},
     )
     _save_atomically(trainer, mars_config, Path(cfg.output), partial_dir, overwrite=cfg.overwrite)
@@ -652,6 +730,21 @@ def _objective(cfg: TrainConfig, model, tokenizer, pad_id: int, eos_id: int):
     """``(loss_fn, collator, mask_id, block_size)`` of the stage; stage mars adds the mask token."""
     collate_fn = collate_packed if cfg.packing else collate
     soft = {"soft_clean": cfg.soft_clean, "normalization": cfg.loss_normalization}
+    masking = Masking(random_phase=cfg.random_phase, streams=cfg.masked_streams, offset_decay=cfg.offset_decay)
+    if cfg.stage == "mars" and cfg.exact:
+        mask_id = choose_mask_id(model, tokenizer, MASK_TOKEN)
+        loss_fn = partial(
+            exact_mars_loss,
+            block_size=cfg.block_size,
+            mask_token_id=mask_id,
+            normalization=cfg.loss_normalization,
+            masked_weighting=cfg.masked_weighting,
+            soft_masked=cfg.soft_masked,
+            teacher_top_k=cfg.teacher_top_k,
+            masking=masking,
+        )
+        collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
+        return loss_fn, collator, mask_id, cfg.block_size
     if cfg.stage == "mars":
         mask_id = ensure_mask_token(model, tokenizer, vocab_multiple=cfg.vocab_multiple)
         loss_fn = partial(
@@ -661,6 +754,7 @@ def _objective(cfg: TrainConfig, model, tokenizer, pad_id: int, eos_id: int):
             ar_weight=cfg.ar_weight,
             masked_weighting=cfg.masked_weighting,
             soft_masked=cfg.soft_masked,
+            masking=masking,
             **soft,
         )
         collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
@@ -746,14 +840,18 @@ def _save_atomically(trainer, mars_config: MarsConfig, output: Path, partial_dir
     staging = partial_dir / "final"
     require_finite_parameters(trainer.model, trainer.state.global_step)
     model = merge_lora(trainer.model)
-    if model is trainer.model:
+    if adapter_of(model) is not None:  # exact mode: the original's files, the adapter beside them
+        if trainer.is_world_process_zero():
+            save_checkpoint(model, trainer.processing_class, str(mars_config.base_model), staging)
+    elif model is trainer.model:
         trainer.save_model(str(staging))  # gathers sharded (FSDP/DeepSpeed) weights
     elif trainer.is_world_process_zero():  # LoRA: the merged weights, as a plain checkpoint
         model.save_pretrained(str(staging))
         trainer.processing_class.save_pretrained(str(staging))
     if not trainer.is_world_process_zero():
         return
-    model.generation_config.save_pretrained(str(staging))
+    if adapter_of(model) is None:
+        model.generation_config.save_pretrained(str(staging))
     mars_config.save(staging)
     (staging / "training_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     if output.exists():

@@ -59,6 +59,20 @@ def build_trained_checkpoints(root: Path) -> dict:
             **common,
         )
     )
+    train(
+        TrainConfig(
+            stage="mars",
+            exact=True,
+            model=str(root / "ar"),
+            output=str(root / "exact"),
+            max_steps=150,
+            learning_rate=1e-2,
+            lora_rank=8,
+            random_phase=True,
+            block_size=4,
+            **common,
+        )
+    )
     return {"dir": root}
 
 

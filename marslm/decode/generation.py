@@ -130,8 +130,8 @@ def generate(
     decoder.check(params)
     if facts.mask_token_id is None and not params.one_token:
         raise UserError(
-            "the tokenizer has no mask token (<|mask|>); is this a MARS checkpoint? "
-            "Only tau = 1 (plain AR decoding) works without one"
+            "the model has no mask token to decode with: not a MARS checkpoint, or an exact-mode one loaded "
+            "without its adapter (load it with marslm.load). Only tau = 1 (plain AR decoding) works without one"
         )
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     common = dict(

@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 
 from ..config import MarsConfig
+from ..errors import UserError
 from .request_settings import PluginConfig
 
 PROPOSER = "marslm.vllm.proposer.MarsProposer"
@@ -38,6 +39,11 @@ def plugin_config(
 ) -> PluginConfig:
     """The checkpoint's mask token and block size (``marslm.json``), or none for a plain AR checkpoint."""
     mars = MarsConfig.load(model_dir) if Path(model_dir).is_dir() else None
+    if mars is not None and mars.exact:
+        raise UserError(
+            f"{model_dir} is an exact-mode checkpoint: its adapter acts per token, at mask positions, and "
+            "vLLM applies a LoRA per request; serve it with marslm's own engine (marslm serve --engine marslm)"
+        )
     if mars is None or mars.stage != "mars" or mars.mask_token_id is None or mars.block_size < 1:
         return PluginConfig(tau=tau, metric=metric, mode=mode)
     return PluginConfig(mask_token_id=mars.mask_token_id, num_masks=mars.block_size, tau=tau, metric=metric, mode=mode)
