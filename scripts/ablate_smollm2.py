@@ -34,6 +34,8 @@ COMMON = dict(
     save_steps=20,
     logging_steps=10,
 )
+# Exact mode's common settings: its own learning rate (the adapter starts from zero).
+EXACT = dict(exact=True, learning_rate=1e-3)
 ARMS = {
     "top16-lr3e-4": ("the previous preset: top 16 of 30 layers, lr 3e-4", dict(train_layers=16, learning_rate=3e-4)),
     "all-lr5e-5": ("every weight, the mask row included, lr 5e-5", dict(learning_rate=5e-5)),
@@ -74,6 +76,30 @@ ARMS = {
         "top16-masklr with the cut answers kept as truncated examples",
         dict(train_layers=16, learning_rate=1e-4, mask_lr=1e-3, cut_answers=True),
     ),
+    "all-lr5e-6": ("every weight at the paper's lr 5e-6", dict(learning_rate=5e-6)),
+    "all-kl-lr5e-6": ("every weight at lr 5e-6, with the KL anchor", dict(learning_rate=5e-6, soft_clean=1.0)),
+    # Exact mode (train --exact): the model frozen, an adapter at mask positions only.
+    "x-row": ("exact: one shared mask row", dict(EXACT, mask_rows="shared", lora_rank=0, learning_rate=5e-3)),
+    "x-rows": ("exact: a mask row per offset", dict(EXACT, lora_rank=0, learning_rate=5e-3)),
+    "x-r8": ("exact: rows + gated LoRA rank 8", dict(EXACT, lora_rank=8)),
+    "x-r32": ("exact: rows + gated LoRA rank 32", dict(EXACT, lora_rank=32)),
+    "x-r64": ("exact: rows + gated LoRA rank 64", dict(EXACT, lora_rank=64)),
+    "x-r32-phase": ("x-r32 with random block phases", dict(EXACT, lora_rank=32, random_phase=True)),
+    "x-r32-phase-s4": (
+        "x-r32-phase with 4 noisy copies per row (every token at every offset)",
+        dict(EXACT, lora_rank=32, random_phase=True, masked_streams=4),
+    ),
+    "x-r32-phase-soft": (
+        "x-r32-phase with the masks' targets half the frozen model's distribution",
+        dict(EXACT, lora_rank=32, random_phase=True, soft_masked=0.5),
+    ),
+    "x-r32-phase-decay": (
+        "x-r32-phase with offset weights 0.7^offset",
+        dict(EXACT, lora_rank=32, random_phase=True, offset_decay=0.7),
+    ),
+    "x-r32-phase-lr3e-4": ("x-r32-phase at lr 3e-4", dict(EXACT, lora_rank=32, random_phase=True, learning_rate=3e-4)),
+    "x-r32-phase-B2": ("x-r32-phase with B = 2", dict(EXACT, lora_rank=32, random_phase=True, block_size=2)),
+    "x-r32-phase-B3": ("x-r32-phase with B = 3", dict(EXACT, lora_rank=32, random_phase=True, block_size=3)),
 }
 
 
@@ -114,8 +140,8 @@ def run_arm(name: str, out: Path, demo: Path, steps: int, probe_limit: int | Non
 def table(reports: list[dict]) -> str:
     lines = [
         "| arm | what | fidelity (clean top-1) | tok/fwd paper-tf 0.95 | 0.9 | lossless-tf "
-        "| offset-1 top-1 | masked CE |",
-        "|---|---|---|---|---|---|---|---|",
+        "| offset-1 top-1 | masked CE | s/example |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         offset1 = next((o for o in r["offsets"] if o["offset"] == 1), {})
@@ -124,7 +150,7 @@ def table(reports: list[dict]) -> str:
             f"| {r['arm']} | {r['what']} | {100 * r['fidelity']['top1_agreement']:.1f}% | "
             f"{paper.get('0.95', float('nan')):.3f} | {paper.get('0.9', float('nan')):.3f} | "
             f"{r['tokens_per_forward_lossless_tf']:.3f} | {100 * offset1.get('top1_accuracy', float('nan')):.1f}% | "
-            f"{r['masked_ce']:.3f} |"
+            f"{r['masked_ce']:.3f} | {r['train_seconds'] / (r['steps'] * COMMON['batch_size']):.2f} |"
         )
     return "\n".join(lines)
 

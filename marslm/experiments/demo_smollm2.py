@@ -33,6 +33,19 @@ from pathlib import Path
 
 from ..errors import UserError
 
+# marslm train's settings every preset starts from (TrainConfig field names); a preset's own
+# ``train`` entries replace them. On a CPU, bf16 is autocast (fast with AMX / AVX-512 BF16).
+TRAIN_DEFAULTS = dict(
+    block_size=4,
+    batch_size=8,
+    grad_accum=1,
+    max_length=256,
+    precision="bf16",
+    packing=True,
+    warmup_ratio=0.05,
+    save_steps=25,
+)
+
 
 @dataclass(frozen=True)
 class RealModelPreset:
@@ -40,25 +53,7 @@ class RealModelPreset:
     heldout_instructions: int  # held-out generated instructions (agreement, learning curve)
     heldout_toy: int  # held-out toy-suite items (agreement and toy accuracy)
     max_new_tokens: int  # longest distilled / evaluated answer
-    train_layers: int | None  # train the top N decoder layers only (None: all, embeddings included)
-    steps: int
-    batch_size: int
-    grad_accum: int
-    learning_rate: float
-    max_length: int
-    block_size: int = 4
-    ar_weight: float = 1.0
-    precision: str = "bf16"  # on a CPU, autocast to bfloat16 (fast on CPUs with AMX / AVX-512 BF16)
-    # The recipe's levers (marslm train's options of the same names; scripts/ablate_smollm2.py)
-    packing: bool = True
-    mask_lr: float | None = None
-    lora_rank: int | None = None
-    mask_only: bool = False
-    cut_answers: bool = False
-    soft_clean: float = 0.0
-    soft_masked: float = 0.0
-    warmup_ratio: float = 0.05
-    save_steps: int = 25
+    train: dict  # marslm train's settings over TRAIN_DEFAULTS (max_steps and the recipe)
     taus: tuple = (1.0, 0.95, 0.9, 0.8)
     curve_points: int = 6
     curve_prompts: int = 16
@@ -68,25 +63,33 @@ class RealModelPreset:
     seed: int = 0
 
 
+def training_config(preset: RealModelPreset, original: Path, data: Path, output: Path, progress: bool):
+    """The preset's MARS stage as ``marslm train`` runs it."""
+    from ..train import TrainConfig
+
+    settings = {**TRAIN_DEFAULTS, **preset.train}
+    settings.setdefault("logging_steps", max(1, min(10, settings["max_steps"] // 10)))
+    return TrainConfig(
+        stage="mars",
+        model=str(original),
+        data=str(data),
+        output=str(output),
+        seed=preset.seed,
+        progress=progress,
+        extra={"demo_preset": asdict(preset)},
+        **settings,
+    )
+
+
 SMOLLM2_PRESETS = {
-    # The CPU recipe, from scripts/ablate_smollm2.py (docs/results.md, section 7): every arm that
-    # trained weights (top layers, every weight, LoRA, a heavier clean-stream loss, a KL anchor to
-    # the original at learning rates down to where the masks learn less than the mask row alone)
-    # moved the clean stream's top-1 off the original's by more than bf16 rounding does. Training
-    # only the mask row keeps the original model exactly, so tau 1 and lossless decoding give its
-    # output by construction.
+    # The CPU recipe, from scripts/ablate_smollm2.py (docs/results.md, section 7): exact mode, so
+    # the original's outputs stay its own by construction.
     "smollm2": RealModelPreset(
         train_prompts="instructions:1200,toy:300",
         heldout_instructions=48,
         heldout_toy=32,
         max_new_tokens=128,
-        train_layers=None,
-        mask_only=True,
-        steps=300,
-        batch_size=8,
-        grad_accum=1,
-        learning_rate=5e-3,
-        max_length=256,
+        train=dict(max_steps=300, exact=True, learning_rate=1e-3, lora_rank=32, random_phase=True),
     ),
     # The test suite's end-to-end run: a few prompts, two steps; it checks the plumbing, not quality.
     "smollm2-quick": RealModelPreset(
@@ -94,13 +97,7 @@ SMOLLM2_PRESETS = {
         heldout_instructions=3,
         heldout_toy=2,
         max_new_tokens=32,
-        train_layers=2,
-        steps=2,
-        batch_size=4,
-        grad_accum=1,
-        learning_rate=1e-4,
-        max_length=96,
-        save_steps=1,
+        train=dict(max_steps=2, exact=True, lora_rank=4, batch_size=4, learning_rate=1e-3, max_length=96, save_steps=1),
         taus=(1.0, 0.9),
         curve_points=2,
         curve_prompts=2,
@@ -255,22 +252,21 @@ class _Curve:
 CURVE_TAU = 0.95
 
 
-def learning_curve_callback(out: Path, preset: RealModelPreset, items: list[dict]):
+def learning_curve_callback(out: Path, preset: RealModelPreset, cfg, items: list[dict]):
     """The probe (marslm/probe.py) on a few held-out answers during training: fidelity, tokens per
     forward teacher-forced (the paper's rule at tau 0.95, and lossless) and accuracy per mask offset."""
     from transformers import TrainerCallback
 
     from ..chat import stop_token_ids
-    from ..config import MASK_TOKEN
     from ..distill import read_answers
     from ..probe import probe, probe_item
     from .demo import curve_steps
 
     curve = _Curve(out / "learning_curve.json")
-    at_steps = {0, *curve_steps(preset.steps, preset.curve_points)}
+    at_steps = {0, *curve_steps(cfg.max_steps, preset.curve_points)}
     answers = read_answers(out / "distill" / "heldout.jsonl")
     records = [answers[it["id"]] for it in items[: preset.curve_prompts]]
-    examples_per_step = preset.batch_size * preset.grad_accum
+    examples_per_step = cfg.batch_size * cfg.grad_accum
 
     def measure(model, tokenizer, step):
         if step not in at_steps or curve.has(step):
@@ -285,8 +281,8 @@ def learning_curve_callback(out: Path, preset: RealModelPreset, items: list[dict
             result = probe(
                 model,
                 probe_items,
-                block_size=preset.block_size,
-                mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+                block_size=cfg.block_size,
+                mask_token_id=mask_token_of(model, tokenizer),
                 taus=(CURVE_TAU,),
                 pad_id=tokenizer.pad_token_id or 0,
                 batch_size=preset.eval_batch,
@@ -325,59 +321,39 @@ def learning_curve_callback(out: Path, preset: RealModelPreset, items: list[dict
     return LearningCurve()
 
 
-def train_stage(
-    original: Path, data: Path, out: Path, preset: RealModelPreset, items: list[dict], progress: bool
-) -> Path:
-    from ..train import TrainConfig, train
+def mask_token_of(model, tokenizer) -> int:
+    """The mask id of a model in training: its adapter's (exact mode), else the tokenizer's."""
+    from ..adapter import adapter_of
+    from ..config import MASK_TOKEN
 
-    target = out / "mars"
+    adapter = adapter_of(model)
+    return adapter.spec.mask_token_id if adapter is not None else tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+
+
+def describe(cfg) -> str:
+    """What a MARS stage trains, in a few words."""
+    if cfg.exact:
+        rows = "a mask row per offset" if cfg.mask_rows == "per-offset" else "one mask row"
+        return f"exact mode ({rows}, gated LoRA rank {cfg.lora_rank or 0})"
+    if cfg.mask_only:
+        return "the mask row only"
+    return f"top {cfg.train_layers} layers" if cfg.train_layers else "all layers"
+
+
+def train_stage(out: Path, preset: RealModelPreset, cfg, items: list[dict]) -> Path:
+    from ..train import train
+
+    target = Path(cfg.output)
     if (target / "config.json").is_file():
         _say(f"3/5 MARS: {target} is there")
         return target
     partial = Path(str(target) + ".partial")
     resumed = " (resuming)" if any(partial.glob("checkpoint-*")) else ""
-    layers = (
-        "the mask row only"
-        if preset.mask_only
-        else f"top {preset.train_layers} layers"
-        if preset.train_layers
-        else "all layers"
-    )
     _say(
-        f"3/5 MARS{resumed}: {preset.steps} steps of {preset.batch_size * preset.grad_accum} examples, {layers}, "
-        f"lr {preset.learning_rate:g}, B={preset.block_size}"
+        f"3/5 MARS{resumed}: {cfg.max_steps} steps of {cfg.batch_size * cfg.grad_accum} examples, {describe(cfg)}, "
+        f"lr {cfg.learning_rate:g}, B={cfg.block_size}"
     )
-    train(
-        TrainConfig(
-            stage="mars",
-            model=str(original),
-            data=str(data),
-            output=str(target),
-            block_size=preset.block_size,
-            ar_weight=preset.ar_weight,
-            max_steps=preset.steps,
-            learning_rate=preset.learning_rate,
-            batch_size=preset.batch_size,
-            grad_accum=preset.grad_accum,
-            max_length=preset.max_length,
-            seed=preset.seed,
-            precision=preset.precision,
-            save_steps=preset.save_steps,
-            logging_steps=max(1, min(10, preset.steps // 10)),
-            train_layers=preset.train_layers,
-            packing=preset.packing,
-            mask_lr=preset.mask_lr,
-            lora_rank=preset.lora_rank,
-            mask_only=preset.mask_only,
-            cut_answers=preset.cut_answers,
-            soft_clean=preset.soft_clean,
-            soft_masked=preset.soft_masked,
-            warmup_ratio=preset.warmup_ratio,
-            progress=progress,
-            extra={"demo_preset": asdict(preset)},
-        ),
-        callbacks=[learning_curve_callback(out, preset, items)],
-    )
+    train(cfg, callbacks=[learning_curve_callback(out, preset, cfg, items)])
     return target
 
 
@@ -385,7 +361,7 @@ def eval_stage(mars: Path, out: Path, preset: RealModelPreset, items: list[dict]
     """MARS at every tau on the held-out prompts; each finished tau is kept in OUT/eval.json."""
     from ..data import toy
     from ..files import write_json_atomically
-    from ..modeling import load_model, resolve_device
+    from ..modeling import checkpoint_facts, load_model, resolve_device
 
     path = out / "eval.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
@@ -416,9 +392,8 @@ def eval_stage(mars: Path, out: Path, preset: RealModelPreset, items: list[dict]
             _say(f"4/5 evaluating {mars} on {len(items)} held-out prompts at tau {', '.join(map(str, preset.taus))}")
             model, tokenizer, _ = load_model(str(mars), dtype="float32", device=resolve_device("auto"))
         started = time.perf_counter()
-        result = decode_heldout(
-            model, tokenizer, items, tau, preset.max_new_tokens, preset.block_size, preset.eval_batch
-        )
+        block_size = checkpoint_facts(model, tokenizer).block_size
+        result = decode_heldout(model, tokenizer, items, tau, preset.max_new_tokens, block_size, preset.eval_batch)
         result["toy_accuracy"] = toy_accuracy(result["texts"])
         result["seconds"] = round(time.perf_counter() - started, 1)
         for source in sorted({it["source"] for it in items}):
@@ -499,7 +474,7 @@ def format_report(report: dict) -> str:
     for r in report["mars"].values():
         toy_acc = "-" if r["toy_accuracy"] is None else f"{100 * r['toy_accuracy']:.1f}"
         lines.append(
-            f"| MARS B={report['preset']['block_size']} | {r['tau']:g} | {r['tokens_per_forward']:.2f} | "
+            f"| MARS B={report['block_size']} | {r['tau']:g} | {r['tokens_per_forward']:.2f} | "
             f"{100 * r['exact_match']:.1f}% | {r['mean_matching_prefix']:.1f} | {toy_acc} |"
         )
     if report.get("probe"):
@@ -548,9 +523,8 @@ def run_smollm2_demo(
     timings["distill"] = time.time() - t
     items = heldout_set(out, preset)
     t = time.time()
-    mars = train_stage(
-        original_dir, train_data, out, preset, [it for it in items if it["source"] != "toy"] or items, progress
-    )
+    cfg = training_config(preset, original_dir, train_data, out / "mars", progress)
+    mars = train_stage(out, preset, cfg, [it for it in items if it["source"] != "toy"] or items)
     timings["train"] = time.time() - t
     t = time.time()
     evaluated = eval_stage(mars, out, preset, items, progress)
@@ -572,6 +546,7 @@ def run_smollm2_demo(
         "learning_curve": _Curve(out / "learning_curve.json").points,
         "train": summary,
         "preset": asdict(preset),
+        "block_size": cfg.block_size,
         "seconds_this_run": {k: round(v, 1) for k, v in timings.items()},
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
