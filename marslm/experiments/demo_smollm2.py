@@ -9,9 +9,11 @@
     4. evaluate    MARS at several tau on the held-out prompts: decoded tokens per forward,
                    agreement with the original model's greedy answers, toy-suite accuracy
                                                                           -> OUT/eval.json
-                   and the probe on every held-out answer, beside the original's bf16 baseline
+    5. probe       every held-out answer, beside the original's bf16 baseline
                                                                           -> OUT/probe.json
-    5. report                                                             -> OUT/report.json
+    6. bench       decoding speed, lossless and tau 0.95 against HF generate on the original,
+                   float32 and bfloat16, batch 1 and 8                    -> OUT/bench.json
+    7. report                                                             -> OUT/report.json
 
 Every stage skips when its output is complete, so an interrupted run resumes where it stopped:
 the conversion and the MARS checkpoint are written atomically, distillation appends answers as
@@ -60,6 +62,8 @@ class RealModelPreset:
     curve_tokens: int = 64
     distill_batch: int = 16
     eval_batch: int = 16
+    bench_prompts: int = 8  # decoding speed: prompts and new tokens per contender
+    bench_tokens: int = 64
     seed: int = 0
 
 
@@ -104,6 +108,8 @@ SMOLLM2_PRESETS = {
         curve_tokens=12,
         distill_batch=4,
         eval_batch=4,
+        bench_prompts=2,
+        bench_tokens=8,
     ),
 }
 
@@ -123,10 +129,10 @@ def convert_stage(out: Path, original: str | None) -> Path:
         return Path(original)
     target = out / "original"
     if not (target / "config.json").is_file():
-        _say("1/5 converting SmolLM2-135M-Instruct (GGUF -> HF)")
+        _say("1/7 converting SmolLM2-135M-Instruct (GGUF -> HF)")
         convert_gguf(smollm2_gguf(), target, overwrite=True)
     else:
-        _say(f"1/5 conversion: {target} is there")
+        _say(f"1/7 conversion: {target} is there")
     return target
 
 
@@ -141,9 +147,9 @@ def distill_stage(original: Path, out: Path, preset: RealModelPreset, progress: 
     for name, prompts, path in jobs:
         missing = len({p.id for p in prompts} - done_ids(path))
         if not missing:
-            _say(f"2/5 distill ({name}): {path} is complete ({len(prompts)} answers)")
+            _say(f"2/7 distill ({name}): {path} is complete ({len(prompts)} answers)")
             continue
-        _say(f"2/5 distill ({name}): the original model's greedy answers to {missing} of {len(prompts)} prompts")
+        _say(f"2/7 distill ({name}): the original model's greedy answers to {missing} of {len(prompts)} prompts")
         if loaded is None:
             from ..modeling import load_model, resolve_device
 
@@ -345,12 +351,12 @@ def train_stage(out: Path, preset: RealModelPreset, cfg, items: list[dict]) -> P
 
     target = Path(cfg.output)
     if (target / "config.json").is_file():
-        _say(f"3/5 MARS: {target} is there")
+        _say(f"3/7 MARS: {target} is there")
         return target
     partial = Path(str(target) + ".partial")
     resumed = " (resuming)" if any(partial.glob("checkpoint-*")) else ""
     _say(
-        f"3/5 MARS{resumed}: {cfg.max_steps} steps of {cfg.batch_size * cfg.grad_accum} examples, {describe(cfg)}, "
+        f"3/7 MARS{resumed}: {cfg.max_steps} steps of {cfg.batch_size * cfg.grad_accum} examples, {describe(cfg)}, "
         f"lr {cfg.learning_rate:g}, B={cfg.block_size}"
     )
     train(cfg, callbacks=[learning_curve_callback(out, preset, cfg, items)])
@@ -389,7 +395,7 @@ def eval_stage(mars: Path, out: Path, preset: RealModelPreset, items: list[dict]
         if done.get(key, {}).get("decoding") == DECODED_LABEL:  # earlier runs may have decoded otherwise
             continue
         if model is None:
-            _say(f"4/5 evaluating {mars} on {len(items)} held-out prompts at tau {', '.join(map(str, preset.taus))}")
+            _say(f"4/7 evaluating {mars} on {len(items)} held-out prompts at tau {', '.join(map(str, preset.taus))}")
             model, tokenizer, _ = load_model(str(mars), dtype="float32", device=resolve_device("auto"))
         started = time.perf_counter()
         block_size = checkpoint_facts(model, tokenizer).block_size
@@ -426,9 +432,9 @@ def probe_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, 
 
     path = out / "probe.json"
     if path.is_file():
-        _say(f"4/5 probe: {path} is there")
+        _say(f"5/7 probe: {path} is there")
         return json.loads(path.read_text())
-    _say(f"4/5 probing {mars} on {len(items)} held-out answers (teacher-forced), and the original in bf16")
+    _say(f"5/7 probing {mars} on {len(items)} held-out answers (teacher-forced), and the original in bf16")
     model, tokenizer, _ = load_model(str(mars), dtype="float32", device=resolve_device("auto"))
     facts = checkpoint_facts(model, tokenizer)
     answers = read_answers(out / "distill" / "heldout.jsonl")
@@ -459,6 +465,45 @@ def probe_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, 
     return report
 
 
+BENCH_DTYPES = ("float32", "bfloat16")
+
+
+def bench_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, progress: bool) -> dict:
+    """Decoding speed on held-out toy prompts: lossless and tau 0.95 against HF ``generate`` on the
+    original, in float32 and bfloat16, at batch 1 and 8, each dtype's contenders interleaved
+    (experiments/bench.py) -> OUT/bench.json. Each finished dtype is kept."""
+    from ..evaluate import load_eval_set
+    from ..files import write_json_atomically
+    from ..modeling import load_model, resolve_device
+    from .bench import BenchConfig, run_bench
+
+    path = out / "bench.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    config = BenchConfig(
+        model=str(mars),
+        ar_model=str(original),
+        batch_sizes=[1, 8],
+        n=preset.bench_prompts,
+        repeats=1,
+        max_new_tokens=preset.bench_tokens,
+        taus=[0.95],
+        contenders=["cursor", "lossless"],
+        progress=progress,
+    )
+    eval_set = load_eval_set("toy", config.n, seed=preset.seed)
+    for dtype in BENCH_DTYPES:
+        if dtype in done:
+            continue
+        _say(f"6/7 decoding speed in {dtype}: lossless and tau 0.95 against HF generate on the original")
+        models = {
+            name: load_model(str(path_), dtype=dtype, device=resolve_device("auto"))[:2]
+            for name, path_ in (("mars", mars), ("ar", original))
+        }
+        done[dtype] = run_bench(models, eval_set, config)
+        write_json_atomically(path, done)
+    return done
+
+
 def format_report(report: dict) -> str:
     from ..probe import format_probe
 
@@ -482,6 +527,10 @@ def format_report(report: dict) -> str:
             "",
             "probe (teacher-forced on the original's answers, marslm probe): " + format_probe(report["probe"]),
         ]
+    for dtype, bench in (report.get("bench") or {}).items():
+        from .bench import format_bench_table
+
+        lines += ["", f"decoding speed, {dtype} (marslm bench, interleaved):", format_bench_table(bench)]
     curve = [p for p in report.get("learning_curve") or [] if "fidelity" in p]
     if curve:
         lines += [
@@ -532,6 +581,9 @@ def run_smollm2_demo(
     t = time.time()
     probed = probe_stage(mars, original_dir, out, preset, items, progress)
     timings["probe"] = time.time() - t
+    t = time.time()
+    benched = bench_stage(mars, original_dir, out, preset, progress)
+    timings["bench"] = time.time() - t
     timings["total"] = time.time() - started
 
     from ..config import MarsConfig
@@ -543,6 +595,7 @@ def run_smollm2_demo(
             k: {key: v for key, v in r.items() if key != "texts"} for k, r in evaluated.items() if k.startswith("tau=")
         },
         "probe": probed,
+        "bench": benched,
         "learning_curve": _Curve(out / "learning_curve.json").points,
         "train": summary,
         "preset": asdict(preset),
@@ -550,6 +603,6 @@ def run_smollm2_demo(
         "seconds_this_run": {k: round(v, 1) for k, v in timings.items()},
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _say("5/5 results\n" + format_report(report))
+    _say("7/7 results\n" + format_report(report))
     _say(f"done in {timings['total'] / 60:.1f} min (this run); report: {out / 'report.json'}")
     return report
