@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -149,3 +151,25 @@ def test_soft_targets_from_the_clean_stream_are_a_fixed_point(setup):
     hard = exact_mars_loss(model, batch["input_ids"], batch["labels"], 4, mask_id)["loss"]
     soft = exact_mars_loss(model, batch["input_ids"], batch["labels"], 4, mask_id, soft_masked=1.0, teacher_top_k=8)
     assert torch.isfinite(soft["loss"]) and not torch.isclose(soft["loss"], hard)
+
+
+def test_several_copies_average_their_losses(setup):
+    """Two copies at phases 0 and 1 give the mean of the two one-copy losses at those phases."""
+    model, adapter, mask_id, examples, tok = setup
+    adapter.attach(model)
+    batch = collate(examples, tok.pad_token_id, 4, tok.eos_token_id)
+
+    @dataclass(frozen=True)
+    class AtPhase(Masking):
+        phase: int = 0
+
+        def phases(self, segment_ids, rows, block_size):
+            return torch.full((rows, 1, 1), self.phase, dtype=torch.long)
+
+    def loss(masking):
+        return exact_mars_loss(model, batch["input_ids"], batch["labels"], 4, mask_id, masking=masking)["loss"]
+
+    one, other = AtPhase(phase=0), AtPhase(phase=1)
+    with torch.no_grad():
+        both = loss(Masking(streams=2))
+        torch.testing.assert_close(both, (loss(one) + loss(other)) / 2, rtol=1e-5, atol=1e-6)
