@@ -19,15 +19,6 @@ STAGES = ("ar", "mars")
 MASK_TOKEN = "<|mask|>"
 # The MARS block size B when nothing says otherwise (the paper's main setting).
 DEFAULT_BLOCK_SIZE = 4
-# Learning-rate schedules `train` offers: Trainer's names for those that need nothing beyond the
-# warmup and the step count. Here rather than in train.py so the CLI can list them without torch.
-LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")
-# Loss normalisations and masked-stream weightings (objective.py); here for the same reason.
-NORMALIZATIONS = ("sequence", "token")
-MASKED_WEIGHTINGS = ("uniform", "inverse-t")
-# Training precision (auto: bf16 on CUDA, float32 elsewhere) and attention back-ends (auto: flex on CUDA).
-PRECISIONS = ("auto", "bf16", "fp32")
-ATTENTIONS = ("auto", "sdpa", "eager", "flex")
 
 
 @dataclass

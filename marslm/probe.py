@@ -39,7 +39,7 @@ from .chat import IGNORE, encode_conversation, stop_token_ids
 from .decode.acceptance import PROB
 from .decode.params import one_token
 from .errors import UserError
-from .head_loss import logits_at
+from .training.head_loss import logits_at
 
 DEFAULT_TAUS = (0.9, 0.95)
 
@@ -167,7 +167,7 @@ def _forward(model, items: list[ProbeItem], block_size: int, mask_token_id: int 
     reference's) and would only cost compute.
     """
     from .masks import for_attention
-    from .objective import collate, two_stream_batch
+    from .training.objective import collate, two_stream_batch
 
     examples = [
         {"input_ids": it.prompt_ids + it.answer_ids, "labels": [IGNORE] * len(it.prompt_ids) + it.answer_ids}

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from typing import Any
+
+from .errors import UserError
 
 
 def setting(
@@ -153,3 +156,20 @@ def ints(text: str) -> list[int]:
 
 def strings(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def check_range(
+    flag: str,
+    value: float,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """A finite number within [low, high] (an open end excludes the bound), or one line naming ``flag``."""
+    if not math.isfinite(value):
+        raise UserError(f"{flag} must be a finite number, got {value}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise UserError(f"{flag} must be {'>' if low_open else '>='} {low:g}, got {value:g}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise UserError(f"{flag} must be {'<' if high_open else '<='} {high:g}, got {value:g}")

@@ -108,7 +108,8 @@ def run_arm(name: str, out: Path, demo: Path, steps: int, probe_limit: int | Non
 
     from marslm.modeling import checkpoint_facts, load_model
     from marslm.probe import load_probe_items, probe
-    from marslm.train import TrainConfig, train
+    from marslm.training.config import TrainConfig
+    from marslm.training.recipe import train
 
     what, options = ARMS[name]
     arm = out / name

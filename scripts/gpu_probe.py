@@ -248,7 +248,7 @@ def _attention_row(width: int, cfg: dict, device) -> dict:
 
 
 def train_step(device, plan) -> dict:
-    from marslm.modeling import enable_activation_checkpointing
+    from marslm.training.surgery import enable_activation_checkpointing
 
     cfg = plan["train_step"]
     name, layers = cfg["shape"]

@@ -18,7 +18,8 @@ import marslm
 from marslm.chat import encode_prompt, stop_token_ids
 from marslm.cli import main
 from marslm.convert import cached_conversion, smollm2_gguf
-from marslm.modeling import count_parameters, ensure_mask_token
+from marslm.modeling import count_parameters
+from marslm.training.surgery import ensure_mask_token
 
 CACHE = Path(__file__).resolve().parent.parent / "runs" / "test-cache"
 PROMPTS = ["What is the capital of France?", "List three colors.", "What is 12 plus 30?"]

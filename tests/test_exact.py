@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from marslm.adapter import MaskAdapter, mask_offsets
-from marslm.objective import (
+from marslm.training.objective import (
     Masking,
     clean_pass,
     collate,

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from marslm.adapter import FILENAME as ADAPTER_FILE
 from marslm.config import MarsConfig
-from marslm.train import TrainConfig, train
+from marslm.training.config import TrainConfig
+from marslm.training.recipe import train
 from tests.test_train_reliability import run_cli
 
 

@@ -13,8 +13,9 @@ import torch
 
 from marslm.chat import encode_conversation, stop_token_ids
 from marslm.errors import UserError
-from marslm.modeling import count_parameters, ensure_mask_token, freeze_for_training
-from marslm.objective import collate, mars_loss
+from marslm.modeling import count_parameters
+from marslm.training.objective import collate, mars_loss
+from marslm.training.surgery import ensure_mask_token, freeze_for_training
 from tests.helpers import chat_conversations
 
 
@@ -87,7 +88,7 @@ def test_activation_checkpointing_keeps_gradients_and_the_frozen_layers_out_of_t
 ):
     """Same loss and gradients with checkpointing; a trained layer runs its forward twice (the
     recompute), a frozen one once, and nothing below the trained layers gets a gradient."""
-    from marslm.modeling import enable_activation_checkpointing
+    from marslm.training.surgery import enable_activation_checkpointing
 
     def run(checkpointing):
         model = make_tiny_model(seed=5).train()

@@ -12,7 +12,7 @@ import torch
 from marslm.chat import IGNORE
 from marslm.errors import UserError
 from marslm.masks import decode_step_mask, for_attention, packed_two_stream_mask, two_stream_mask
-from marslm.objective import two_stream_batch
+from marslm.training.objective import two_stream_batch
 
 MASK_ID = 3
 

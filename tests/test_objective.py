@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from marslm.chat import IGNORE, encode_conversation
 from marslm.masks import for_attention, two_stream_mask
-from marslm.objective import ar_loss, collate, collate_packed, mars_loss, pad_to_block, two_stream_batch
+from marslm.training.objective import ar_loss, collate, collate_packed, mars_loss, pad_to_block, two_stream_batch
 from tests.helpers import assert_same_loss_and_grads, chat_conversations, stage_loss_and_grads
 
 MASK_ID = 3
@@ -208,7 +208,7 @@ def test_loss_terms(tiny_tokenizer, make_tiny_model, normalization):
 def test_inverse_t_weighting_of_the_masked_stream(tiny_tokenizer, make_tiny_model):
     """Each sequence's masked-stream loss times 1/t, t ~ U(1e-3, 1) drawn per sequence, as the
     reference's w/o-SFT trainer does; the clean stream is left alone."""
-    from marslm.objective import T_MIN
+    from marslm.training.objective import T_MIN
 
     model = make_tiny_model()
     batch = batch_of(tiny_tokenizer, n=3, seed=2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marslm.objective import collate, collate_packed
-from marslm.teacher import teacher_top_k
+from marslm.training.objective import collate, collate_packed
+from marslm.training.teacher import teacher_top_k
 from tests.helpers import assert_same_loss_and_grads, stage_loss_and_grads
 from tests.test_head_loss import EOS_ID, PAD_ID, _examples
 
@@ -65,8 +65,8 @@ def test_soft_targets_give_the_full_logits_loss_and_gradients(tiny_tokenizer, ma
 def test_the_masked_streams_soft_targets_are_the_teachers_at_the_copied_column(tiny_tokenizer, make_tiny_model):
     """With every target soft (share 1) and the teacher given as the noisy stream's only target,
     the masked loss equals a CE against the teacher rows of the positions each mask stands for."""
-    from marslm.head_loss import SparseTargets, cross_entropy
-    from marslm.objective import mars_loss, two_stream_batch
+    from marslm.training.head_loss import SparseTargets, cross_entropy
+    from marslm.training.objective import mars_loss, two_stream_batch
 
     teacher = make_tiny_model(seed=8)
     examples = _with_teacher(teacher, _examples(tiny_tokenizer, 3), k=4)

@@ -20,7 +20,8 @@ import torch
 from marslm import cli
 from marslm.chat import encode_conversation
 from marslm.config import MarsConfig
-from marslm.modeling import count_parameters, ensure_mask_token
+from marslm.modeling import count_parameters
+from marslm.training.surgery import ensure_mask_token
 from tests.helpers import chat_conversations
 
 MASK = "<|mask|>"
@@ -496,7 +497,8 @@ def step_recorder():
 
 
 def test_interrupted_training_resumes(tiny_model_dir, write_chat_jsonl, tmp_path):
-    from marslm.train import TrainConfig, train
+    from marslm.training.config import TrainConfig
+    from marslm.training.recipe import train
 
     data = write_chat_jsonl(tmp_path / "data.jsonl", 8)
     out = tmp_path / "out"
@@ -537,7 +539,8 @@ def test_interrupted_training_resumes(tiny_model_dir, write_chat_jsonl, tmp_path
 
 
 def test_no_resume_starts_over(tiny_model_dir, write_chat_jsonl, tmp_path):
-    from marslm.train import TrainConfig, train
+    from marslm.training.config import TrainConfig
+    from marslm.training.recipe import train
 
     data = write_chat_jsonl(tmp_path / "data.jsonl", 4)
     out = tmp_path / "out"
@@ -649,7 +652,8 @@ def test_accelerate_launch_two_processes_matches_one(trained, tmp_path):
 
 def test_lr_schedule_reaches_the_trainer(tiny_model_dir, write_chat_jsonl, tmp_path):
     from marslm.errors import UserError
-    from marslm.train import TrainConfig, train
+    from marslm.training.config import TrainConfig
+    from marslm.training.recipe import train
 
     data = write_chat_jsonl(tmp_path / "data.jsonl", 8)
     cfg = dict(
@@ -680,7 +684,7 @@ def test_lr_schedule_reaches_the_trainer(tiny_model_dir, write_chat_jsonl, tmp_p
 def test_data_mix_skews_the_toy_training_mixture(tiny_model_dir, tmp_path):
     from marslm.data import load_conversations, toy
     from marslm.errors import UserError
-    from marslm.train import TrainConfig
+    from marslm.training.config import TrainConfig
 
     conversations = load_conversations("toy", n=40, mix={"lists": 3})
     examples = toy.make_split("train", 40, weights={"lists": 3})
@@ -720,7 +724,8 @@ def test_gradient_accumulation_changes_neither_loss_nor_gradients(
 ):
     """4 examples as 4x1, 2x2 and 1x4 (batch x accumulation): one optimizer step each, the same
     logged loss and the same gradients, to float tolerance."""
-    from marslm.train import TrainConfig, train
+    from marslm.training.config import TrainConfig
+    from marslm.training.recipe import train
 
     runs = {}
     for batch_size, accumulate in ((4, 1), (2, 2), (1, 4)):
@@ -764,7 +769,8 @@ def test_block_padding_repeats_the_end_of_turn_token_not_the_first_stop_id(tiny_
     """A generation config that lists another stop id first (as Llama-3-Instruct does) must not
     change what the answers are padded with: the token the assistant turn ends with, trained on."""
     from marslm.chat import end_of_turn_id, stop_token_ids
-    from marslm.train import TrainConfig, train
+    from marslm.training.config import TrainConfig
+    from marslm.training.recipe import train
 
     end_of_text, im_end = tiny_tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     model = make_tiny_model(seed=2)

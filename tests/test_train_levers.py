@@ -8,7 +8,8 @@ import torch
 
 from marslm.errors import UserError
 from marslm.modeling import count_parameters
-from marslm.train import TrainConfig, _attn_implementation, _refuse_data_parallel, _use_bf16, train
+from marslm.training.config import TrainConfig
+from marslm.training.recipe import _attn_implementation, _refuse_data_parallel, _use_bf16, train
 from tests.test_train import load, run_cli, tokenizer_without_mask
 
 
@@ -153,7 +154,7 @@ def _distill_file(tokenizer, path, n=4):
 
 def test_distilled_answer_ids_are_trained_as_generated(tiny_tokenizer, tiny_model_dir, tmp_path):
     from marslm.chat import IGNORE, encode_prompt, end_of_turn_id, stop_token_ids
-    from marslm.train import encode_dataset, generated_answers
+    from marslm.training.dataset import encode_dataset, generated_answers
 
     data = _distill_file(tiny_tokenizer, tmp_path / "d.jsonl")
     stop = stop_token_ids(tiny_tokenizer)
@@ -177,7 +178,7 @@ def test_distilled_answer_ids_are_trained_as_generated(tiny_tokenizer, tiny_mode
 
 
 def test_a_tokenised_dataset_is_encoded_once(base, write_chat_jsonl, tmp_path, monkeypatch):
-    import marslm.train as train_module
+    import marslm.training.recipe as train_module
 
     monkeypatch.setenv("MARSLM_CACHE", str(tmp_path / "cache"))
     data = write_chat_jsonl(tmp_path / "d.jsonl", 4)
@@ -194,7 +195,7 @@ def test_a_tokenised_dataset_is_encoded_once(base, write_chat_jsonl, tmp_path, m
 
 
 def test_auto_attention_falls_back_where_this_torch_has_no_flex(monkeypatch):
-    import marslm.train as train_module
+    import marslm.training.recipe as train_module
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert _attn_implementation("auto") == "flex_attention"

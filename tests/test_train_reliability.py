@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from marslm import cli
-from marslm.checkpoints import CHECKPOINT_MARKER, checkpoint_is_complete
 from marslm.errors import UserError
-from marslm.train import RUN_SETTINGS, TrainConfig, may_resume, train
-from marslm.trainer import NonFiniteTraining
+from marslm.training.checkpoints import CHECKPOINT_MARKER, RUN_SETTINGS, checkpoint_is_complete, may_resume
+from marslm.training.config import TrainConfig
+from marslm.training.recipe import train
+from marslm.training.trainer import NonFiniteTraining
 
 # Patches Trainer (or marslm) so that the process SIGKILLs itself at POINT when the global step is
 # STEP, then runs `marslm ARGS...`. argv: POINT STEP ARGS...
@@ -36,7 +37,7 @@ def die(*_):
     os.kill(os.getpid(), signal.SIGKILL)
 
 from transformers import Trainer
-import marslm.trainer as trainer_module
+import marslm.training.trainer as trainer_module
 from marslm.config import MarsConfig
 
 def wrap(owner, name, before=None, after=None):
@@ -164,7 +165,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_weights(base_model, 
 
 
 def test_completeness_is_the_marker_and_the_sizes(tmp_path):
-    from marslm.checkpoints import mark_checkpoint_complete, resume_point
+    from marslm.training.checkpoints import mark_checkpoint_complete, resume_point
 
     partial = tmp_path / "out.partial"
     for step in (2, 4, 6):

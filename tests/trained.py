@@ -14,7 +14,8 @@ from marslm.data import toy
 from marslm.data.tokenizer import train_chat_tokenizer
 from marslm.experiments.toy_model import make_tiny_qwen2
 from marslm.modeling import load_model
-from marslm.train import TrainConfig, train
+from marslm.training.config import TrainConfig
+from marslm.training.recipe import train
 
 TRAIN_N = 64
 # Raw-text prompts some of which the tiny model continues for hundreds of tokens without EOS.

@@ -92,7 +92,8 @@ def _cost_curve(config: BenchConfig) -> int:
 def _train_step(config: BenchConfig) -> int:
     from ..config import MarsConfig
     from ..experiments.train_step import build_shape, format_train_step, train_step_bench
-    from ..modeling import check_model_source, checkpoint_block_size, enable_activation_checkpointing, resolve_device
+    from ..modeling import check_model_source, checkpoint_block_size, resolve_device
+    from ..training.surgery import enable_activation_checkpointing
 
     device = resolve_device(config.device) or "cpu"
     attention = "flex_attention" if config.attention == "flex" else config.attention

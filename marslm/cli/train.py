@@ -9,7 +9,7 @@ COMMAND = "train"
 
 def add_parser(sub) -> None:
     from ..settings import add_options
-    from ..train import TrainConfig
+    from ..training.config import TrainConfig
 
     parser = sub.add_parser(
         COMMAND,
@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..settings import from_args
-    from ..train import TrainConfig, train
+    from ..training.config import TrainConfig
+    from ..training.recipe import train
 
     summary = train(from_args(TrainConfig, args))
     _end_distributed()

@@ -32,7 +32,8 @@ from pathlib import Path
 from ..errors import UserError
 from ..evaluate import evaluate, load_eval_set, summarise_result
 from ..files import output_directory, read_json, write_json_atomically, write_text_atomically
-from ..train import TrainConfig, train
+from ..training.config import TrainConfig
+from ..training.recipe import train
 from .demo import DemoPreset, build_base_model, resolve_preset, train_arguments
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)

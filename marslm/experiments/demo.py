@@ -388,7 +388,8 @@ def _timed(timings: dict, name: str):
 def _train_stages(out: Path, preset: DemoPreset, progress: bool, timings: dict) -> list:
     """Stages 1-4 into OUT: the base model, AR SFT, MARS and the AR control; returns the AR
     stage's learning curve."""
-    from ..train import TrainConfig, train
+    from ..training.config import TrainConfig
+    from ..training.recipe import train
 
     _say(f"1/6 suite + tokenizer ({preset.train_examples} train examples)")
     with _timed(timings, "setup"):

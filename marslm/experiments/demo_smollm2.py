@@ -69,7 +69,7 @@ class RealModelPreset:
 
 def training_config(preset: RealModelPreset, original: Path, data: Path, output: Path, progress: bool):
     """The preset's MARS stage as ``marslm train`` runs it."""
-    from ..train import TrainConfig
+    from ..training.config import TrainConfig
 
     settings = {**TRAIN_DEFAULTS, **preset.train}
     settings.setdefault("logging_steps", max(1, min(10, settings["max_steps"] // 10)))
@@ -347,7 +347,7 @@ def describe(cfg) -> str:
 
 
 def train_stage(out: Path, preset: RealModelPreset, cfg, items: list[dict]) -> Path:
-    from ..train import train
+    from ..training.recipe import train
 
     target = Path(cfg.output)
     if (target / "config.json").is_file():

@@ -162,7 +162,7 @@ def _reset_cpu_peak() -> int | None:
 
 
 def _step(model, batch, stage: str, block_size: int, mask_id: int, target_logits: bool) -> None:
-    from ..objective import ar_loss, mars_loss
+    from ..training.objective import ar_loss, mars_loss
 
     model.zero_grad(set_to_none=True)
     if stage == "mars":

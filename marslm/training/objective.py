@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapter import adapter_of
-from .chat import IGNORE
+from ..adapter import adapter_of
+from ..chat import IGNORE
+from ..masks import packed_two_stream_mask, training_mask
 from .head_loss import SparseTargets, cross_entropy, has_linear_head, target_loss
-from .masks import packed_two_stream_mask, training_mask
 from .teacher import top_k_rows
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from transformers import Trainer
 
+from ..errors import UserError
 from .checkpoints import mark_checkpoint_complete
-from .errors import UserError
 from .objective import TEACHER_KEYS, normalizer
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from .chat import IGNORE
+from ..chat import IGNORE
 from .head_loss import logits_at
 
 # Logit elements computed at once: 2^27 float32 logits are 512 MiB.

@@ -1,0 +1,260 @@
+"""``marslm train``'s recipe for both stages, on the Hugging Face ``Trainer``: setup -> train -> save.
+
+The recipe is deliberately thin: load a model and chat data, encode conversations (dataset.py),
+collate and choose the loss (objective.py, bound once in :class:`Objective`), decide what trains
+(surgery.py), and hand the loss to ``Trainer``. Everything a multi-GPU user needs (``accelerate
+launch`` with DeepSpeed or FSDP, bf16, gradient accumulation, resuming, cosine schedule with
+warmup) is ``Trainer``'s, untouched.
+
+Checkpoints are plain ``save_pretrained`` directories plus ``marslm.json`` (exact mode: the
+original's files, the adapter beside them). Work in progress lives in ``OUT.partial/`` (Trainer
+checkpoints, for resuming); the finished model is written to a temporary directory and renamed
+into place, so ``OUT`` is either complete or absent (checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ..adapter import adapter_of, choose_mask_id
+from ..chat import end_of_turn_id, stop_token_ids
+from ..config import MASK_TOKEN, MarsConfig
+from ..data import load_conversations
+from ..errors import UserError
+from ..modeling import check_model_source, check_tokenizer, count_parameters, loading_errors
+from .checkpoints import agreed_resume_point, last_loss, may_resume, partial_dir_of, save_atomically, train_from
+from .config import TrainConfig
+from .dataset import cached_encoding, encode_dataset, encoding_key, generated_answers, with_teacher
+from .objective import Masking, ar_loss, collate, collate_packed, exact_mars_loss, mars_loss
+from .surgery import enable_activation_checkpointing, ensure_mask_token, trainable_part
+
+log = logging.getLogger("marslm.train")
+
+
+def _use_bf16(precision: str) -> bool:
+    """Whether to train in bf16 mixed precision; on CUDA, float32 matmuls may use TF32 either way."""
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return precision == "bf16" or (precision == "auto" and on_cuda)
+
+
+def _attn_implementation(attention: str) -> str:
+    """transformers' name of the attention back-end (``auto``: FlexAttention on CUDA where this
+    torch has it, else sdpa)."""
+    if attention == "auto":
+        attention = "flex" if torch.cuda.is_available() and _has_flex_attention() else "sdpa"
+    elif attention == "flex" and not _has_flex_attention():
+        raise UserError(f"--attention flex needs torch >= 2.5 (this is {torch.__version__}); use sdpa")
+    return "flex_attention" if attention == "flex" else attention
+
+
+def _has_flex_attention() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _refuse_data_parallel() -> None:
+    """Trainer turns one process on several GPUs into ``DataParallel``: a single process driving
+    every GPU, slower than one GPU for a model this size and not what anyone launching it meant."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        raise UserError(
+            f"{gpus} GPUs are visible to one process: run `accelerate launch --num_processes {gpus} -m marslm.cli "
+            "train ...` (one process per GPU), or pick one GPU with CUDA_VISIBLE_DEVICES=0"
+        )
+
+
+@dataclass
+class TrainSummary:
+    stage: str
+    output: str
+    examples: int
+    truncated: int
+    dropped: int
+    steps: int
+    final_loss: float | None
+    seconds: float
+    parameters: int
+    loss_normalization: str = "sequence"
+    masked_weighting: str = "uniform"
+
+
+def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSummary:
+    """Run one training stage end to end; returns a summary. ``model``/``tokenizer`` skip loading."""
+    started = time.time()
+    cfg.validate()
+    _refuse_data_parallel()
+    if cfg.attention == "flex" and not torch.cuda.is_available():
+        raise UserError("--attention flex trains only on CUDA (torch has no FlexAttention backward on a CPU); use sdpa")
+    resume = may_resume(cfg)
+    if model is None:
+        check_model_source(cfg.model)
+    conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed, mix=cfg.data_mix)
+    # Imported only once the input is known to be good: bad input fails in a fraction of a second.
+    from transformers import set_seed
+
+    set_seed(cfg.seed)
+    if model is None:
+        model, tokenizer = _load(cfg)
+    parameters_before = count_parameters(model)
+    stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    eos_id = end_of_turn_id(tokenizer, stop_ids)  # what block padding repeats (objective.pad_to_block)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+
+    data_key = encoding_key(cfg, tokenizer)  # hashes the data file and the vocabulary: once
+    examples, truncated, dropped = cached_encoding(
+        data_key,
+        lambda: encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids, eos_id, generated_answers(cfg)),
+    )
+    if truncated:
+        log.warning(
+            "%d of %d conversations were truncated to --max-length %d", truncated, len(conversations), cfg.max_length
+        )
+    examples = with_teacher(cfg, data_key, model, examples, pad_id)  # the model as it starts
+    loss_fn, collator, mask_id, block_size = _objective(cfg, model, tokenizer, pad_id, eos_id)
+    model, mask_row = trainable_part(model, cfg, mask_id)
+    if cfg.gradient_checkpointing:
+        enable_activation_checkpointing(model.get_base_model() if cfg.lora_rank else model)
+
+    from .trainer import MarsTrainer
+
+    partial_dir = partial_dir_of(cfg.output)
+    trainer = MarsTrainer(
+        model=model,
+        args=_training_arguments(cfg, partial_dir),
+        train_dataset=examples,
+        data_collator=collator,
+        processing_class=tokenizer,
+        callbacks=list(callbacks),
+        loss_fn=loss_fn,
+        normalization=cfg.loss_normalization,
+        own_lr={mask_row: cfg.mask_lr or cfg.learning_rate} if mask_row is not None else None,
+    )
+    steps = train_from(trainer, agreed_resume_point(trainer, partial_dir, cfg, resume))
+
+    summary = TrainSummary(
+        stage=cfg.stage,
+        output=cfg.output,
+        examples=len(examples),
+        truncated=truncated,
+        dropped=dropped,
+        steps=steps,
+        final_loss=last_loss(trainer),
+        seconds=round(time.time() - started, 1),
+        parameters=count_parameters(model),
+        loss_normalization=cfg.loss_normalization,
+        masked_weighting=cfg.masked_weighting,
+    )
+    adapter = adapter_of(model)
+    if adapter is not None:
+        summary.parameters -= count_parameters(adapter)
+    if cfg.stage == "mars" and summary.parameters != parameters_before:
+        log.warning(
+            "the mask token needed a new embedding row: %d -> %d parameters", parameters_before, summary.parameters
+        )
+    mars_config = MarsConfig(
+        stage=cfg.stage,
+        block_size=block_size,
+        mask_token_id=mask_id,
+        ar_weight=cfg.ar_weight if cfg.stage == "mars" else 1.0,
+        base_model=cfg.model,
+        adapter=None if adapter is None else adapter.spec.to_dict(),
+        extra={"train": asdict(summary), **cfg.extra},
+    )
+    save_atomically(trainer, mars_config, Path(cfg.output), partial_dir, overwrite=cfg.overwrite)
+    return summary
+
+
+def _load(cfg: TrainConfig):
+    """``(model, tokenizer)`` to start from, in float32 (mixed precision keeps float32 master weights)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with loading_errors(cfg.model):
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model, dtype=torch.float32, attn_implementation=_attn_implementation(cfg.attention)
+        )
+    check_tokenizer(tokenizer, cfg.model)
+    return model, tokenizer
+
+
+def _objective(cfg: TrainConfig, model, tokenizer, pad_id: int, eos_id: int):
+    """``(loss_fn, collator, mask_id, block_size)`` of the stage; stage mars adds the mask token."""
+    collate_fn = collate_packed if cfg.packing else collate
+    soft = {"soft_clean": cfg.soft_clean, "normalization": cfg.loss_normalization}
+    masking = Masking(random_phase=cfg.random_phase, streams=cfg.masked_streams, offset_decay=cfg.offset_decay)
+    if cfg.stage == "mars" and cfg.exact:
+        mask_id = choose_mask_id(model, tokenizer, MASK_TOKEN)
+        loss_fn = partial(
+            exact_mars_loss,
+            block_size=cfg.block_size,
+            mask_token_id=mask_id,
+            normalization=cfg.loss_normalization,
+            masked_weighting=cfg.masked_weighting,
+            soft_masked=cfg.soft_masked,
+            teacher_top_k=cfg.teacher_top_k,
+            masking=masking,
+        )
+        collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
+        return loss_fn, collator, mask_id, cfg.block_size
+    if cfg.stage == "mars":
+        mask_id = ensure_mask_token(model, tokenizer, vocab_multiple=cfg.vocab_multiple)
+        loss_fn = partial(
+            mars_loss,
+            block_size=cfg.block_size,
+            mask_token_id=mask_id,
+            ar_weight=cfg.ar_weight,
+            masked_weighting=cfg.masked_weighting,
+            soft_masked=cfg.soft_masked,
+            masking=masking,
+            **soft,
+        )
+        collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
+        return loss_fn, collator, mask_id, cfg.block_size
+    mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
+    return partial(ar_loss, **soft), partial(collate_fn, pad_id=pad_id), mask_id, 1
+
+
+def _training_arguments(cfg: TrainConfig, partial_dir: Path):
+    from transformers import TrainingArguments
+
+    bf16 = _use_bf16(cfg.precision)
+    return TrainingArguments(
+        output_dir=str(partial_dir),
+        num_train_epochs=cfg.epochs if cfg.epochs > 0 else 1.0,
+        max_steps=cfg.max_steps,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_schedule,
+        warmup_steps=cfg.warmup_ratio,
+        weight_decay=cfg.weight_decay,
+        adam_epsilon=cfg.adam_epsilon,
+        max_grad_norm=cfg.max_grad_norm,
+        per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        bf16=bf16,
+        # bf16 without a GPU is CPU autocast, which Trainer only allows when told the CPU is meant
+        use_cpu=bf16 and not torch.cuda.is_available(),
+        save_strategy="steps",
+        save_steps=cfg.save_steps,
+        save_total_limit=2,
+        logging_steps=cfg.logging_steps,
+        report_to=[],
+        remove_unused_columns=False,
+        disable_tqdm=not cfg.progress,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
