@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -94,13 +95,7 @@ class TrainSummary:
 def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSummary:
     """Run one training stage end to end; returns a summary. ``model``/``tokenizer`` skip loading."""
     started = time.time()
-    cfg.validate()
-    _refuse_data_parallel()
-    if cfg.attention == "flex" and not torch.cuda.is_available():
-        raise UserError("--attention flex trains only on CUDA (torch has no FlexAttention backward on a CPU); use sdpa")
-    resume = may_resume(cfg)
-    if model is None:
-        check_model_source(cfg.model)
+    resume = _check(cfg, model)
     conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed, mix=cfg.data_mix)
     # Imported only once the input is known to be good: bad input fails in a fraction of a second.
     from transformers import set_seed
@@ -112,19 +107,9 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     eos_id = end_of_turn_id(tokenizer, stop_ids)  # what block padding repeats (objective.pad_to_block)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-
-    data_key = encoding_key(cfg, tokenizer)  # hashes the data file and the vocabulary: once
-    examples, truncated, dropped = cached_encoding(
-        data_key,
-        lambda: encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids, eos_id, generated_answers(cfg)),
-    )
-    if truncated:
-        log.warning(
-            "%d of %d conversations were truncated to --max-length %d", truncated, len(conversations), cfg.max_length
-        )
-    examples = with_teacher(cfg, data_key, model, examples, pad_id)  # the model as it starts
-    loss_fn, collator, mask_id, block_size = _objective(cfg, model, tokenizer, pad_id, eos_id)
-    model, mask_row = trainable_part(model, cfg, mask_id)
+    examples, truncated, dropped = _examples(cfg, model, tokenizer, conversations, stop_ids, eos_id, pad_id)
+    objective = objective_for(cfg, model, tokenizer, pad_id, eos_id)
+    model, mask_row = trainable_part(model, cfg, objective.mask_token_id)
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(model.get_base_model() if cfg.lora_rank else model)
 
@@ -135,15 +120,16 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         model=model,
         args=_training_arguments(cfg, partial_dir),
         train_dataset=examples,
-        data_collator=collator,
+        data_collator=objective.collator,
         processing_class=tokenizer,
         callbacks=list(callbacks),
-        loss_fn=loss_fn,
+        loss_fn=objective.loss,
         normalization=cfg.loss_normalization,
         own_lr={mask_row: cfg.mask_lr or cfg.learning_rate} if mask_row is not None else None,
     )
     steps = train_from(trainer, agreed_resume_point(trainer, partial_dir, cfg, resume))
 
+    adapter = adapter_of(model)
     summary = TrainSummary(
         stage=cfg.stage,
         output=cfg.output,
@@ -153,28 +139,44 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         steps=steps,
         final_loss=last_loss(trainer),
         seconds=round(time.time() - started, 1),
-        parameters=count_parameters(model),
+        parameters=count_parameters(model) - (0 if adapter is None else count_parameters(adapter)),
         loss_normalization=cfg.loss_normalization,
         masked_weighting=cfg.masked_weighting,
     )
-    adapter = adapter_of(model)
-    if adapter is not None:
-        summary.parameters -= count_parameters(adapter)
     if cfg.stage == "mars" and summary.parameters != parameters_before:
         log.warning(
             "the mask token needed a new embedding row: %d -> %d parameters", parameters_before, summary.parameters
         )
-    mars_config = MarsConfig(
-        stage=cfg.stage,
-        block_size=block_size,
-        mask_token_id=mask_id,
-        ar_weight=cfg.ar_weight if cfg.stage == "mars" else 1.0,
-        base_model=cfg.model,
-        adapter=None if adapter is None else adapter.spec.to_dict(),
-        extra={"train": asdict(summary), **cfg.extra},
-    )
-    save_atomically(trainer, mars_config, Path(cfg.output), partial_dir, overwrite=cfg.overwrite)
+    record = objective.record(cfg, adapter, extra={"train": asdict(summary), **cfg.extra})
+    save_atomically(trainer, record, Path(cfg.output), partial_dir, overwrite=cfg.overwrite)
     return summary
+
+
+def _check(cfg: TrainConfig, model) -> bool:
+    """Everything that can be refused before loading; returns whether a partial run may be resumed."""
+    cfg.validate()
+    _refuse_data_parallel()
+    if cfg.attention == "flex" and not torch.cuda.is_available():
+        raise UserError("--attention flex trains only on CUDA (torch has no FlexAttention backward on a CPU); use sdpa")
+    resume = may_resume(cfg)
+    if model is None:
+        check_model_source(cfg.model)
+    return resume
+
+
+def _examples(cfg: TrainConfig, model, tokenizer, conversations, stop_ids, eos_id: int, pad_id: int):
+    """``(examples, truncated, dropped)``: the encoded data (cached by content), with the starting
+    model's teacher rows where a soft target needs them."""
+    data_key = encoding_key(cfg, tokenizer)  # hashes the data file and the vocabulary: once
+    examples, truncated, dropped = cached_encoding(
+        data_key,
+        lambda: encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids, eos_id, generated_answers(cfg)),
+    )
+    if truncated:
+        log.warning(
+            "%d of %d conversations were truncated to --max-length %d", truncated, len(conversations), cfg.max_length
+        )
+    return with_teacher(cfg, data_key, model, examples, pad_id), truncated, dropped
 
 
 def _load(cfg: TrainConfig):
@@ -190,41 +192,52 @@ def _load(cfg: TrainConfig):
     return model, tokenizer
 
 
-def _objective(cfg: TrainConfig, model, tokenizer, pad_id: int, eos_id: int):
-    """``(loss_fn, collator, mask_id, block_size)`` of the stage; stage mars adds the mask token."""
-    collate_fn = collate_packed if cfg.packing else collate
-    soft = {"soft_clean": cfg.soft_clean, "normalization": cfg.loss_normalization}
-    masking = Masking(random_phase=cfg.random_phase, streams=cfg.masked_streams, offset_decay=cfg.offset_decay)
-    if cfg.stage == "mars" and cfg.exact:
+@dataclass(frozen=True)
+class Objective:
+    """A stage's loss and the collator that feeds it, bound together to one block size and mask
+    token: the collator pads each sequence to the loss's block grid."""
+
+    loss: Callable
+    collator: Callable
+    block_size: int  # 1: stage ar
+    mask_token_id: int | None
+
+    def record(self, cfg: TrainConfig, adapter, extra: dict) -> MarsConfig:
+        """The checkpoint's ``marslm.json``."""
+        return MarsConfig(
+            stage=cfg.stage,
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
+            ar_weight=cfg.ar_weight if cfg.stage == "mars" else 1.0,
+            base_model=cfg.model,
+            adapter=None if adapter is None else adapter.spec.to_dict(),
+            extra=extra,
+        )
+
+
+def objective_for(cfg: TrainConfig, model, tokenizer, pad_id: int, eos_id: int) -> Objective:
+    """The stage's :class:`Objective`; stage mars gives the model its mask token (full mode) or
+    picks one the adapter embeds (exact mode)."""
+    block_size = cfg.block_size if cfg.stage == "mars" else 1
+    collator = partial(collate_packed if cfg.packing else collate, pad_id=pad_id, block_size=block_size, eos_id=eos_id)
+    if cfg.stage == "ar":
+        mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
+        loss = partial(ar_loss, soft_clean=cfg.soft_clean, normalization=cfg.loss_normalization)
+        return Objective(loss, collator, 1, mask_id)
+    common = dict(
+        block_size=block_size,
+        normalization=cfg.loss_normalization,
+        masked_weighting=cfg.masked_weighting,
+        soft_masked=cfg.soft_masked,
+        masking=Masking(random_phase=cfg.random_phase, streams=cfg.masked_streams, offset_decay=cfg.offset_decay),
+    )
+    if cfg.exact:
         mask_id = choose_mask_id(model, tokenizer, MASK_TOKEN)
-        loss_fn = partial(
-            exact_mars_loss,
-            block_size=cfg.block_size,
-            mask_token_id=mask_id,
-            normalization=cfg.loss_normalization,
-            masked_weighting=cfg.masked_weighting,
-            soft_masked=cfg.soft_masked,
-            teacher_top_k=cfg.teacher_top_k,
-            masking=masking,
-        )
-        collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
-        return loss_fn, collator, mask_id, cfg.block_size
-    if cfg.stage == "mars":
+        loss = partial(exact_mars_loss, mask_token_id=mask_id, teacher_top_k=cfg.teacher_top_k, **common)
+    else:
         mask_id = ensure_mask_token(model, tokenizer, vocab_multiple=cfg.vocab_multiple)
-        loss_fn = partial(
-            mars_loss,
-            block_size=cfg.block_size,
-            mask_token_id=mask_id,
-            ar_weight=cfg.ar_weight,
-            masked_weighting=cfg.masked_weighting,
-            soft_masked=cfg.soft_masked,
-            masking=masking,
-            **soft,
-        )
-        collator = partial(collate_fn, pad_id=pad_id, block_size=cfg.block_size, eos_id=eos_id)
-        return loss_fn, collator, mask_id, cfg.block_size
-    mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
-    return partial(ar_loss, **soft), partial(collate_fn, pad_id=pad_id), mask_id, 1
+        loss = partial(mars_loss, mask_token_id=mask_id, ar_weight=cfg.ar_weight, soft_clean=cfg.soft_clean, **common)
+    return Objective(loss, collator, block_size, mask_id)
 
 
 def _training_arguments(cfg: TrainConfig, partial_dir: Path):

@@ -56,7 +56,7 @@ class MarsTrainer(CrashSafeCheckpoints, Trainer):
     accumulation changes nothing. Trainer must then not divide again.
 
     ``own_lr``: ``{parameter: learning rate}`` for parameters that get an optimizer group of their
-    own, without weight decay (the mask token's row: modeling.train_embedding_rows).
+    own, without weight decay (the mask token's row: surgery.train_embedding_rows; exact mode's mask rows).
     """
 
     loss_is_scaled_for_ga = True
