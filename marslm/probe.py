@@ -167,7 +167,8 @@ def _forward(model, items: list[ProbeItem], block_size: int, mask_token_id: int 
     reference's) and would only cost compute.
     """
     from .masks import for_attention
-    from .training.objective import collate, two_stream_batch
+    from .training.collate import collate
+    from .training.objective import two_stream_batch
 
     examples = [
         {"input_ids": it.prompt_ids + it.answer_ids, "labels": [IGNORE] * len(it.prompt_ids) + it.answer_ids}

@@ -127,7 +127,8 @@ def hf_greedy(model, tokenizer, prompt_ids, max_new_tokens):
 def stage_loss_and_grads(model, batch: dict, stage: str, **options):
     """``(loss terms, {name: gradient})`` after one backward of a stage's loss on a collated batch
     (padded or packed; B = 4 and mask id 3 for ``mars``); ``options`` go to the loss."""
-    from marslm.training.objective import TEACHER_KEYS, ar_loss, mars_loss
+    from marslm.training.collate import TEACHER_KEYS
+    from marslm.training.objective import ar_loss, mars_loss
 
     extra = {k: batch[k] for k in ("position_ids", "segment_ids", *TEACHER_KEYS) if k in batch}
     if stage == "mars":

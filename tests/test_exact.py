@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from marslm.adapter import MaskAdapter, mask_offsets
-from marslm.training.objective import (
-    Masking,
-    clean_pass,
-    collate,
-    collate_packed,
-    exact_mars_loss,
-    mars_loss,
-    two_stream_batch,
-)
+from marslm.training.collate import collate, collate_packed
+from marslm.training.objective import Masking, clean_pass, exact_mars_loss, mars_loss, two_stream_batch
 from tests.helpers import chat_conversations
 
 

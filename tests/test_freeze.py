@@ -14,7 +14,8 @@ import torch
 from marslm.chat import encode_conversation, stop_token_ids
 from marslm.errors import UserError
 from marslm.modeling import count_parameters
-from marslm.training.objective import collate, mars_loss
+from marslm.training.collate import collate
+from marslm.training.objective import mars_loss
 from marslm.training.surgery import ensure_mask_token, freeze_for_training
 from tests.helpers import chat_conversations
 

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from marslm.chat import encode_conversation
+from marslm.training.collate import collate, collate_packed
 from marslm.training.head_loss import SparseTargets, fused_cross_entropy
-from marslm.training.objective import ar_loss, collate, collate_packed, mars_loss
+from marslm.training.objective import ar_loss, mars_loss
 from tests.helpers import assert_same_loss_and_grads, stage_loss_and_grads
 
 MASK_ID, EOS_ID, PAD_ID = 3, 2, 0

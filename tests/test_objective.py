@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from marslm.chat import IGNORE, encode_conversation
 from marslm.masks import for_attention, two_stream_mask
-from marslm.training.objective import ar_loss, collate, collate_packed, mars_loss, pad_to_block, two_stream_batch
+from marslm.training.collate import collate, collate_packed, pad_to_block
+from marslm.training.objective import ar_loss, mars_loss, two_stream_batch
 from tests.helpers import assert_same_loss_and_grads, chat_conversations, stage_loss_and_grads
 
 MASK_ID = 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marslm.training.objective import collate, collate_packed
+from marslm.training.collate import collate, collate_packed
 from marslm.training.teacher import teacher_top_k
 from tests.helpers import assert_same_loss_and_grads, stage_loss_and_grads
 from tests.test_head_loss import EOS_ID, PAD_ID, _examples

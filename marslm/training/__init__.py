@@ -2,6 +2,7 @@
 
     config.py       TrainConfig: every option, checked once (no torch: the CLI parses fast)
     recipe.py       train(): setup -> train -> save
+    collate.py      examples into padded or packed rows on the block grid
     objective.py    the two-stream batch and the losses (full and exact mode)
     head_loss.py    target-only logits, fused with the cross-entropy
     teacher.py      the starting model's top-k per answer token (soft targets)

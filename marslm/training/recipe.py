@@ -31,9 +31,10 @@ from ..data import load_conversations
 from ..errors import UserError
 from ..modeling import check_model_source, check_tokenizer, count_parameters, loading_errors
 from .checkpoints import agreed_resume_point, last_loss, may_resume, partial_dir_of, save_atomically, train_from
+from .collate import collate, collate_packed
 from .config import TrainConfig
 from .dataset import cached_encoding, encode_dataset, encoding_key, generated_answers, with_teacher
-from .objective import Masking, ar_loss, collate, collate_packed, exact_mars_loss, mars_loss
+from .objective import Masking, ar_loss, exact_mars_loss, mars_loss
 from .surgery import enable_activation_checkpointing, ensure_mask_token, trainable_part
 
 log = logging.getLogger("marslm.train")

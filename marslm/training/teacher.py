@@ -57,7 +57,7 @@ def teacher_top_k(model, examples: list[dict], k: int, pad_id: int, progress: bo
     """Per example, ``teacher_ids [T, k]`` (int32) and ``teacher_probs [T, k]`` (float32): at each
     position t whose label is trained, the model's k most likely tokens for position t given the
     tokens before it, and their probabilities; zeros at the other positions."""
-    from .objective import collate
+    from .collate import collate
 
     was_training = model.training
     model.eval()

@@ -13,7 +13,8 @@ from transformers import Trainer
 
 from ..errors import UserError
 from .checkpoints import mark_checkpoint_complete
-from .objective import TEACHER_KEYS, normalizer
+from .collate import TEACHER_KEYS
+from .objective import normalizer
 
 
 class NonFiniteTraining(UserError):

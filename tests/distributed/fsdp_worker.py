@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from marslm.training.objective import collate, mars_loss, normalizer
+from marslm.training.collate import collate
+from marslm.training.objective import mars_loss, normalizer
 from tests.helpers import TINY_SIZES
 
 out = sys.argv[1]
