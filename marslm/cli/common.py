@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import UserError
-
 EXIT_USAGE = 2  # a mistake the user can fix: one line on stderr
 EXIT_FAILED_CELLS = 1  # eval: some settings failed (out of memory, say); the rest is reported
 
@@ -51,11 +49,6 @@ def write_json(path: str, payload: dict) -> None:
     from ..files import write_json_atomically
 
     write_json_atomically(path, payload)
-
-
-def no_extra_args(args) -> None:
-    if getattr(args, "vllm_args", None):
-        raise UserError(f"unexpected arguments {' '.join(args.vllm_args)} (options after -- are for --engine vllm)")
 
 
 def load_for_decoding(model_path: str, params, device: str = "auto"):

@@ -4,7 +4,7 @@ plugin; its options are ``ServeConfig``'s fields."""
 from __future__ import annotations
 
 from ..errors import UserError
-from .common import no_extra_args
+from ..serve.config import no_extra_args
 
 COMMAND = "serve"
 

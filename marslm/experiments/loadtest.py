@@ -35,9 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..cli.common import no_extra_args
 from ..decode.params import check_tau
 from ..errors import UserError
+from ..serve.config import no_extra_args
 from ..settings import flag_of, floats, ints, setting
 
 POLICIES = ("fixed-1.0", "fixed-0.95", "adaptive")

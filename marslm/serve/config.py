@@ -148,3 +148,9 @@ def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:
     which is what vLLM serves by default. Answers carry the first, as vLLM's do."""
     default = Path(model).resolve().name if Path(model).exists() else model
     return tuple(dict.fromkeys((*(aliases or (default,)), model)))
+
+
+def no_extra_args(settings) -> None:
+    """Options after ``--`` go to ``vllm serve``: refused unless the engine is vLLM."""
+    if getattr(settings, "vllm_args", None):
+        raise UserError(f"unexpected arguments {' '.join(settings.vllm_args)} (options after -- are for --engine vllm)")
