@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .chat import IGNORE, encode_conversation, stop_token_ids
-from .decode.acceptance import PROB
-from .decode.params import one_token
+from .decode.params import PROB, one_token
 from .errors import UserError
 from .training.head_loss import logits_at
 
