@@ -506,7 +506,7 @@ def bench_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, 
 
 
 def format_report(report: dict) -> str:
-    from ..probe import format_probe
+    from ..probe_report import format_probe
 
     lines = [
         f"| model | tau | tok/fwd ({DECODED_LABEL}) | = original (exact) | matching prefix (tokens) | toy accuracy |",
