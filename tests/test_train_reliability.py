@@ -22,10 +22,15 @@ import torch
 
 from marslm import cli
 from marslm.errors import UserError
-from marslm.training.checkpoints import CHECKPOINT_MARKER, RUN_SETTINGS, checkpoint_is_complete, may_resume
+from marslm.training.checkpoints import (
+    CHECKPOINT_MARKER,
+    RUN_SETTINGS,
+    NonFiniteTraining,
+    checkpoint_is_complete,
+    may_resume,
+)
 from marslm.training.config import TrainConfig
 from marslm.training.recipe import train
-from marslm.training.trainer import NonFiniteTraining
 
 # Patches Trainer (or marslm) so that the process SIGKILLs itself at POINT when the global step is
 # STEP, then runs `marslm ARGS...`. argv: POINT STEP ARGS...

@@ -8,7 +8,7 @@ from ..errors import UserError
 from .common import add_device, add_unsafe_exec, code_execution, write_json
 
 if TYPE_CHECKING:
-    from ..experiments.bench import BenchConfig
+    from ..experiments.bench_config import BenchConfig
 
 COMMAND = "bench"
 
@@ -16,7 +16,7 @@ COMMAND = "bench"
 def add_parser(sub) -> None:
     from dataclasses import fields
 
-    from ..experiments.bench import TRAIN_STEP_FIELDS, BenchConfig
+    from ..experiments.bench_config import TRAIN_STEP_FIELDS, BenchConfig
     from ..settings import add_options
 
     bench = sub.add_parser(
@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..evaluate import load_eval_set
-    from ..experiments.bench import BenchConfig, format_bench_table, load_bench_models, run_bench
+    from ..experiments.bench import format_bench_table, load_bench_models, run_bench
+    from ..experiments.bench_config import BenchConfig
     from ..settings import from_args
 
     code_execution(args)

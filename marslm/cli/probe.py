@@ -11,7 +11,7 @@ COMMAND = "probe"
 
 
 def add_parser(sub) -> None:
-    from ..probe import DEFAULT_TAUS
+    from ..probe_report import DEFAULT_TAUS
 
     parser = sub.add_parser(
         COMMAND,
@@ -57,21 +57,11 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import logging
 
-    import torch
+    from ..modeling import checkpoint_facts, load_model, resolve_device
+    from ..probe import load_probe_items, probe, probe_clean
+    from ..probe_report import format_probe
 
-    from ..decode.params import check_tau
-    from ..errors import UserError
-    from ..modeling import check_model_source, checkpoint_facts, load_model, resolve_device
-    from ..probe import format_probe, load_probe_items, probe, probe_clean
-
-    for tau in args.tau:
-        check_tau(tau, "prob")
-    for flag, value in (("--batch-size", args.batch_size), ("--limit", args.limit)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
-    check_model_source(args.model)
-    if args.original:
-        check_model_source(args.original)
+    _check(args)
     device = resolve_device(args.device)
     model, tokenizer, _ = load_model(args.model, device=device)
     facts = checkpoint_facts(model, tokenizer)
@@ -106,19 +96,43 @@ def run(args) -> int:
         )
     if args.original:
         del model
-        original, original_tokenizer, _ = load_model(args.original, dtype="float32", device=device)
-        report["original_bf16"] = {
-            "model": args.original,
-            **probe_clean(
-                original,
-                load_probe_items(args.data, original_tokenizer, args.limit),
-                pad_id=checkpoint_facts(original, original_tokenizer).pad_id,
-                batch_size=args.batch_size,
-                autocast_dtype=torch.bfloat16,
-                progress=progress,
-            ),
-        }
+        report["original_bf16"] = _probe_original(args, device, progress)
     if args.out:
         write_json(args.out, report)
     print(json.dumps(report, indent=2) if args.json else f"probe {args.model} on {args.data}\n{format_probe(report)}")
     return 0
+
+
+def _check(args) -> None:
+    from ..decode.params import check_tau
+    from ..errors import UserError
+    from ..modeling import check_model_source
+
+    for tau in args.tau:
+        check_tau(tau, "prob")
+    for flag, value in (("--batch-size", args.batch_size), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    check_model_source(args.model)
+    if args.original:
+        check_model_source(args.original)
+
+
+def _probe_original(args, device, progress: bool) -> dict:
+    import torch
+
+    from ..modeling import checkpoint_facts, load_model
+    from ..probe import load_probe_items, probe_clean
+
+    original, original_tokenizer, _ = load_model(args.original, dtype="float32", device=device)
+    return {
+        "model": args.original,
+        **probe_clean(
+            original,
+            load_probe_items(args.data, original_tokenizer, args.limit),
+            pad_id=checkpoint_facts(original, original_tokenizer).pad_id,
+            batch_size=args.batch_size,
+            autocast_dtype=torch.bfloat16,
+            progress=progress,
+        ),
+    }

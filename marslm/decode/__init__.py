@@ -7,7 +7,6 @@ transformers: the vLLM plugin runs it under the transformers version vLLM pins.
 from importlib import import_module
 
 _EXPORTS = {
-    "METRICS": "acceptance",
     "accept_length": "acceptance",
     "confidence": "acceptance",
     "DecodeBatch": "batch",
@@ -17,6 +16,7 @@ _EXPORTS = {
     "generate": "generation",
     "ADAPTIVE_WIDTH": "params",
     "CACHE_MODES": "params",
+    "METRICS": "params",
     "MODES": "params",
     "DecoderOptions": "params",
     "DecodingParams": "params",

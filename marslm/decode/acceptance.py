@@ -25,21 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .params import METRICS
-
-
-def metric_code(metric: str) -> int:
-    """A metric's code in the per-row arrays: its place in ``METRICS``."""
-    return METRICS.index(metric)
-
-
-PROB, ENTROPY, MARGIN = map(metric_code, ("prob", "entropy", "margin"))
-
-
-def one_token_rows(tau: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
-    """Rows whose setting means plain AR decoding: exactly one token per forward. The one
-    definition of one-token mode: tau and metric codes per row (torch or numpy), or one of each."""
-    return _namespace(tau).where(metric == ENTROPY, tau <= 0, tau >= 1)
+from .params import ENTROPY, MARGIN, METRICS, PROB, metric_code, one_token_rows  # noqa: F401 - read here too
 
 
 def confidence(

@@ -16,7 +16,7 @@ from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
 from ..settings import setting
 
-METRICS = ("prob", "entropy", "margin")  # acceptance.py's metric codes are their places here
+METRICS = ("prob", "entropy", "margin")
 MODES = ("threshold", "lossless")
 CACHE_MODES = ("none", "block", "cursor")  # none: recompute; block: the paper's; cursor: ours (batch.py)
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
@@ -29,6 +29,14 @@ MAX_VOCAB = 2**32
 # Every step reads its masks, as the paper's sampler does. Adaptive width (batch.py) is an opt-in:
 # at tau < 1 it changes the text, not only how far a step reaches.
 ADAPTIVE_WIDTH = False
+
+
+def metric_code(metric: str) -> int:
+    """A metric's code in the per-row arrays (acceptance.py, the vLLM plugin): its place in ``METRICS``."""
+    return METRICS.index(metric)
+
+
+PROB, ENTROPY, MARGIN = map(metric_code, ("prob", "entropy", "margin"))
 
 
 class ParamError(UserError):
@@ -160,10 +168,15 @@ class DecoderOptions:
 
 
 def one_token(tau: float, metric: str, mode: str = "threshold") -> bool:
-    """Whether a setting is plain AR decoding, one token per forward (acceptance.one_token_rows)."""
-    from .acceptance import metric_code, one_token_rows  # torch: not at import, the CLI parses without it
-
+    """Whether a setting is plain AR decoding, one token per forward (:func:`one_token_rows`)."""
     return mode == "threshold" and bool(one_token_rows(tau, metric_code(metric)))
+
+
+def one_token_rows(tau, metric):
+    """Rows whose setting means plain AR decoding: exactly one token per forward. The one
+    definition of one-token mode: tau and metric codes per row (torch or numpy), or one of each.
+    Written with comparisons alone so that it needs neither library."""
+    return ((metric == ENTROPY) & (tau <= 0)) | ((metric != ENTROPY) & (tau >= 1))
 
 
 def check_tau(tau: float, metric: str) -> None:

@@ -10,7 +10,7 @@ Tokens are new tokens without the stop token. Tokens per forward for HF contende
 calls with a forward hook: every row of a batch takes part in every call.
 
 The settings of a run, also those of ``--cost-curve`` and ``--train-step``, are a
-:class:`BenchConfig`, checked when it is made; the CLI builds it from its options.
+:class:`BenchConfig` (bench_config.py), checked when it is made; the CLI builds it from its options.
 """
 
 from __future__ import annotations
@@ -24,120 +24,15 @@ import torch
 from ..chat import encode_prompt
 from ..decode import generate
 from ..decode.generation import with_overrides
-from ..decode.params import DecoderOptions, DecodingParams, check_tau
-from ..errors import UserError
-from ..settings import flag_of, floats, ints, setting, strings
-from .train_step import SHAPES
+from ..decode.params import DecoderOptions, DecodingParams
+from .bench_config import BenchConfig
 
 PAPER_REFERENCE = (
     "paper (Qwen2.5-7B, GPU, block cache, tau 0.95): 1.71x at batch 4, 1.60x at 8, 1.34x at 16; "
     "without a cache 0.90x / 0.49x / 0.23x"
 )
 
-# Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
-CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "cursor-adaptive", "lossless", "lossless-groups")
 BLOCK_CACHE_SIZES = (16, 32)  # the block contenders' --block-cache-size values
-TRAIN_STEP_FIELDS = (  # BenchConfig's fields that only --train-step reads (an option group of their own)
-    "train_step",
-    "shape",
-    "layers",
-    "seq_lens",
-    "prompt_share",
-    "logits",
-    "attention",
-    "gradient_checkpointing",
-    "bf16",
-)
-
-
-@dataclass
-class BenchConfig:
-    """One ``marslm bench`` run; its options are these fields (settings.py), checked when it is made.
-
-    Three modes share them: decoding speed (the default), ``cost_curve`` and ``train_step``; each
-    checks the fields it reads.
-    """
-
-    model: str | None = setting(None, "MARS checkpoint directory (with --train-step: any checkpoint, or use --shape)")
-    ar_model: str | None = setting(
-        None,
-        "AR checkpoint directory, the baseline (HF generate with KV cache); required unless "
-        "--cost-curve or --train-step. For a pretrained model fine-tuned with MARS: the original model",
-    )
-    data: list = setting(
-        ["toy"],
-        "comma-separated evaluation sets, each benchmarked in turn ('reworded' is the off-distribution set)",
-        parse=strings,
-    )
-    batch_sizes: list = setting(
-        [1, 4, 8], "comma-separated batch sizes (--train-step: rows per step, the first)", parse=ints
-    )
-    n: int = setting(32, "prompts per contender and batch size")
-    repeats: int = setting(3, "timed repeats, after a warm-up")
-    max_new_tokens: int = setting(128, "longest answer, in tokens")
-    taus: list = setting([0.95, 0.9], "comma-separated taus of the MARS threshold contenders", parse=floats)
-    contenders: list = setting(
-        list(CONTENDER_GROUPS),
-        "comma-separated contender groups besides HF generate on --ar-model, which always runs; all by default",
-        parse=strings,
-    )
-    cost_curve: bool = setting(False, "measure forward time against fed width instead of decoding")
-    contexts: list = setting([128, 512], "--cost-curve: cached context lengths", parse=ints)
-    block_size: int | None = setting(
-        None, "--cost-curve: B, for widths 1 .. 2B + 2; --train-step: B (default: the checkpoint's, else 4)"
-    )
-    train_step: bool = setting(False, "time a MARS training step against an AR step instead of decoding")
-    shape: str | None = setting(
-        None, "a named model shape with random weights instead of --model (no download)", choices=sorted(SHAPES)
-    )
-    layers: int | None = setting(None, "--shape: keep only this many decoder layers")
-    seq_lens: list = setting([256, 512], "tokens per row", parse=ints)
-    prompt_share: float = setting(0.3, "untrained share of each row")
-    logits: str = setting(
-        "targets",
-        "targets: the fused target-only head training uses; full: full logits at every column; both",
-        choices=("targets", "full", "both"),
-    )
-    attention: str = setting("sdpa", "attention implementation", choices=("sdpa", "eager", "flex"))
-    gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass")
-    bf16: bool = setting(False, "bf16 autocast (on CUDA, as training's default)")
-    device: str = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
-    json_path: str | None = setting(None, "write the report as JSON to FILE", flag="--json", metavar="FILE")
-    progress: bool = setting(True, "no progress bars", negative="--quiet")
-
-    def __post_init__(self):
-        if self.n < 1 or self.repeats < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
-        if self.train_step:
-            self._check_train_step()
-            return
-        if self.model is None:
-            raise UserError("--model is required")
-        if self.max_new_tokens < 1:
-            raise UserError(f"{flag_of(BenchConfig, 'max_new_tokens')} must be >= 1, got {self.max_new_tokens}")
-        for tau in self.taus:
-            check_tau(tau, "prob")
-        if self.cost_curve:
-            if not self.contexts or min(self.contexts) < 1 or (self.block_size is not None and self.block_size < 1):
-                raise UserError("every --contexts value and --block-size must be >= 1")
-            return
-        if self.ar_model is None:
-            raise UserError("--ar-model is required: the AR baseline is HF generate on the AR checkpoint")
-        unknown = set(self.contenders) - set(CONTENDER_GROUPS)
-        if unknown:
-            raise UserError(
-                f"unknown contender group(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONTENDER_GROUPS)}"
-            )
-
-    def _check_train_step(self) -> None:
-        if (self.model is None) == (self.shape is None):
-            raise UserError("--train-step needs exactly one of --model or --shape")
-        if not self.seq_lens or min(self.seq_lens) < 2:
-            raise UserError("every --seq-lens value must be >= 2")
-        if not 0 <= self.prompt_share < 1:
-            raise UserError(f"{flag_of(BenchConfig, 'prompt_share')} must be in [0, 1), got {self.prompt_share}")
-        if self.block_size is not None and self.block_size < 1:
-            raise UserError("--block-size must be >= 1")
 
 
 @dataclass

@@ -475,7 +475,8 @@ def bench_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, 
     from ..evaluate import load_eval_set
     from ..files import write_json_atomically
     from ..modeling import load_model, resolve_device
-    from .bench import BenchConfig, run_bench
+    from .bench import run_bench
+    from .bench_config import BenchConfig
 
     path = out / "bench.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
@@ -505,7 +506,7 @@ def bench_stage(mars: Path, original: Path, out: Path, preset: RealModelPreset, 
 
 
 def format_report(report: dict) -> str:
-    from ..probe import format_probe
+    from ..probe_report import format_probe
 
     lines = [
         f"| model | tau | tok/fwd ({DECODED_LABEL}) | = original (exact) | matching prefix (tokens) | toy accuracy |",

@@ -22,55 +22,7 @@ import torch
 from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
 from ..modeling import count_parameters
-
-# Named model shapes (random weights): the configs of public checkpoints, so memory and time are
-# those of the real model without downloading it. ``layers`` may be cut with --layers.
-SHAPES = {
-    "smollm2-135m": dict(
-        model_type="llama",
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-        max_position_embeddings=8192,
-    ),
-    "qwen2.5-0.5b": dict(
-        model_type="qwen2",
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-    ),
-    "qwen2.5-1.5b": dict(
-        model_type="qwen2",
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-    ),
-    "qwen2.5-7b": dict(
-        model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-        max_position_embeddings=32768,
-    ),
-}
+from .bench_config import SHAPES
 
 
 def build_shape(name: str, layers: int | None = None, attention: str = "sdpa", dtype=torch.float32, device=None):

@@ -50,6 +50,17 @@ def checkpoint_is_complete(directory: Path) -> bool:
         return False
 
 
+class NonFiniteTraining(UserError):
+    """Training diverged (NaN or inf); the run stops before saving from it."""
+
+
+def require_finite_parameters(model, step: int) -> None:
+    """Refuse to save weights that are not finite: every checkpoint and the final model."""
+    for name, param in model.named_parameters():
+        if param.numel() and not param.isfinite().all():
+            raise NonFiniteTraining(f"parameter {name} is not finite after step {step}")
+
+
 def _checkpoint_step(path: Path) -> int:
     suffix = path.name.removeprefix("checkpoint-")
     return int(suffix) if suffix.isdigit() else -1
@@ -160,7 +171,6 @@ def save_atomically(trainer, mars_config: MarsConfig, output: Path, partial_dir:
     """Write the final model next to ``output`` and rename it into place (process 0 only)."""
     from ..adapter import adapter_of, save_checkpoint
     from .surgery import merge_lora
-    from .trainer import require_finite_parameters
 
     staging = partial_dir / "final"
     require_finite_parameters(trainer.model, trainer.state.global_step)

@@ -1,6 +1,6 @@
 """The ``transformers.Trainer`` that trains with a MARS (or AR) loss function, crash-safely.
 
-Imported by ``train.train`` once its input is known to be good: importing transformers is the
+Imported by ``recipe.train`` once its input is known to be good: importing transformers is the
 slow part of a bad command line.
 """
 
@@ -11,20 +11,9 @@ from pathlib import Path
 import torch
 from transformers import Trainer
 
-from ..errors import UserError
-from .checkpoints import mark_checkpoint_complete
+from .checkpoints import NonFiniteTraining, mark_checkpoint_complete, require_finite_parameters
 from .collate import TEACHER_KEYS
 from .objective import normalizer
-
-
-class NonFiniteTraining(UserError):
-    """Training diverged (NaN or inf); the run stops before saving from it."""
-
-
-def require_finite_parameters(model, step: int) -> None:
-    for name, param in model.named_parameters():
-        if param.numel() and not torch.isfinite(param).all():
-            raise NonFiniteTraining(f"parameter {name} is not finite after step {step}")
 
 
 class CrashSafeCheckpoints:

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from marslm.decode import check_tau
-from marslm.decode.acceptance import ENTROPY, MARGIN, PROB, accept_length, confidence, one_token_rows
+from marslm.decode.acceptance import accept_length, confidence
+from marslm.decode.params import ENTROPY, MARGIN, PROB, one_token_rows
 from marslm.errors import UserError
 
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from marslm.decode import DecoderOptions, DecodingParams
-from marslm.decode.acceptance import METRICS, metric_code, one_token_rows
-from marslm.decode.params import one_token
+from marslm.decode.params import METRICS, metric_code, one_token, one_token_rows
 from marslm.decode.rows import RowState
 from marslm.decode.rules import back_off, cut_at_stop, verify_drafts
 from marslm.errors import UserError

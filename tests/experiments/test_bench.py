@@ -126,7 +126,7 @@ def test_cost_curve_runs_every_width_and_is_relative_to_one_token(trained_dirs, 
 
 def test_bench_config_checks_what_its_mode_reads_when_made():
     from marslm.errors import UserError
-    from marslm.experiments.bench import BenchConfig
+    from marslm.experiments.bench_config import BenchConfig
 
     refused = [
         (dict(model="m"), "--ar-model is required"),
@@ -148,7 +148,8 @@ def test_bench_config_checks_what_its_mode_reads_when_made():
 
 
 def test_contenders_carry_their_decoding_settings_built_once():
-    from marslm.experiments.bench import BenchConfig, default_contenders
+    from marslm.experiments.bench import default_contenders
+    from marslm.experiments.bench_config import BenchConfig
 
     config = BenchConfig(model="m", ar_model="a", taus=[0.9], contenders=["block", "lossless-groups"], max_new_tokens=7)
     contenders = {c.name: c for c in default_contenders(config)}
