@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .params import ENTROPY, MARGIN, METRICS, PROB, metric_code, one_token_rows  # noqa: F401 - read here too
+from .params import ENTROPY, MARGIN, one_token_rows
 
 
 def confidence(

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from ..masks import causal_step_mask, for_attention
-from .acceptance import accept_length, confidence, metric_code
-from .params import DecodingParams
+from .acceptance import accept_length, confidence
+from .params import DecodingParams, metric_code
 from .rows import BatchStats, FinishedRow
 
 

@@ -21,8 +21,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from .acceptance import metric_code
-from .params import DecodingParams
+from .params import DecodingParams, metric_code
 
 
 @dataclass

@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .acceptance import accept_length, one_token_rows
+from .acceptance import accept_length
+from .params import one_token_rows
 from .rows import RowState
 
 REST_AFTER = 2  # adaptive width: refused steps running before a row rests from masks

@@ -20,8 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from ..decode.acceptance import METRICS, metric_code
-from ..decode.params import MODES, ParamError, check_tau, one_token
+from ..decode.params import METRICS, MODES, ParamError, check_tau, metric_code, one_token
 
 OFF, THRESHOLD, LOSSLESS = range(3)
 FIELDS = ("tau", "metric", "mode")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from marslm.decode.acceptance import metric_code
+from marslm.decode.params import metric_code
 from marslm.vllm import engine_args, middleware
 from marslm.vllm.engine_args import (
     GIB,
