@@ -10,7 +10,7 @@ COMMAND = "demo"
 
 def add_parser(sub) -> None:
     from ..experiments.demo import DEMO_PRESETS
-    from ..experiments.demo_smollm2 import SMOLLM2_PRESETS
+    from ..experiments.smollm2_presets import SMOLLM2_PRESETS
 
     demo = sub.add_parser(
         COMMAND,
@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..experiments.demo_smollm2 import SMOLLM2_PRESETS
+    from ..experiments.smollm2_presets import SMOLLM2_PRESETS
     from ..files import output_directory
 
     smollm2 = args.preset in SMOLLM2_PRESETS

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from ..errors import UserError
 from ..files import output_directory, write_json_atomically
+from .stages import Stages, at_steps, curve_steps, say
+
+_say = partial(say, "demo")
 
 
 @dataclass(frozen=True)
@@ -152,10 +154,6 @@ def train_arguments(preset: DemoPreset, progress: bool, stage: str) -> dict:
     )
 
 
-def _say(message: str) -> None:
-    print(f"[demo] {message}", flush=True)
-
-
 def build_base_model(out: Path, preset: DemoPreset) -> Path:
     """Tokenizer + from-scratch model, saved like any hub checkpoint."""
     from ..data import toy
@@ -174,42 +172,30 @@ def build_base_model(out: Path, preset: DemoPreset) -> Path:
     return base
 
 
-def curve_steps(total_steps: int, points: int) -> list[int]:
-    """Evenly spaced evaluation steps ending at the last one, also when ``points`` does not divide it."""
-    return sorted({max(1, round(k * total_steps / points)) for k in range(1, points + 1)})
-
-
 def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: list):
     """Evaluates greedy accuracy on held-out items a few times during AR training."""
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from ..evaluate import evaluate, load_eval_set
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     eval_set = load_eval_set("toy", preset.curve_items, seed=preset.seed + 1)
-    at_steps = set(curve_steps(preset.ar_steps, preset.curve_points))
 
-    class LearningCurve(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step not in at_steps:
-                return
-            was_training = model.training
-            model.eval()
-            report = evaluate(
-                model, tokenizer, eval_set, taus=(1.0,), block_size=1, progress=False, max_new_tokens=preset.max_length
-            )
-            model.train(was_training)
-            acc = report["results"][0]["accuracy"]
-            curve.append(
-                {
-                    "step": state.global_step,
-                    "accuracy": acc,
-                    "families": {k: v["accuracy"] for k, v in report["results"][0]["families"].items()},
-                }
-            )
-            _say(f"AR step {state.global_step}: held-out accuracy {100 * acc:.1f}%")
+    def measure(model, _, step):
+        report = evaluate(
+            model, tokenizer, eval_set, taus=(1.0,), block_size=1, progress=False, max_new_tokens=preset.max_length
+        )
+        acc = report["results"][0]["accuracy"]
+        curve.append(
+            {
+                "step": step,
+                "accuracy": acc,
+                "families": {k: v["accuracy"] for k, v in report["results"][0]["families"].items()},
+            }
+        )
+        _say(f"AR step {step}: held-out accuracy {100 * acc:.1f}%")
 
-    return LearningCurve()
+    return at_steps(curve_steps(preset.ar_steps, preset.curve_points), measure)
 
 
 def _one_token_gap(mars: dict, baseline: dict) -> tuple[float, dict, str]:
@@ -357,47 +343,38 @@ def run_demo(
     preset = resolve_preset(preset, **overrides)
     out = prepare_output(out, overwrite)
     write_json_atomically(out / DEMO_MARKER, {"preset": asdict(preset)})
-    started = time.time()
-    timings = {}
-    curve = _train_stages(out, preset, progress, timings)
-    _say(f"5/6 evaluating on {preset.test_examples} test items")
-    with _timed(timings, "eval"):
+    stages = Stages("demo", 6)
+    curve = _train_stages(out, preset, progress, stages)
+    stages.stage(5, f"evaluating on {preset.test_examples} test items")
+    with stages.timed("eval"):
         reports = _evaluate_stages(out, preset, progress)
-    timings["total"] = time.time() - started
+    timings = stages.timings()
     report = {
         **reports,
         "ar_learning_curve": curve,
         "preset": asdict(preset),
-        "seconds": {k: round(v, 1) for k, v in timings.items()},
+        "seconds": timings,
     }
     report["checks"] = check_results(report)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _say("6/6 results\n" + _results_table(reports, preset) + "\n" + format_checks(report["checks"]))
-    _say(f"done in {timings['total'] / 60:.1f} min; report: {out / 'report.json'}")
+    stages.stage(6, "results\n" + _results_table(reports, preset) + "\n" + format_checks(report["checks"]))
+    stages.say(f"done in {timings['total'] / 60:.1f} min; report: {out / 'report.json'}")
     return report
 
 
-@contextmanager
-def _timed(timings: dict, name: str):
-    """Records the seconds the block takes as ``timings[name]``."""
-    started = time.time()
-    yield
-    timings[name] = time.time() - started
-
-
-def _train_stages(out: Path, preset: DemoPreset, progress: bool, timings: dict) -> list:
+def _train_stages(out: Path, preset: DemoPreset, progress: bool, stages: Stages) -> list:
     """Stages 1-4 into OUT: the base model, AR SFT, MARS and the AR control; returns the AR
     stage's learning curve."""
     from ..training.config import TrainConfig
     from ..training.recipe import train
 
-    _say(f"1/6 suite + tokenizer ({preset.train_examples} train examples)")
-    with _timed(timings, "setup"):
+    stages.stage(1, f"suite + tokenizer ({preset.train_examples} train examples)")
+    with stages.timed("setup"):
         base = build_base_model(out, preset)
 
     curve: list = []
-    _say(f"2/6 AR SFT: {preset.ar_steps} steps of {preset.batch_size}")
-    with _timed(timings, "train_ar"):
+    stages.stage(2, f"AR SFT: {preset.ar_steps} steps of {preset.batch_size}")
+    with stages.timed("train_ar"):
         train(
             TrainConfig(
                 model=str(base),
@@ -409,11 +386,12 @@ def _train_stages(out: Path, preset: DemoPreset, progress: bool, timings: dict) 
             callbacks=[_learning_curve_callback(preset, base, curve)],
         )
 
-    _say(
-        f"3/6 MARS (B={preset.block_size}, SFT-loss weight {preset.mars_ar_weight:g}): "
-        f"{preset.mars_steps} steps of {preset.batch_size}"
+    stages.stage(
+        3,
+        f"MARS (B={preset.block_size}, SFT-loss weight {preset.mars_ar_weight:g}): "
+        f"{preset.mars_steps} steps of {preset.batch_size}",
     )
-    with _timed(timings, "train_mars"):
+    with stages.timed("train_mars"):
         train(
             TrainConfig(
                 model=str(out / "ar"),
@@ -426,8 +404,8 @@ def _train_stages(out: Path, preset: DemoPreset, progress: bool, timings: dict) 
             )
         )
 
-    _say("4/6 AR control: the AR checkpoint on the MARS stage's data, steps and schedule, plain AR loss")
-    with _timed(timings, "train_control"):
+    stages.stage(4, "AR control: the AR checkpoint on the MARS stage's data, steps and schedule, plain AR loss")
+    with stages.timed("train_control"):
         control_args = {**train_arguments(preset, progress, "mars"), "stage": "ar"}
         train(
             TrainConfig(

@@ -102,7 +102,7 @@ def test_check_results_judges_each_claim_at_its_edge():
 
 
 def test_learning_curve_steps_are_even_and_end_at_the_last_step():
-    from marslm.experiments.demo import curve_steps
+    from marslm.experiments.stages import curve_steps
 
     assert curve_steps(4000, 8) == [500, 1000, 1500, 2000, 2500, 3000, 3500, 4000]
     assert curve_steps(5500, 8) == [688, 1375, 2062, 2750, 3438, 4125, 4812, 5500]  # no extra point at 5496
