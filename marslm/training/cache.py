@@ -23,12 +23,9 @@ import torch
 
 from ..chat import IGNORE
 from ..errors import UserError
-from ..files import output_directory
+from ..files import output_directory, write_text_atomically
 
 log = logging.getLogger("marslm.train")
-
-# Beside a model directory's weights: their content hashes, valid while each file's stat is unchanged.
-WEIGHTS_RECORD = "marslm-weights.json"
 
 
 def cache_dir() -> Path:
@@ -76,14 +73,20 @@ def model_identity(model_name: str, model) -> list:
     return [config, weights or _parameters_sha256(model)]
 
 
+def weights_record(path: Path) -> Path:
+    """Where a model directory's weight hashes are kept: in the cache, not in the directory (a hub
+    snapshot or someone else's checkpoint is not ours to write into)."""
+    return cache_dir() / "weights" / f"{digest(str(path.resolve()))}.json"
+
+
 def _directory_weights(path: Path) -> dict | None:
-    """``{file: sha256}`` of a model directory's weight files, hashed once per file version and kept
-    in ``WEIGHTS_RECORD`` beside them (where the directory is writable); a file's size, times and
-    inode tell a version (a copy, even one that keeps the mtime, has a new ctime and inode)."""
+    """``{file: sha256}`` of a model directory's weight files, hashed once per file version
+    (:func:`weights_record`); a file's size, times and inode tell a version: a copy, even one that
+    keeps the mtime, has a new ctime and inode, and so does a file written in place."""
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
     if not files:
         return None
-    record_path = path / WEIGHTS_RECORD
+    record_path = weights_record(path)
     try:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError):
@@ -100,10 +103,7 @@ def _directory_weights(path: Path) -> dict | None:
             hashes[p.name] = file_sha256(p)
         fresh[p.name] = {"stat": stat, "sha256": hashes[p.name]}
     if fresh != record:
-        try:
-            record_path.write_text(json.dumps(fresh, indent=1))
-        except OSError:
-            pass  # a read-only model directory: hashed again next time
+        write_text_atomically(record_path, json.dumps(fresh, indent=1))
     return hashes
 
 
