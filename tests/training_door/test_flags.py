@@ -24,7 +24,6 @@ from tests.test_train_reliability import run_cli
         (["--vocab-multiple", "1000000000"], "--vocab-multiple must be <= "),
         (["--block-size", "1000000000"], "--block-size must be <= 1,024 (the model's positions)"),
         (["--block-size", "2048"], "--block-size must be <= 1,024 (the model's positions), got 2,048"),
-        (["--data-n", str(10**12)], "--data-n must be <= 1,000,000 for --data toy"),
         (["--max-steps", "-5"], "--max-steps must be >= 1, or -1 to run the epochs; got -5"),
         (["--epochs", "-2", "--max-steps", "5"], "--epochs must be >= 0, got -2"),
         (["--masked-streams", "9", "--block-size", "4"], "--masked-streams must be <= --block-size 4"),
@@ -38,6 +37,13 @@ def test_numbers_beyond_what_they_mean_are_refused_before_training(tiny_model_di
     assert rc == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # no out/, no out.partial/
+
+
+def test_more_toy_examples_than_the_generator_makes_are_refused(tmp_path):
+    """Checked on the config alone: without the bound, the run would hang generating them."""
+    cfg = TrainConfig(stage="mars", model="m", data="toy", output=str(tmp_path / "o"), data_n=10**12)
+    with pytest.raises(UserError, match="--data-n must be <= 1,000,000 for --data toy, got 1,000,000,000,000"):
+        cfg.validate()
 
 
 @pytest.mark.parametrize("flag, value", [("block_size", 8), ("ar_weight", 0.5), ("masked_weighting", "inverse-t"),
