@@ -216,12 +216,11 @@ def _examples(cfg: TrainConfig, data_key: str, model, tokenizer, data, stop_ids,
 def _load(cfg: TrainConfig, model, tokenizer):
     """``(model, tokenizer, distill records or None)``: loaded unless given, every distill record checked
     against the vocabulary before the model loads, and the settings the model bounds checked."""
-    if model is None:
+    if tokenizer is None:
         tokenizer = _load_tokenizer(cfg)
-        generated = generated_answers(cfg, len(tokenizer))
+    generated = generated_answers(cfg, len(tokenizer))
+    if model is None:
         model = _load_model(cfg)
-    else:
-        generated = generated_answers(cfg, len(tokenizer))
     _check_against_model(cfg, model)
     return model, tokenizer, generated
 
