@@ -1,12 +1,12 @@
 """``TrainConfig``: one training stage's settings, which are ``marslm train``'s options (settings.py).
 
-Checked once, by :meth:`TrainConfig.validate`, before anything is loaded or written. Torch-free,
+Checked once, by :meth:`TrainConfig.validate`, before anything is loaded or written (and
+:meth:`TrainConfig.idle_flags` names what the other settings make do nothing). Torch-free,
 so the CLI builds its parser and refuses a bad command line without loading torch.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +43,6 @@ MASK_ROWS = ("per-offset", "shared")
 EXACT_RANK = 32
 # What stage ar has no use for: it trains no masks, so no blocks and no masked stream.
 MARS_ONLY = ("block_size", "ar_weight", "masked_weighting", "vocab_multiple")
-
-log = logging.getLogger("marslm.train")
 
 
 def _family_weights(text: str) -> dict[str, float]:
@@ -242,8 +240,6 @@ class TrainConfig:
         if self.exact:
             self._check_exact(flag)
         check_mix(self.data, self.data_mix)
-        for warning in self._idle_flags(flag):
-            log.warning("%s", warning)
         out = Path(self.output)
         if out.exists() and (not out.is_dir() or any(out.iterdir())) and not self.overwrite:
             raise UserError(f"output directory {out} already holds something; pass --overwrite to replace it")
@@ -334,9 +330,13 @@ class TrainConfig:
         left at its default is indistinguishable from one not given, and does nothing either way."""
         return getattr(self, name) != TrainConfig.__dataclass_fields__[name].default
 
-    def _idle_flags(self, flag) -> list[str]:
-        """One line for each setting given that the others make do nothing."""
+    def idle_flags(self) -> list[str]:
+        """One line for each setting given that the others make do nothing: warnings, printed once
+        every refusal has had its say (an error stays one line)."""
         from ..distill import is_distill_file, unfinished_path
+
+        def flag(name):
+            return flag_of(TrainConfig, name)
 
         idle = []
         if self._given("lora_alpha") and not (self.lora_rank or (self.exact and self.lora_rank is None)):

@@ -113,6 +113,8 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
 
     set_seed(cfg.seed)
     model, tokenizer, generated = _load(cfg, model, tokenizer)
+    for line in cfg.idle_flags():  # after every refusal: an error stays one line
+        log.warning("%s", line)
     parameters_before = count_parameters(model)
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     eos_id = end_of_turn_id(tokenizer, stop_ids)  # what block padding repeats (objective.pad_to_block)

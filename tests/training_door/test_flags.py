@@ -88,7 +88,7 @@ IDLE = {
 
 
 @pytest.mark.parametrize("settings, warning", list(IDLE.values()), ids=list(IDLE))
-def test_a_flag_the_others_make_idle_is_named_in_one_line(tmp_path, caplog, settings, warning):
+def test_a_flag_the_others_make_idle_is_named_in_one_line(tmp_path, settings, warning):
     data = {
         "chat": lambda: _chat(tmp_path / "chat.jsonl"),
         "distill": lambda: _distill(tmp_path / "d.jsonl"),
@@ -98,13 +98,12 @@ def test_a_flag_the_others_make_idle_is_named_in_one_line(tmp_path, caplog, sett
     if settings.get("data") in data:
         settings["data"] = str(data[settings["data"]]())
     cfg = TrainConfig(**{"stage": "mars", "model": "m", "data": "toy", "output": str(tmp_path / "o"), **settings})
-    with caplog.at_level(logging.WARNING, logger="marslm.train"):
-        cfg.validate()
-    lines = [r.getMessage() for r in caplog.records]
+    cfg.validate()  # a warning, not a refusal
+    lines = cfg.idle_flags()
     assert len(lines) == 1 and warning in lines[0] and "\n" not in lines[0], lines
 
 
-def test_flags_that_all_do_something_warn_of_nothing(tmp_path, caplog):
+def test_flags_that_all_do_something_warn_of_nothing(tmp_path):
     cfg = TrainConfig(
         stage="mars",
         model="m",
@@ -117,9 +116,29 @@ def test_flags_that_all_do_something_warn_of_nothing(tmp_path, caplog):
         teacher_top_k=4,
         train_layers=1,
     )
-    with caplog.at_level(logging.WARNING, logger="marslm.train"):
-        cfg.validate()
-    assert caplog.records == []
+    cfg.validate()
+    assert cfg.idle_flags() == []
+
+
+def test_an_idle_flag_is_warned_about_in_the_run_and_leaves_an_error_one_line(tiny_model_dir, tmp_path):
+    """In a real process (logging to stderr): a run warns, and a refusal prints no warning before it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    common = [sys.executable, "-m", "marslm.cli", "train", "mars", "--model", str(tiny_model_dir), "--data", "toy"]
+    common += ["--data-n", "4", "--max-steps", "1", "--batch-size", "2", "--quiet", "--data-seed", "0"]
+    refused = subprocess.run(
+        [*common, "-o", str(tmp_path / "a"), "--teacher-top-k", "100000"], capture_output=True, text=True, env=env
+    )
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "--teacher-top-k must be <= " in refused.stderr
+    warned = subprocess.run(
+        [*common, "-o", str(tmp_path / "b"), "--teacher-top-k", "8"], capture_output=True, text=True, env=env
+    )
+    assert warned.returncode == 0, warned.stderr[-2000:]
+    assert "marslm: --teacher-top-k does nothing without --soft-clean or --soft-masked\n" in warned.stderr
 
 
 @pytest.fixture(scope="module")
