@@ -8,6 +8,7 @@ mapping the character spans onto tokens with the offset mapping.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .errors import UserError
@@ -66,6 +67,45 @@ def _unicode(text: str) -> str:
     return text
 
 
+def _special_tokens(tokenizer) -> set[str]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_tokens) | {t.content for t in added.values() if getattr(t, "special", False)}
+
+
+def _tokenize(tokenizer, messages: list[dict], add_generation_prompt: bool, offsets: bool = False):
+    """``(text, encoding)``: ``messages`` rendered by the chat template, and its tokens. The template's
+    own control tokens are parsed as such, but a message's content is text even where it spells one:
+    an answer that quotes "<|im_end|>" must not end its turn there. Such a content is rendered as a
+    placeholder and encoded on its own, special tokens split like any text."""
+    text = _render(tokenizer, messages, add_generation_prompt)
+    kwargs = dict(add_special_tokens=False, return_offsets_mapping=offsets)
+    special = _special_tokens(tokenizer)
+    marks = {
+        i: f"\ue000marslm-content-{i}\ue000"
+        for i, m in enumerate(messages)
+        if isinstance(m.get("content"), str) and any(t in m["content"] for t in special)
+    }
+    if not marks:
+        return text, tokenizer(_unicode(text), **kwargs)
+    spelling = {mark: messages[i]["content"] for i, mark in marks.items()}
+    marked_messages = [dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)]
+    marked = _render(tokenizer, marked_messages, add_generation_prompt)
+    pieces = re.split("(" + "|".join(map(re.escape, spelling)) + ")", marked)
+    if any(marked.count(mark) != 1 for mark in spelling) or "".join(spelling.get(p, p) for p in pieces) != text:
+        raise UserError(
+            "a message spells a control token and the chat template changes message text, so it cannot be kept as text"
+        )
+    ids, spans, start = [], [], 0
+    for piece in pieces:
+        piece_text = spelling.get(piece, piece)
+        if piece_text:
+            enc = tokenizer(_unicode(piece_text), split_special_tokens=piece in spelling, **kwargs)
+            ids += enc["input_ids"]
+            spans += [(a + start, b + start) for a, b in enc.get("offset_mapping", [])]
+        start += len(piece_text)
+    return text, {"input_ids": ids, "offset_mapping": spans}
+
+
 def encode_prompt(tokenizer, prompt, apply_chat_template: bool = True) -> list[int]:
     """Token ids that a generation continues from.
 
@@ -81,8 +121,7 @@ def encode_prompt(tokenizer, prompt, apply_chat_template: bool = True) -> list[i
         if not apply_chat_template:
             return tokenizer(_unicode(prompt), add_special_tokens=False)["input_ids"]
         prompt = [{"role": "user", "content": prompt}]
-    text = _render(tokenizer, list(prompt), add_generation_prompt=True)
-    return tokenizer(_unicode(text), add_special_tokens=False)["input_ids"]
+    return _tokenize(tokenizer, list(prompt), add_generation_prompt=True)[1]["input_ids"]
 
 
 def encode_conversation(
@@ -97,7 +136,7 @@ def encode_conversation(
     if not any(m.get("role") == "assistant" for m in messages):
         raise UserError("conversation has no assistant turn")
     stop_ids = stop_ids or stop_token_ids(tokenizer)
-    full_text = _render(tokenizer, messages, add_generation_prompt=False)
+    full_text, enc = _tokenize(tokenizer, messages, add_generation_prompt=False, offsets=True)
 
     spans = []
     for i, message in enumerate(messages):
@@ -111,7 +150,6 @@ def encode_conversation(
             )
         spans.append((len(before), len(through)))
 
-    enc = tokenizer(_unicode(full_text), add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = enc["input_ids"], enc["offset_mapping"]
     labels = [IGNORE] * len(input_ids)
     end_of_last_turn = 0

@@ -108,18 +108,66 @@ def check_output(output: str | Path) -> Path:
 
 
 def done_ids(output: str | Path) -> set[str]:
-    """Ids already answered in ``output`` and its unfinished file."""
-    return set(read_answers(output))
+    """Ids already answered in ``output`` and its unfinished file (only the ids: a resumed run
+    rewrites nothing else)."""
+    return {record["id"] for path in (Path(output), unfinished_path(output)) for _, record in _records(path)}
 
 
-def read_answers(output: str | Path, include_unfinished: bool = True) -> dict[str, dict]:
-    """``{id: record}`` of a distill output (and its unfinished file)."""
+def is_distill_file(path: str | Path) -> bool:
+    """Whether ``path`` is a distill output: a file whose first record has ``answer_ids``."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = json.loads(f.readline())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False  # not a distill file: the chat reader says what is wrong with it
+    return isinstance(first, dict) and "answer_ids" in first
+
+
+def read_answers(output: str | Path, include_unfinished: bool = True, vocab_size: int | None = None) -> dict[str, dict]:
+    """``{id: record}`` of a distill output (and its unfinished file), every record checked once
+    (:func:`check_record`) and every id unique: a repeated one would silently train as one."""
     paths = [Path(output)] + ([unfinished_path(output)] if include_unfinished else [])
-    return {record["id"]: record for path in paths for record in _records(path)}
+    answers, first_seen = {}, {}
+    for path in paths:
+        for where, record in _records(path):
+            check_record(record, where, vocab_size)
+            if record["id"] in answers:
+                raise UserError(f"{where}: id {record['id']!r} repeats the record at {first_seen[record['id']]}")
+            answers[record["id"]], first_seen[record["id"]] = record, where
+    return answers
 
 
-def _records(path: Path) -> Iterator[dict]:
-    """The records of an output file; a last line that a kill cut short is not one (it is redone)."""
+def check_record(record: dict, where: str, vocab_size: int | None = None) -> None:
+    """A distill record as training and the probe read it: messages, token ids, ``finished``."""
+    from .data.jsonl import record_to_messages
+
+    if not isinstance(record.get("messages"), list):
+        found = "missing" if "messages" not in record else f"got {type(record['messages']).__name__}"
+        raise UserError(f"{where}: a distill record needs a 'messages' list ({found})")
+    record_to_messages(record, where)
+    check_answer_ids(record.get("answer_ids"), where, vocab_size)
+    if not isinstance(record.get("finished", True), bool):
+        raise UserError(f"{where}: 'finished' must be true or false, got {record['finished']!r}")
+
+
+def check_answer_ids(ids, where: str, vocab_size: int | None = None) -> None:
+    """``answer_ids``: a list of token ids, each an integer in the vocabulary (JSON's true and 1.0
+    are no token id, nor is the text "123", whose characters would be taken one by one)."""
+    if not isinstance(ids, list):
+        found = "missing" if ids is None else f"got {type(ids).__name__}"
+        raise UserError(f"{where}: 'answer_ids' must be a list of token ids ({found})")
+    high = vocab_size if vocab_size is not None else float("inf")
+    bad = [t for t in ids if type(t) is not int or not 0 <= t < high][:1]
+    if bad:
+        within = f"integers in 0..{vocab_size - 1}" if vocab_size is not None else "integers >= 0"
+        raise UserError(f"{where}: 'answer_ids' holds {bad[0]!r}; token ids are {within}")
+
+
+def _records(path: Path) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` of an output file; a last line that a kill cut short is not one (it is redone)."""
     if not path.is_file():
         return
     try:
@@ -131,10 +179,10 @@ def _records(path: Path) -> Iterator[dict]:
             record = parse_json(line, path, lineno)
             if not _is_record(record):
                 raise UserError(f"{path}:{lineno}: not a distill record (a JSON object with an 'id')")
-            yield record
+            yield f"{path}:{lineno}", record
     record = _whole_record(last)
     if record is not None:
-        yield record
+        yield f"{path}:{len(lines) + 1}", record
 
 
 def _is_record(value) -> bool:

@@ -66,9 +66,10 @@ def probe_item(record: dict, tokenizer, where: str = "record", stop_ids: list[in
     start = next(t for t, label in enumerate(enc.labels) if label != IGNORE)
     turn = enc.labels[start:]  # the assistant turn, through its end-of-turn token
     if "answer_ids" in record:
+        from .distill import check_answer_ids
+
         ids = record["answer_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise UserError(f"{where}: 'answer_ids' must be a list of token ids")
+        check_answer_ids(ids, where, len(tokenizer))
         answer = ids + ([turn[-1]] if record.get("finished", True) else [])
     else:
         answer = turn

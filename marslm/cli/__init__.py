@@ -44,6 +44,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    # peft asks transformers a deprecated question on every LoRA run: two lines of noise before any error
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     try:
         from transformers.utils import logging as hf_logging
 

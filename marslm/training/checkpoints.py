@@ -87,6 +87,8 @@ def resume_point(partial_dir: Path, resume: bool) -> Path | None:
 
 
 RUN_SETTINGS = "marslm-run.json"
+# The run record's key for the encoding key (dataset.encoding_key): the data as bytes, not as a path.
+DATA_KEY = "data_key"
 
 # Fields that change nothing a run computes: a rerun may change them and still resume.
 _NOT_THE_RUN = ("output", "overwrite", "resume", "progress", "save_steps", "logging_steps", "extra")
@@ -112,6 +114,8 @@ def may_resume(cfg: TrainConfig) -> bool:
     way_out = "pass --no-resume or --overwrite to discard its checkpoints and start afresh"
     path = partial_dir / RUN_SETTINGS
     recorded = read_json(path, hint=f"; {way_out}") if path.is_file() else None
+    if isinstance(recorded, dict):
+        recorded.pop(DATA_KEY, None)  # checked once the data is encoded: resumes_same_data
     now = run_settings(cfg)
     if recorded == now:
         return True
@@ -126,15 +130,32 @@ def may_resume(cfg: TrainConfig) -> bool:
     )
 
 
-def record_run(partial_dir: Path, cfg: TrainConfig) -> None:
-    write_json_atomically(partial_dir / RUN_SETTINGS, run_settings(cfg))
+def resumes_same_data(cfg: TrainConfig, data_key: str, resume: bool) -> bool:
+    """:func:`may_resume`'s answer, once the data is encoded: checkpoints trained on other data under
+    the same path (the file rewritten, the tokenizer changed) are refused, or discarded with --overwrite."""
+    path = partial_dir_of(cfg.output) / RUN_SETTINGS
+    if not resume or not any(checkpoint_is_complete(p) for p in path.parent.glob("checkpoint-*")):
+        return resume
+    recorded = read_json(path) if path.is_file() else None
+    if isinstance(recorded, dict) and recorded.get(DATA_KEY) == data_key:
+        return True
+    if cfg.overwrite:
+        return False
+    raise UserError(
+        f"{path.parent} holds checkpoints of a run on other data ({cfg.data} or the tokenizer changed since): "
+        "pass --no-resume or --overwrite to discard them and start afresh"
+    )
 
 
-def agreed_resume_point(trainer, partial_dir: Path, cfg: TrainConfig, resume: bool) -> Path | None:
+def record_run(partial_dir: Path, cfg: TrainConfig, data_key: str) -> None:
+    write_json_atomically(partial_dir / RUN_SETTINGS, {**run_settings(cfg), DATA_KEY: data_key})
+
+
+def agreed_resume_point(trainer, partial_dir: Path, cfg: TrainConfig, resume: bool, data_key: str) -> Path | None:
     """The checkpoint to continue from (None: from the start), agreed by every process."""
     resume_from = resume_point(partial_dir, resume) if trainer.is_world_process_zero() else None
     if trainer.is_world_process_zero():
-        record_run(partial_dir, cfg)
+        record_run(partial_dir, cfg, data_key)
     trainer.accelerator.wait_for_everyone()  # rank 0 has cleaned up before any rank looks
     if not trainer.is_world_process_zero():
         resume_from = resume_point(partial_dir, True)  # read-only now: nothing incomplete is left

@@ -1,6 +1,7 @@
 """``TrainConfig``: one training stage's settings, which are ``marslm train``'s options (settings.py).
 
-Checked once, by :meth:`TrainConfig.validate`, before anything is loaded or written. Torch-free,
+Checked once, by :meth:`TrainConfig.validate`, before anything is loaded or written (and
+:meth:`TrainConfig.idle_flags` names what the other settings make do nothing). Torch-free,
 so the CLI builds its parser and refuses a bad command line without loading torch.
 """
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import DEFAULT_BLOCK_SIZE, STAGES
-from ..data import check_mix
+from ..data import TOY, TOY_MAX_N, check_mix
 from ..errors import UserError
 from ..settings import check_range, flag_of, setting
 
@@ -40,6 +41,8 @@ COUNTS = (
 MASK_ROWS = ("per-offset", "shared")
 # Exact mode's gated-LoRA rank when --lora-rank does not say.
 EXACT_RANK = 32
+# What stage ar has no use for: it trains no masks, so no blocks and no masked stream.
+MARS_ONLY = ("block_size", "ar_weight", "masked_weighting", "vocab_multiple")
 
 
 def _family_weights(text: str) -> dict[str, float]:
@@ -247,7 +250,7 @@ class TrainConfig:
         check_range(flag("warmup_ratio"), self.warmup_ratio, low=0, high=1, high_open=True)
         check_range(flag("weight_decay"), self.weight_decay, low=0)
         check_range(flag("adam_epsilon"), self.adam_epsilon, low=0, low_open=True)
-        check_range(flag("epochs"), self.epochs)
+        check_range(flag("epochs"), self.epochs, low=0)
         check_range(flag("max_grad_norm"), self.max_grad_norm, low=0)
         check_range(flag("soft_clean"), self.soft_clean, low=0, high=1)
         check_range(flag("soft_masked"), self.soft_masked, low=0, high=1)
@@ -259,8 +262,17 @@ class TrainConfig:
             raise UserError(f"{flag('seed')} must be in 0..{2**32 - 1}, got {self.seed}")
         if self.max_length < 2:
             raise UserError(f"{flag('max_length')} must be >= 2, got {self.max_length}")
+        if self.max_steps < 1 and self.max_steps != -1:
+            raise UserError(f"{flag('max_steps')} must be >= 1, or -1 to run the epochs; got {self.max_steps}")
         if self.epochs <= 0 and self.max_steps <= 0:
             raise UserError(f"give a positive {flag('epochs')} or {flag('max_steps')}")
+        if self.data == TOY and self.data_n is not None and self.data_n > TOY_MAX_N:
+            raise UserError(f"{flag('data_n')} must be <= {TOY_MAX_N:,} for --data {TOY}, got {self.data_n:,}")
+        if self.masked_streams > self.block_size:
+            raise UserError(
+                f"{flag('masked_streams')} must be <= {flag('block_size')} {self.block_size} (one copy per phase of "
+                f"a block), got {self.masked_streams}"
+            )
 
     def _check_choices(self, flag) -> None:
         for name, allowed in (
@@ -299,11 +311,8 @@ class TrainConfig:
         check_range(flag("offset_decay"), self.offset_decay, low=0, high=1)
         if self.lora_rank is not None and self.lora_rank < (0 if self.exact else 1):
             raise UserError(f"{flag('lora_rank')} must be >= {0 if self.exact else 1}, got {self.lora_rank}")
-        changed = [
-            name
-            for name in ("random_phase", "masked_streams", "offset_decay", "exact")
-            if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default
-        ]
+        masking = ("random_phase", "masked_streams", "offset_decay", "exact", *MARS_ONLY)
+        changed = [name for name in masking if self._given(name)]
         if changed and self.stage != "mars":
             raise UserError(f"{flag(changed[0])} is for stage mars (stage ar has no masks)")
 
@@ -315,3 +324,45 @@ class TrainConfig:
                     f"{flag('exact')} keeps the model frozen and trains only its adapter: drop {flag(name)}"
                     + (" (the masked stream alone keeps activations)" if name == "gradient_checkpointing" else "")
                 )
+
+    def _given(self, name: str) -> bool:
+        """Whether a setting differs from its default: the CLI fills in every default, so a flag
+        left at its default is indistinguishable from one not given, and does nothing either way."""
+        return getattr(self, name) != TrainConfig.__dataclass_fields__[name].default
+
+    def idle_flags(self) -> list[str]:
+        """One line for each setting given that the others make do nothing: warnings, printed once
+        every refusal has had its say (an error stays one line)."""
+        from ..distill import is_distill_file, unfinished_path
+
+        def flag(name):
+            return flag_of(TrainConfig, name)
+
+        idle = []
+        if self._given("lora_alpha") and not (self.lora_rank or (self.exact and self.lora_rank is None)):
+            idle.append(f"{flag('lora_alpha')} does nothing without a {flag('lora_rank')} above 0")
+        if self._given("teacher_top_k") and not (self.soft_clean or self.soft_masked):
+            idle.append(f"{flag('teacher_top_k')} does nothing without {flag('soft_clean')} or {flag('soft_masked')}")
+        if self.freeze_embeddings and self.train_layers:
+            idle.append(f"{flag('freeze_embeddings')} does nothing with {flag('train_layers')}, which freezes them too")
+        if self._given("mask_rows") and not self.exact:
+            idle.append(f"{flag('mask_rows')} does nothing without {flag('exact')}")
+        if self.exact:
+            idle += [
+                f"{flag(name)} does nothing with {flag('exact')} (the model is frozen; its vocabulary does not grow)"
+                for name in ("ar_weight", "vocab_multiple")
+                if self._given(name)
+            ]
+        distill = is_distill_file(self.data)
+        if self._given("data_seed") and self.data != TOY:
+            idle.append(f"{flag('data_seed')} does nothing with a data file (it draws a generated source's examples)")
+        if not self.answer_ids and not distill:
+            idle.append(f"--retokenize does nothing: {self.data} is not a `marslm distill` file")
+        if self.cut_answers:
+            if not distill:
+                idle.append(f"{flag('cut_answers')} does nothing: {self.data} is not a `marslm distill` file")
+            elif not self.answer_ids:
+                idle.append(f"{flag('cut_answers')} does nothing with --retokenize (a cut answer trains on its ids)")
+            elif not unfinished_path(self.data).is_file():
+                idle.append(f"{flag('cut_answers')} does nothing: there is no {unfinished_path(self.data)}")
+        return idle

@@ -30,12 +30,22 @@ from ..config import MASK_TOKEN, MarsConfig
 from ..data import load_conversations
 from ..errors import UserError
 from ..modeling import check_model_source, check_tokenizer, count_parameters, loading_errors
-from .checkpoints import agreed_resume_point, last_loss, may_resume, partial_dir_of, save_atomically, train_from
+from ..settings import flag_of
+from .cache import check_cache_dir
+from .checkpoints import (
+    agreed_resume_point,
+    last_loss,
+    may_resume,
+    partial_dir_of,
+    resumes_same_data,
+    save_atomically,
+    train_from,
+)
 from .collate import collate, collate_packed
 from .config import TrainConfig
 from .dataset import cached_encoding, encode_dataset, encoding_key, generated_answers, with_teacher
 from .objective import Masking, ar_loss, exact_mars_loss, mars_loss
-from .surgery import enable_activation_checkpointing, ensure_mask_token, trainable_part
+from .surgery import enable_activation_checkpointing, ensure_mask_token, saved_parameters, trainable_part
 
 log = logging.getLogger("marslm.train")
 
@@ -102,13 +112,17 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     from transformers import set_seed
 
     set_seed(cfg.seed)
-    if model is None:
-        model, tokenizer = _load(cfg)
+    model, tokenizer, generated = _load(cfg, model, tokenizer)
+    for line in cfg.idle_flags():  # after every refusal: an error stays one line
+        log.warning("%s", line)
     parameters_before = count_parameters(model)
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     eos_id = end_of_turn_id(tokenizer, stop_ids)  # what block padding repeats (objective.pad_to_block)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    examples, truncated, dropped = _examples(cfg, model, tokenizer, conversations, stop_ids, eos_id, pad_id)
+    data_key = encoding_key(cfg, tokenizer, stop_ids, eos_id)
+    resume = resumes_same_data(cfg, data_key, resume)
+    data = conversations, generated
+    examples, truncated, dropped = _examples(cfg, data_key, model, tokenizer, data, stop_ids, eos_id, pad_id)
     objective = objective_for(cfg, model, tokenizer, pad_id, eos_id)
     model, mask_row = trainable_part(model, cfg, objective.mask_token_id)
     if cfg.gradient_checkpointing:
@@ -128,7 +142,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         normalization=cfg.loss_normalization,
         own_lr={mask_row: cfg.mask_lr or cfg.learning_rate} if mask_row is not None else None,
     )
-    steps = train_from(trainer, agreed_resume_point(trainer, partial_dir, cfg, resume))
+    steps = train_from(trainer, agreed_resume_point(trainer, partial_dir, cfg, resume, data_key))
 
     adapter = adapter_of(model)
     summary = TrainSummary(
@@ -140,7 +154,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
         steps=steps,
         final_loss=last_loss(trainer),
         seconds=round(time.time() - started, 1),
-        parameters=count_parameters(model) - (0 if adapter is None else count_parameters(adapter)),
+        parameters=saved_parameters(model),
         loss_normalization=cfg.loss_normalization,
         masked_weighting=cfg.masked_weighting,
     )
@@ -156,6 +170,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
 def _check(cfg: TrainConfig, model) -> bool:
     """Everything that can be refused before loading; returns whether a partial run may be resumed."""
     cfg.validate()
+    check_cache_dir()
     _refuse_data_parallel()
     if cfg.attention == "flex" and not torch.cuda.is_available():
         raise UserError("--attention flex trains only on CUDA (torch has no FlexAttention backward on a CPU); use sdpa")
@@ -165,32 +180,70 @@ def _check(cfg: TrainConfig, model) -> bool:
     return resume
 
 
-def _examples(cfg: TrainConfig, model, tokenizer, conversations, stop_ids, eos_id: int, pad_id: int):
-    """``(examples, truncated, dropped)``: the encoded data (cached by content), with the starting
-    model's teacher rows where a soft target needs them."""
-    data_key = encoding_key(cfg, tokenizer)  # hashes the data file and the vocabulary: once
+def _check_against_model(cfg: TrainConfig, model) -> None:
+    """The settings a model bounds, refused before they size an allocation: a block within its
+    positions, a top-k within its vocabulary, a LoRA rank within its hidden size."""
+
+    def refuse(name: str, value: int, bound: int, what: str) -> None:
+        if value is not None and value > bound:
+            raise UserError(f"{flag_of(TrainConfig, name)} must be <= {bound:,} ({what}), got {value:,}")
+
+    config = model.config
+    rows = model.get_input_embeddings().weight.shape[0]
+    positions = getattr(config, "max_position_embeddings", None)
+    if cfg.stage == "mars" and positions:
+        refuse("block_size", cfg.block_size, positions, "the model's positions")
+    refuse("teacher_top_k", cfg.teacher_top_k, model.get_output_embeddings().weight.shape[0], "its vocabulary")
+    refuse("vocab_multiple", cfg.vocab_multiple, rows, "its embedding rows")
+    refuse("lora_rank", cfg.lora_rank, config.hidden_size, "its hidden size")
+
+
+def _examples(cfg: TrainConfig, data_key: str, model, tokenizer, data, stop_ids, eos_id: int, pad_id: int):
+    """``(examples, truncated, dropped)``: ``data``, the conversations and the distill records (None:
+    train on the conversations), encoded and cached by content, with the starting model's teacher
+    rows where a soft target needs them."""
+    conversations, generated = data
+    sources = conversations if generated is None else generated
     examples, truncated, dropped = cached_encoding(
         data_key,
-        lambda: encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids, eos_id, generated_answers(cfg)),
+        lambda: encode_dataset(tokenizer, conversations, cfg.max_length, stop_ids, eos_id, generated),
+        inputs=len(sources),
+        vocab_size=model.get_input_embeddings().weight.shape[0],
     )
     if truncated:
-        log.warning(
-            "%d of %d conversations were truncated to --max-length %d", truncated, len(conversations), cfg.max_length
-        )
+        log.warning("%d of %d conversations were truncated to --max-length %d", truncated, len(sources), cfg.max_length)
     return with_teacher(cfg, data_key, model, examples, pad_id), truncated, dropped
 
 
-def _load(cfg: TrainConfig):
-    """``(model, tokenizer)`` to start from, in float32 (mixed precision keeps float32 master weights)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load(cfg: TrainConfig, model, tokenizer):
+    """``(model, tokenizer, distill records or None)``: loaded unless given, every distill record checked
+    against the vocabulary before the model loads, and the settings the model bounds checked."""
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(cfg)
+    generated = generated_answers(cfg, len(tokenizer))
+    if model is None:
+        model = _load_model(cfg)
+    _check_against_model(cfg, model)
+    return model, tokenizer, generated
+
+
+def _load_tokenizer(cfg: TrainConfig):
+    from transformers import AutoTokenizer
 
     with loading_errors(cfg.model):
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(
+    check_tokenizer(tokenizer, cfg.model)
+    return tokenizer
+
+
+def _load_model(cfg: TrainConfig):
+    """The model to start from, in float32 (mixed precision keeps float32 master weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with loading_errors(cfg.model):
+        return AutoModelForCausalLM.from_pretrained(
             cfg.model, dtype=torch.float32, attn_implementation=_attn_implementation(cfg.attention)
         )
-    check_tokenizer(tokenizer, cfg.model)
-    return model, tokenizer
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from ..adapter import MaskAdapter
+from ..adapter import MaskAdapter, adapter_of
 from ..config import MASK_TOKEN
 from ..errors import UserError
 from ..modeling import count_parameters
@@ -129,6 +129,14 @@ def apply_lora(model, rank: int, alpha: float | None, train_layers: int | None):
 def merge_lora(model):
     """The plain model with any LoRA adapters folded into its weights (the model itself if none)."""
     return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+
+
+def saved_parameters(model) -> int:
+    """The parameters of the checkpoint a run saves: LoRA adapters are folded into the weights they
+    adapt (:func:`merge_lora`) and exact mode's adapter is saved beside the model, so neither counts."""
+    lora = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
+    adapter = adapter_of(model)
+    return count_parameters(model) - lora - (0 if adapter is None else count_parameters(adapter))
 
 
 def _parameter_split(model) -> dict:
