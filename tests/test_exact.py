@@ -1,4 +1,4 @@
-"""Exact mode's objective (objective.exact_mars_loss) and the data-efficient masking options."""
+"""Exact mode's objective (exact.exact_mars_loss) and the data-efficient masking options."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from marslm.adapter import MaskAdapter, mask_offsets
 from marslm.training.collate import collate, collate_packed
-from marslm.training.objective import Masking, clean_pass, exact_mars_loss, mars_loss, two_stream_batch
+from marslm.training.exact import clean_pass, exact_mars_loss
+from marslm.training.objective import Masking, mars_loss, two_stream_batch
 from tests.helpers import chat_conversations
 
 

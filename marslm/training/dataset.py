@@ -79,7 +79,7 @@ def with_teacher(cfg: TrainConfig, data_key: str, model, examples: list[dict], p
     """The examples with the starting model's top-k at every label (teacher.py), when a soft
     target asks for it; computed once per encoded dataset (``data_key``), model and k."""
     if cfg.exact or not (cfg.soft_clean or cfg.soft_masked):
-        return examples  # exact mode's teacher is its own clean stream (objective.exact_mars_loss)
+        return examples  # exact mode's teacher is its own clean stream (exact.exact_mars_loss)
     from accelerate import PartialState
 
     from .teacher import teacher_top_k

@@ -19,9 +19,9 @@ projection there alone, fused with the cross-entropy and chunked, so no ``[colum
 logits exist (``target_logits=False`` keeps the model's own full logits, for inspection).
 
 Rows come from collate.py, padded or packed; a packed row's sequences keep to themselves, so its
-loss is the padded batch's without the padding's FLOPs. Exact mode's loss
-(:func:`exact_mars_loss`) is the masked term alone, over the clean stream as a cache;
-:class:`Masking` chooses how the masked stream covers the data (phases, copies, offset weights).
+loss is the padded batch's without the padding's FLOPs. :class:`Masking` chooses how the masked
+stream covers the data (phases, copies, offset weights); exact mode's loss (exact.py) is the
+masked term alone, over the clean stream as a cache.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adapter import adapter_of
 from ..chat import IGNORE
 from ..masks import packed_two_stream_mask, training_mask
 from .head_loss import SparseTargets, cross_entropy, has_linear_head, target_loss
-from .teacher import top_k_rows
 
 
 @dataclass
@@ -261,7 +259,7 @@ def _targets_at(labels: torch.Tensor, weights: torch.Tensor, teacher: tuple | No
     return rows, columns, targets, weights[:, 1:][target]
 
 
-def _loss_at(model, inputs: dict, rows, columns, targets, weights, target_logits: bool):
+def loss_at(model, inputs: dict, rows, columns, targets, weights, target_logits: bool):
     """``(sum_i weights_i * CE_i, CE)`` of one forward's outputs at ``(rows, columns)``.
 
     ``target_logits``: run the output projection only there (head_loss.py; a model whose head is
@@ -309,7 +307,7 @@ def ar_loss(
         denominator = max(1.0, float(weights.sum()))
     teacher = (teacher_ids, teacher_probs) if teacher_ids is not None else None
     rows, columns, targets, target_w = _targets_at(labels, weights, teacher, soft_clean)
-    loss, _ = _loss_at(model, inputs, rows, columns, targets, target_w / denominator, target_logits)
+    loss, _ = loss_at(model, inputs, rows, columns, targets, target_w / denominator, target_logits)
     return {"loss": loss, "clean_loss": loss.detach()}
 
 
@@ -356,14 +354,14 @@ def mars_loss(
     teacher = noisy_teacher = None
     if teacher_ids is not None:
         teacher = (teacher_ids, teacher_probs)
-        noisy_teacher = tuple(_copied_columns(t, batch.noisy_columns) for t in teacher)
+        noisy_teacher = tuple(copied_columns(t, batch.noisy_columns) for t in teacher)
     clean = _targets_at(labels, weights, teacher, soft_clean)
-    noisy = _masked_targets(batch, weights, segment_ids, masked_weighting, noisy_teacher, soft_masked, masking)
+    noisy = masked_targets(batch, weights, segment_ids, masked_weighting, noisy_teacher, soft_masked, masking)
     rows = torch.cat([clean[0], noisy[0]])
     columns = torch.cat([clean[1], noisy[1] + seq_len])
     targets = SparseTargets.cat(clean[2], noisy[2])
     loss_weights = torch.cat([ar_weight * clean[3], noisy[3]]) / denominator
-    loss, ce = _loss_at(model, inputs, rows, columns, targets, loss_weights, target_logits)
+    loss, ce = loss_at(model, inputs, rows, columns, targets, loss_weights, target_logits)
     n_clean = len(clean[0])
     clean_loss = (ce[:n_clean] * clean[3]).sum() / denominator
     noisy_loss = (ce[n_clean:] * noisy[3]).sum() / denominator
@@ -390,7 +388,7 @@ class Masking:
         return draw_phases(segment_ids, rows, block_size, self.streams, self.random_phase)
 
 
-def _masked_targets(batch, weights, segment_ids, masked_weighting: str, teacher, share: float, masking: Masking):
+def masked_targets(batch, weights, segment_ids, masked_weighting: str, teacher, share: float, masking: Masking):
     """The noisy stream's ``(rows, columns, targets, weights)`` (:func:`_targets_at`)."""
     if masked_weighting == "inverse-t":
         weights = weights * inverse_t_factors(batch.labels, segment_ids)
@@ -404,79 +402,7 @@ def _masked_targets(batch, weights, segment_ids, masked_weighting: str, teacher,
     return _targets_at(batch.noisy_labels, noisy_weights, teacher, share)
 
 
-def exact_mars_loss(
-    model,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    block_size: int,
-    mask_token_id: int,
-    position_ids: torch.Tensor | None = None,
-    segment_ids: torch.Tensor | None = None,
-    normalization: str = "sequence",
-    masked_weighting: str = "uniform",
-    denominator: float | None = None,
-    target_logits: bool = True,
-    soft_masked: float = 0.0,
-    teacher_top_k: int = 16,
-    masking: Masking | None = None,
-) -> dict[str, torch.Tensor]:
-    """The masked stream's loss for a frozen model whose masks carry an adapter (adapter.py).
-
-    The clean stream has nothing to learn, so it runs once without autograd and leaves its keys
-    and values as the cache the masked stream reads: the backward pass, and the activations it
-    keeps, cover the masked stream alone. The clean stream's distribution at each target is the
-    frozen model's own, a teacher for the masks at no extra cost (``soft_masked``, top
-    ``teacher_top_k``). Arguments as in :func:`mars_loss`.
-    """
-    masking = masking or Masking()
-    phases = masking.phases(segment_ids, len(input_ids), block_size)
-    batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids, phases)
-    width = input_ids.shape[1]
-    cache, teacher = clean_pass(model, batch, teacher_top_k if soft_masked else 0)
-    noisy_teacher = None if teacher is None else tuple(_copied_columns(t, batch.noisy_columns) for t in teacher)
-
-    weights = target_weights(labels, segment_ids, normalization)
-    if denominator is None:
-        denominator = max(1.0, float(weights.sum()))
-    rows, columns, targets, noisy_w = _masked_targets(
-        batch, weights, segment_ids, masked_weighting, noisy_teacher, soft_masked, masking
-    )
-    inputs = {
-        "input_ids": batch.input_ids[:, width:],
-        "position_ids": batch.position_ids[:, width:],
-        "attention_mask": batch.mask_for(model, first_query=width),
-        "cache": cache,
-        "use_cache": True,
-    }
-    with adapter_of(model).offsets(batch.mask_offsets()):
-        loss, ce = _loss_at(model, inputs, rows, columns, targets, noisy_w / denominator, target_logits)
-    noisy_loss = (ce * noisy_w).sum() / denominator
-    return {"loss": loss, "noisy_loss": noisy_loss.detach()}
-
-
-@torch.no_grad()
-def clean_pass(model, batch: TwoStreamBatch, top_k: int = 0):
-    """``(cache, teacher)``: the clean stream's keys and values, and with ``top_k`` the model's top-k
-    next-token distribution at every target (``[rows, T, k]`` ids and probabilities, on the label
-    each output predicts, as teacher.py keeps them; None without)."""
-    width = batch.labels.shape[1]
-    inputs = {
-        "input_ids": batch.input_ids[:, :width],
-        "position_ids": batch.position_ids[:, :width],
-        "attention_mask": training_mask(
-            batch.position_ids[:, :width], batch.segment_ids[:, :width], batch.streams[:, :width], 1, model
-        ),
-        "use_cache": True,
-    }
-    if not top_k:
-        return model(**inputs, logits_to_keep=1).past_key_values, None
-    scored = torch.zeros_like(batch.labels, dtype=torch.bool)
-    scored[:, :-1] = batch.labels[:, 1:] != IGNORE
-    out = model(**inputs, logits_to_keep=scored)
-    return out.past_key_values, top_k_rows(out.logits.reshape(-1, out.logits.shape[-1]), scored, top_k)
-
-
-def _copied_columns(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def copied_columns(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """``values [rows, T, ...]`` at the clean columns the noisy columns copy; zero at padding (-1)."""
     index = columns.clamp(min=0).reshape(*columns.shape, *[1] * (values.dim() - 2))
     picked = values.gather(1, index.expand(-1, -1, *values.shape[2:]))

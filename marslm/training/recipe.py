@@ -44,7 +44,8 @@ from .checkpoints import (
 from .collate import collate, collate_packed
 from .config import TrainConfig
 from .dataset import cached_encoding, encode_dataset, encoding_key, generated_answers, with_teacher
-from .objective import Masking, ar_loss, exact_mars_loss, mars_loss
+from .exact import exact_mars_loss
+from .objective import Masking, ar_loss, mars_loss
 from .surgery import enable_activation_checkpointing, ensure_mask_token, saved_parameters, trainable_part
 
 log = logging.getLogger("marslm.train")
