@@ -129,3 +129,14 @@ def test_the_library_bounds_what_the_cli_bounds(mars_dir):
         generate(model, tokenizer, ["hi"], max_new_tokens=4, cache="block", block_cache_size=2**70)
     with pytest.raises(UserError, match="the model's context is 1024"):
         generate(model, tokenizer, [long_text(3000)], max_new_tokens=4)
+
+
+def test_a_failed_allocation_is_one_line_naming_what_to_lower(mars_dir, capsys, monkeypatch):
+    from marslm.decode import costs
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: 4 TB")
+
+    monkeypatch.setattr(costs, "cost_curve", out_of_memory)
+    rc, _, err = run(capsys, "bench", "--cost-curve", "--model", mars_dir, "--contexts", "8", "--quiet")
+    assert_one_line_error(rc, err, "out of memory (", "can't allocate memory", "lower --batch-sizes or --contexts")
