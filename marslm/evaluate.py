@@ -25,7 +25,7 @@ from pathlib import Path
 from .decode.params import ADAPTIVE_WIDTH, CACHE_MODES, METRICS, MODES, DecoderOptions, DecodingParams, check_tau
 from .errors import UserError
 from .files import read_json, write_json_atomically
-from .settings import flag_of, floats, ints, setting, strings
+from .settings import check_count, flag_of, floats, ints, setting, strings
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
 # mode, and a confident prediction has H well below 0.5.
@@ -92,6 +92,8 @@ class EvalConfig:
         for name in ("n", "batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("n", "batch_size"):
+            check_count(flag(name), getattr(self, name))
         for metric in self.metrics:
             for tau in self.entropy_taus if metric == "entropy" else self.taus:
                 check_tau(tau, metric)
@@ -402,7 +404,7 @@ def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict
     """Each model's report (found in ``reports`` or added to them) and its cells, every cell's
     settings checked against the checkpoint, as generate and serve check them, before any model loads."""
     from .decode import ParamError
-    from .modeling import check_model_source, saved_config, trained_block_size
+    from .modeling import check_model_source, model_context, saved_config, saved_mask_token, trained_block_size
 
     for model in config.models:
         check_model_source(model)
@@ -426,10 +428,14 @@ def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict
             mode=config.mode,
             adaptive_width=config.adaptive_width,
         )
+        context, has_mask = model_context(model), None
         for cell in cells:
             settings = {k: cell[k] for k in ("tau", "metric", "block_size", "mode")}
             try:
-                DecodingParams(**settings, max_new_tokens=config.max_new_tokens).verify(trained_block)
+                params = DecodingParams(**settings, max_new_tokens=config.max_new_tokens).verify(trained_block, context)
+                if not params.one_token:
+                    has_mask = saved_mask_token(model) if has_mask is None else has_mask
+                    params.check_mask_token(has_mask)
             except ParamError as exc:
                 raise UserError(f"{model}: {exc}") from None
         plans.append((by_key[key], cells))
@@ -461,7 +467,9 @@ def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, config: Ev
             progress=config.progress,
             model_name=model_name,
         )
-    except Exception as exc:  # noqa: BLE001 - one bad cell (OOM, a model without masks) must not end a long sweep
+    except UserError:  # an input the model cannot take (a prompt past its context) fails every cell alike
+        raise
+    except Exception as exc:  # noqa: BLE001 - one bad cell (OOM, say) must not end a long sweep
         _free_accelerator_memory()
         return {**cell, "failed": _failure(exc)}
     return {**report["results"][0], **cell}

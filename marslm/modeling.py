@@ -173,14 +173,41 @@ def checkpoint_block_size(name_or_path: str) -> int:
     return trained_block_size(saved_config(name_or_path))
 
 
-def model_context(name_or_path: str) -> int | None:
-    """The longest sequence a checkpoint takes (``max_position_embeddings``; None: it does not say),
-    from its config alone, so a setting that cannot fit is refused before the weights load."""
-    from transformers import AutoConfig
+def model_context(model_or_path) -> int | None:
+    """The longest sequence a model takes (``max_position_embeddings``; None: it does not say): a
+    loaded model's, or a checkpoint's from its config alone, so a setting that cannot fit is
+    refused before the weights load."""
+    if isinstance(model_or_path, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        with loading_errors(model_or_path):
+            config = AutoConfig.from_pretrained(model_or_path)
+    else:
+        config = unwrap_model(model_or_path).config
+    return getattr(config, "max_position_embeddings", None)
+
+
+def warn_untrained_masks(name_or_path: str, what: str) -> None:
+    """One line: an AR checkpoint (its masks never trained) is asked to accept its masks' guesses."""
+    log.warning(
+        "%s is an AR checkpoint (marslm.json stage 'ar'): its masks were never trained, so %s accepts "
+        "untrained guesses; use tau 1, or a MARS checkpoint",
+        name_or_path,
+        what,
+    )
+
+
+def saved_mask_token(name_or_path: str) -> bool:
+    """Whether :func:`checkpoint_facts` will find a mask token once the checkpoint loads, read
+    before it loads (its marslm.json, else its tokenizer's vocabulary)."""
+    config = saved_config(name_or_path)
+    if config is not None and config.mask_token_id is not None:
+        return True
+    from transformers import AutoTokenizer
 
     with loading_errors(name_or_path):
-        config = AutoConfig.from_pretrained(name_or_path)
-    return getattr(config, "max_position_embeddings", None)
+        vocab = AutoTokenizer.from_pretrained(name_or_path).get_vocab()
+    return (config.mask_token if config else MASK_TOKEN) in vocab
 
 
 def unwrap_model(model):

@@ -78,10 +78,13 @@ def probe_item(record: dict, tokenizer, where: str = "record", stop_ids: list[in
     return ProbeItem(str(record.get("id", where)), str(record.get("source", "-")), enc.input_ids[:start], answer)
 
 
-def load_probe_items(path: str | Path, tokenizer, limit: int | None = None) -> list[ProbeItem]:
+def load_probe_items(
+    path: str | Path, tokenizer, limit: int | None = None, context: int | None = None
+) -> list[ProbeItem]:
     """Items of a chat JSONL file (a distill output, or any shape data/jsonl.py reads), in file order,
     then those of its ``.unfinished.jsonl`` companion where distill wrote one: an answer cut at
-    distill's token limit is still the original's greedy text, only shorter."""
+    distill's token limit is still the original's greedy text, only shorter. An item longer than
+    ``context`` (the model's) is refused, naming its line."""
     from itertools import chain
 
     from .data.jsonl import read_jsonl_records
@@ -96,8 +99,12 @@ def load_probe_items(path: str | Path, tokenizer, limit: int | None = None) -> l
         if limit is not None and len(items) >= limit:
             break
         item = probe_item(record, tokenizer, where, stop_ids)
-        if item is not None:
-            items.append(item)
+        if item is None:
+            continue
+        tokens = len(item.prompt_ids) + len(item.answer_ids)
+        if context is not None and tokens > context:
+            raise UserError(f"{where}: the prompt and answer have {tokens} tokens; the model's context is {context}")
+        items.append(item)
     if not items:
         raise UserError(f"{path}: no record has an answer token to score")
     return items

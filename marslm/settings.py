@@ -158,6 +158,17 @@ def strings(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+# The most items a count may ask for (prompts, requests, batch rows, widths): past it a count is a
+# slip of the keyboard, and building that many would exhaust memory before the run began.
+MAX_COUNT = 1_000_000
+
+
+def check_count(flag: str, value: int, high: int = MAX_COUNT) -> None:
+    """An integer in 1..``high``, or one line naming ``flag``."""
+    if not 1 <= value <= high:
+        raise UserError(f"{flag} must be in 1..{high}, got {value}")
+
+
 def check_range(
     flag: str,
     value: float,

@@ -21,8 +21,16 @@ METHOD = ("train", "generate", "evaluate", "serve", "convert", "distill", "probe
 EXPERIMENTS = ("demo", "ablate", "bench", "loadtest", "plot", "show")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a command line it refuses is one line and a pointer to the help, not the usage
+    block (subcommand parsers are made of the same class)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="marslm",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="MARS: fine-tune a Hugging Face causal LM to emit several tokens per forward pass, "
@@ -65,10 +73,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     _quiet_libraries()
     try:
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
+        return status
     except UserError as exc:
         print(f"marslm {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"marslm {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (``marslm probe --json | head``): stop quietly, as Python's
+    documentation advises, pointing stdout at devnull so the flush at exit cannot raise again."""
+    import os
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1

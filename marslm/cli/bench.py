@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from .common import add_device, add_unsafe_exec, code_execution, write_json
+from .common import add_device, add_unsafe_exec, allocation_errors, code_execution, write_json
 
 if TYPE_CHECKING:
     from ..experiments.bench_config import BenchConfig
@@ -68,22 +68,23 @@ def _cost_curve(config: BenchConfig) -> int:
     from ..modeling import check_model_source, checkpoint_block_size, load_model, model_context, resolve_device
 
     check_model_source(config.model)
-    widths = list(range(1, 2 * (config.block_size or checkpoint_block_size(config.model)) + 3))
+    widest = 2 * (config.block_size or checkpoint_block_size(config.model)) + 2
     room = model_context(config.model)
-    if room is not None and max(config.contexts) + widths[-1] > room:
+    if room is not None and max(config.contexts) + widest > room:
         raise UserError(
-            f"--contexts {max(config.contexts)} plus the widest step fed on top ({widths[-1]} tokens) exceeds "
-            f"the model's context of {room} tokens"
+            f"--contexts {max(config.contexts)} plus the widest step fed on top ({widest} tokens: "
+            f"2 --block-size + 2) exceeds the model's context of {room} tokens"
         )
     model, _, _ = load_model(config.model, device=resolve_device(config.device))
-    report = cost_curve(
-        model,
-        widths=widths,
-        contexts=config.contexts,
-        batch_sizes=config.batch_sizes,
-        repeats=config.repeats,
-        progress=config.progress,
-    )
+    with allocation_errors("--batch-sizes or --contexts"):
+        report = cost_curve(
+            model,
+            widths=list(range(1, widest + 1)),
+            contexts=config.contexts,
+            batch_sizes=config.batch_sizes,
+            repeats=config.repeats,
+            progress=config.progress,
+        )
     print(format_cost_curve(report))
     if config.json_path:
         write_json(config.json_path, report)
@@ -118,17 +119,18 @@ def _train_step(config: BenchConfig) -> int:
         enable_activation_checkpointing(model)
     logits = {"targets": (True,), "full": (False,), "both": (True, False)}[config.logits]
     block_size = config.block_size or (checkpoint_block_size(config.model) if config.model else MarsConfig().block_size)
-    report = train_step_bench(
-        model,
-        seq_lens=config.seq_lens,
-        batch_size=config.batch_sizes[0],  # rows per step: the first --batch-sizes value
-        prompt_share=config.prompt_share,
-        block_size=block_size,
-        repeats=config.repeats,
-        target_logits=logits,
-        bf16=config.bf16,
-        progress=config.progress,
-    )
+    with allocation_errors("--batch-sizes or --seq-lens"):
+        report = train_step_bench(
+            model,
+            seq_lens=config.seq_lens,
+            batch_size=config.batch_sizes[0],  # rows per step: the first --batch-sizes value
+            prompt_share=config.prompt_share,
+            block_size=block_size,
+            repeats=config.repeats,
+            target_logits=logits,
+            bf16=config.bf16,
+            progress=config.progress,
+        )
     print(format_train_step(report))
     if config.json_path:
         write_json(config.json_path, report)

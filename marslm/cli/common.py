@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
+
+from ..errors import UserError
 
 EXIT_USAGE = 2  # a mistake the user can fix: one line on stderr
 EXIT_FAILED_CELLS = 1  # eval: some settings failed (out of memory, say); the rest is reported
@@ -51,26 +54,47 @@ def write_json(path: str, payload: dict) -> None:
     write_json_atomically(path, payload)
 
 
-def load_for_decoding(model_path: str, params, device: str = "auto"):
-    """``(model, tokenizer, params)`` for ``generate`` and ``show``: the settings checked, also
-    against the block size the checkpoint was trained with, before the model loads, so that a
-    refusal is the only line (loading warns about a checkpoint without marslm.json); a warning
-    when an AR checkpoint is asked to accept untrained mask guesses."""
-    import logging
+@contextmanager
+def allocation_errors(flags: str):
+    """An allocation that fails (host or device memory) becomes one line naming what to lower."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        if not isinstance(exc, MemoryError) and not any(
+            word in text for word in ("out of memory", "allocate", "Overflow", "overflow")
+        ):
+            raise
+        raise UserError(f"out of memory ({text[:200]}); lower {flags}") from None
 
+
+def load_for_decoding(model_path: str, params, device: str = "auto", decoder=None):
+    """``(model, tokenizer, params)`` for ``generate`` and ``show``: the settings checked, also
+    against the block size the checkpoint was trained with, its context and whether it has a mask
+    token, before the model loads, so that a refusal is the only line (loading warns about a
+    checkpoint without marslm.json); a warning when an AR checkpoint is asked to accept untrained
+    mask guesses."""
     from ..config import MarsConfig
-    from ..modeling import check_model_source, load_model, resolve_device, trained_block_size
+    from ..modeling import (
+        check_model_source,
+        load_model,
+        model_context,
+        resolve_device,
+        saved_mask_token,
+        trained_block_size,
+        warn_untrained_masks,
+    )
 
     params.verify()
     check_model_source(model_path)
     config = MarsConfig.load(model_path)
-    params = params.verify(trained_block_size(config))
+    context = model_context(model_path)
+    params = params.verify(trained_block_size(config), context)
+    if decoder is not None:
+        decoder.check(params, context)
+    if not params.one_token:
+        params.check_mask_token(saved_mask_token(model_path))
     model, tokenizer, _ = load_model(model_path, device=resolve_device(device))
     if config is not None and config.stage == "ar" and not params.one_token:
-        logging.getLogger("marslm").warning(
-            "%s is an AR checkpoint (marslm.json stage 'ar'): its masks were never trained, so tau %g accepts "
-            "untrained guesses; use tau 1, or a MARS checkpoint",
-            model_path,
-            params.tau,
-        )
+        warn_untrained_masks(model_path, f"tau {params.tau:g}")
     return model, tokenizer, params

@@ -38,7 +38,7 @@ def run(args) -> int:
     from .common import load_for_decoding
 
     decoder = from_args(DecoderOptions, args)
-    model, tokenizer, params = load_for_decoding(args.model, from_args(DecodingParams, args), args.device)
+    model, tokenizer, params = load_for_decoding(args.model, from_args(DecodingParams, args), args.device, decoder)
     result = generate(model, tokenizer, [args.prompt], params, decoder, apply_chat_template=not args.no_chat_template)
     if args.json:
         print(

@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import logging
 
-    from ..modeling import checkpoint_facts, load_model, resolve_device
+    from ..modeling import checkpoint_facts, load_model, model_context, resolve_device
     from ..probe import load_probe_items, probe, probe_clean
     from ..probe_report import format_probe
 
@@ -65,7 +65,7 @@ def run(args) -> int:
     device = resolve_device(args.device)
     model, tokenizer, _ = load_model(args.model, device=device)
     facts = checkpoint_facts(model, tokenizer)
-    items = load_probe_items(args.data, tokenizer, args.limit)
+    items = load_probe_items(args.data, tokenizer, args.limit, model_context(model))
     progress = not args.json
     report = {"model": args.model, "data": args.data, "mask_token_id": facts.mask_token_id}
     if facts.mask_token_id is None:
@@ -121,7 +121,7 @@ def _check(args) -> None:
 def _probe_original(args, device, progress: bool) -> dict:
     import torch
 
-    from ..modeling import checkpoint_facts, load_model
+    from ..modeling import checkpoint_facts, load_model, model_context
     from ..probe import load_probe_items, probe_clean
 
     original, original_tokenizer, _ = load_model(args.original, dtype="float32", device=device)
@@ -129,7 +129,7 @@ def _probe_original(args, device, progress: bool) -> dict:
         "model": args.original,
         **probe_clean(
             original,
-            load_probe_items(args.data, original_tokenizer, args.limit),
+            load_probe_items(args.data, original_tokenizer, args.limit, model_context(original)),
             pad_id=checkpoint_facts(original, original_tokenizer).pad_id,
             batch_size=args.batch_size,
             autocast_dtype=torch.bfloat16,

@@ -120,20 +120,19 @@ def generate(
     are replaced by waiting prompts between steps. ``on_finish(row)`` is called as rows finish.
     ``mask_token_id`` overrides the checkpoint's mask token.
     """
-    from ..modeling import checkpoint_facts
+    from ..modeling import checkpoint_facts, model_context
 
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
     params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
     facts = checkpoint_facts(model, tokenizer, mask_token_id)
-    params = params.verify(facts.block_size)
-    decoder.check(params)
-    if facts.mask_token_id is None and not params.one_token:
-        raise UserError(
-            "the model has no mask token to decode with: not a MARS checkpoint, or an exact-mode one loaded "
-            "without its adapter (load it with marslm.load). Only tau = 1 (plain AR decoding) works without one"
-        )
+    context = model_context(model)
+    params = params.verify(facts.block_size, context)
+    decoder.check(params, context)
+    params.check_mask_token(facts.mask_token_id is not None)
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
+    for ids in prompt_ids:
+        params.check_prompt(len(ids), context)
     common = dict(
         mask_token_id=facts.mask_token_id if facts.mask_token_id is not None else facts.pad_id,
         pad_id=facts.pad_id,

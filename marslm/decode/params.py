@@ -79,8 +79,10 @@ class DecodingParams:
         (), "end the answer just before this text (repeat for up to 4)", metavar="TEXT", repeat=True
     )
 
-    def verify(self, trained_block_size: int | None = None) -> DecodingParams:
-        """Check every field; return a copy with ``block_size`` resolved against the checkpoint's."""
+    def verify(self, trained_block_size: int | None = None, context: int | None = None) -> DecodingParams:
+        """Check every field; return a copy with ``block_size`` resolved against the checkpoint's.
+        ``context``: the model's (``max_position_embeddings``), which an answer must fit beside a
+        prompt of at least one token."""
         check_tau(self.tau, self.metric)
         if self.mode not in MODES:
             raise ParamError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", "mode")
@@ -97,6 +99,13 @@ class DecodingParams:
             raise ParamError("lossless mode needs at least one mask to draft from (block size >= 2)", "block_size")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ParamError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}", "max_tokens")
+        if context is not None and self.max_new_tokens > context - 1:
+            raise ParamError(
+                f"max_new_tokens must be at most {context - 1} (the model's context of {context} tokens, less "
+                f"a prompt token), got {self.max_new_tokens}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= 2):
             raise ParamError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
@@ -120,6 +129,33 @@ class DecodingParams:
     def one_token(self) -> bool:
         """Plain AR decoding: threshold mode at tau 1 (prob/margin) or 0 (entropy)."""
         return one_token(self.tau, self.metric, self.mode)
+
+    def check_mask_token(self, has_mask_token: bool) -> None:
+        """Refuse settings that read masks for a model without a mask token."""
+        if not has_mask_token and not self.one_token:
+            raise ParamError(
+                "the model has no mask token to decode with: not a MARS checkpoint, or an exact-mode one loaded "
+                "without its adapter (load it with marslm.load). Only tau = 1 (plain AR decoding) works without one",
+                "tau",
+            )
+
+    def check_prompt(self, prompt_tokens: int, context: int | None) -> None:
+        """The prompt and the longest answer fit the model's context, as the server requires."""
+        if context is None:
+            return
+        if prompt_tokens >= context:
+            raise ParamError(
+                f"the prompt has {prompt_tokens} tokens; the model's context is {context}",
+                "prompt",
+                "context_length_exceeded",
+            )
+        if prompt_tokens + self.max_new_tokens > context:
+            raise ParamError(
+                f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({self.max_new_tokens}) exceeds the "
+                f"model's context of {context} tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
 
 
 @dataclass(frozen=True)
@@ -159,8 +195,13 @@ class DecoderOptions:
             raise UserError(f"block_cache_size must be >= 1, got {self.block_cache_size}")
         check_mask_batch_limit(self.mask_batch_limit, "mask_batch_limit")
 
-    def check(self, params: DecodingParams) -> None:
-        """Refuse request settings this decoder cannot run."""
+    def check(self, params: DecodingParams, context: int | None = None) -> None:
+        """Refuse request settings this decoder cannot run; ``context``: the model's, which bounds a
+        block of the block cache."""
+        if context is not None and self.block_cache_size > context:
+            raise UserError(
+                f"block_cache_size must be at most the model's context of {context} tokens, got {self.block_cache_size}"
+            )
         if self.cache == "block" and (params.mode != "threshold" or params.temperature > 0 or params.stop):
             raise UserError(
                 "the block cache decodes greedily in threshold mode, without stop strings; use cache='cursor'"

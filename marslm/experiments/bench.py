@@ -346,11 +346,23 @@ def format_bench_table(report: dict) -> str:
 
 def load_bench_models(config: BenchConfig) -> dict:
     """``{"mars": (model, tokenizer), "ar": (model, tokenizer)}`` from ``config.model`` and ``config.ar_model``."""
-    from ..modeling import check_model_source, load_model, resolve_device
+    from ..modeling import (
+        check_model_source,
+        load_model,
+        model_context,
+        resolve_device,
+        saved_config,
+        warn_untrained_masks,
+    )
 
+    for path in (config.model, config.ar_model):  # every refusal before the first model loads
+        check_model_source(path)
+        DecodingParams(max_new_tokens=config.max_new_tokens).verify(context=model_context(path))
+    saved = saved_config(config.model)
+    if saved is not None and saved.stage == "ar":
+        warn_untrained_masks(config.model, "every MARS contender at tau < 1")
     models = {}
     for name, path in (("mars", config.model), ("ar", config.ar_model)):
-        check_model_source(path)
         model, tokenizer, _ = load_model(path, device=resolve_device(config.device))
         models[name] = (model, tokenizer)
     return models

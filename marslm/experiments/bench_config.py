@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..decode.params import check_tau
 from ..errors import UserError
-from ..settings import flag_of, floats, ints, setting, strings
+from ..settings import check_count, flag_of, floats, ints, setting, strings
 
 # Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
 CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "cursor-adaptive", "lossless", "lossless-groups")
@@ -132,6 +132,11 @@ class BenchConfig:
     def __post_init__(self):
         if self.n < 1 or self.repeats < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
             raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
+        counts = [("n", self.n), ("repeats", self.repeats), *(("batch_sizes", b) for b in self.batch_sizes)]
+        if self.block_size is not None:
+            counts.append(("block_size", self.block_size))
+        for name, value in counts:
+            check_count(flag_of(BenchConfig, name), value)
         if self.train_step:
             self._check_train_step()
             return

@@ -38,7 +38,7 @@ from typing import Any
 from ..decode.params import check_tau
 from ..errors import UserError
 from ..serve.config import no_extra_args
-from ..settings import flag_of, floats, ints, setting
+from ..settings import check_count, flag_of, floats, ints, setting
 
 POLICIES = ("fixed-1.0", "fixed-0.95", "adaptive")
 ENGINES = ("marslm", "vllm")
@@ -62,6 +62,33 @@ def policy_settings(name: str, adaptive_tau: float = 0.95, tau_floor: float = 0.
             raise UserError(f"bad policy {name!r} ({exc}); use fixed-<tau> or adaptive") from None
         return {"policy": "fixed", "tau": tau, "tau_floor": min(tau_floor, tau)}
     raise UserError(f"bad policy {name!r}; use fixed-<tau> or adaptive")
+
+
+def check_url(url: str) -> None:
+    """An http(s) URL httpx can send to, or one line naming ``--url``."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise UserError(f"--url {url!r} is not a valid URL: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise UserError(f"--url must be an http:// or https:// URL with a host, got {url!r}")
+
+
+def answer_summary(response) -> str:
+    """A server's refusal in one line: its status, and the message of a JSON error body (an HTML
+    page or a traceback stays out of the user's terminal)."""
+    summary = f"{response.status_code} {response.reason_phrase}".strip()
+    try:
+        body = response.json()
+    except ValueError:
+        return summary
+    error = body.get("error", body.get("detail")) if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    if isinstance(message, str) and message.strip():
+        summary += ": " + " ".join(message.split())[:200]
+    return summary
 
 
 @dataclass
@@ -123,6 +150,7 @@ class LoadtestConfig:
             return
         no_extra_args(self)
         self._check_load()
+        check_url(self.url)
         if not self.policies:
             raise UserError("--policies is empty")
         self.policy_bodies()
@@ -131,6 +159,10 @@ class LoadtestConfig:
         """The load itself, whichever engine serves it."""
         if self.requests < 1 or self.repeats < 1 or not self.concurrency or min(self.concurrency) < 1:
             raise UserError("--requests, --repeats and every --concurrency value must be >= 1")
+        for name, value in [("requests", self.requests), ("repeats", self.repeats)] + [
+            ("concurrency", c) for c in self.concurrency
+        ]:
+            check_count(flag_of(LoadtestConfig, name), value)
         if self.max_tokens < 1:
             raise UserError(f"{flag_of(LoadtestConfig, 'max_tokens')} must be >= 1, got {self.max_tokens}")
         for name in ("timeout", "deadline"):
@@ -345,8 +377,12 @@ async def _served_model(client, url: str, headers: dict, model: str | None) -> s
     except httpx.HTTPError as exc:
         raise UserError(f"cannot reach {url}: {exc}") from None
     if response.status_code != 200:
-        raise UserError(f"{url}/v1/models answered {response.status_code}: {response.text[:200]}")
-    return model or response.json()["data"][0]["id"]
+        raise UserError(f"{url}/v1/models answered {answer_summary(response)}")
+    try:
+        served = response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise UserError(f"{url}/v1/models did not answer an OpenAI model list: is {url} a marslm server?") from None
+    return model or served
 
 
 async def _warm_up(server: _Target, example, timeout: float) -> None:
@@ -441,10 +477,13 @@ async def _admin_policy(server: _Target, body: dict | None = None) -> dict:
     )
     if response.status_code != 200:
         raise UserError(
-            f"{url} answered {response.status_code}: {response.text[:200]} "
+            f"{url} answered {answer_summary(response)} "
             "(the loadtest sets the tau policy through the admin API; pass --api-key if needed)"
         )
-    return response.json()
+    try:
+        return response.json()
+    except ValueError:
+        raise UserError(f"{url} did not answer JSON: is {server.url} a marslm server?") from None
 
 
 def run_loadtest(config: LoadtestConfig, log=print) -> dict:

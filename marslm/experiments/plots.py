@@ -16,10 +16,12 @@ A baseline with several one-token cells uses the first.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..decode.params import METRICS, MODES
 from ..errors import UserError
 from ..evaluate import is_one_token, model_reports
 from ..files import output_file, read_json
@@ -76,15 +78,14 @@ def load_series(paths: list[str], baseline: list[str] | None = None) -> list[Ser
         else:
             baseline_labels.append(item)
 
-    unnamed = [rep.get("model", "") or "model" for label, rep, _ in found if label is None]
+    unnamed = [str(rep.get("model", "") or "model") for label, rep, _ in found if label is None]
     short = iter(_short_labels(unnamed)) if unnamed else iter(())
     series = []
     for label, rep, forced in found:
         label = label if label is not None else next(short)
         cells = [c for c in rep["results"] if "failed" not in c]
         for c in cells:
-            if not all(k in c for k in ("tau", "accuracy", "tokens_per_forward")):
-                raise UserError(f"report for {label}: a result lacks tau, accuracy or tokens_per_forward")
+            _check_cell(c, label)
         series.append(Series(label, rep, forced, cells))
     labels = [s.label for s in series]
     for s in series:  # the same model on other data (or n, seed): say which
@@ -110,6 +111,33 @@ def load_series(paths: list[str], baseline: list[str] | None = None) -> list[Ser
     if not any(s.cells for s in series):
         raise UserError("the reports hold no successful results to plot")
     return series
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_cell(cell: dict, label: str) -> None:
+    """A result the plot can draw: tau, accuracy and tokens per forward are numbers, and so are
+    each family's."""
+    keys = ("tau", "accuracy", "tokens_per_forward")
+    if not all(k in cell for k in keys):
+        raise UserError(f"report for {label}: a result lacks tau, accuracy or tokens_per_forward")
+    bad = next((k for k in keys if not _is_number(cell[k])), None)
+    if bad is not None:
+        raise UserError(f"report for {label}: a result's {bad} must be a number, got {cell[bad]!r}")
+    for key, allowed in (("metric", METRICS), ("mode", MODES)):
+        if key in cell and cell[key] not in allowed:
+            raise UserError(
+                f"report for {label}: a result's {key} must be one of {', '.join(allowed)}, got {cell[key]!r}"
+            )
+    families = cell.get("families", {})
+    if not isinstance(families, dict) or not all(
+        isinstance(f, dict) and all(_is_number(f.get(k)) for k in keys[1:]) for f in families.values()
+    ):
+        raise UserError(
+            f"report for {label}: a result's families must map each family to its accuracy and tokens_per_forward"
+        )
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
