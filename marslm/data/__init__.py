@@ -8,9 +8,6 @@ from ..errors import UserError
 from .jsonl import read_chat_jsonl
 
 TOY = "toy"
-# The most examples --data-n may ask of the toy suite: its pools repeat long before this, and
-# generating more takes minutes of a single core.
-TOY_MAX_N = 1_000_000
 
 
 def check_mix(source: str, mix: dict[str, float] | None) -> None:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import DEFAULT_BLOCK_SIZE, STAGES
-from ..data import TOY, TOY_MAX_N, check_mix
+from ..data import TOY, check_mix
 from ..errors import UserError
-from ..settings import check_range, flag_of, setting
+from ..settings import check_count, check_range, flag_of, setting
 
 # Learning-rate schedules: Trainer's names for those that need nothing beyond the warmup and the
 # step count.
@@ -266,8 +266,8 @@ class TrainConfig:
             raise UserError(f"{flag('max_steps')} must be >= 1, or -1 to run the epochs; got {self.max_steps}")
         if self.epochs <= 0 and self.max_steps <= 0:
             raise UserError(f"give a positive {flag('epochs')} or {flag('max_steps')}")
-        if self.data == TOY and self.data_n is not None and self.data_n > TOY_MAX_N:
-            raise UserError(f"{flag('data_n')} must be <= {TOY_MAX_N:,} for --data {TOY}, got {self.data_n:,}")
+        if self.data == TOY and self.data_n is not None:
+            check_count(flag("data_n"), self.data_n)
         if self.masked_streams > self.block_size:
             raise UserError(
                 f"{flag('masked_streams')} must be <= {flag('block_size')} {self.block_size} (one copy per phase of "
