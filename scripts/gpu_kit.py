@@ -8,7 +8,10 @@ larger than one call may carry. So the kit is two folders, one per call:
 
     gpu-kit/call1/   the GGUF's first part                         (staged on the machine, call 1)
     gpu-kit/call2/   the other part, the transformers and gguf wheels at requirements-ci.txt's
-                     pins, and manifest.json                       (call 2 runs the campaign)
+                     pins                                          (call 2 runs the campaign)
+
+cut so that both calls carry about as much (each about 53 MiB, leaving room for the tree). Both
+folders hold manifest.json.
 
 manifest.json names each part with its size and sha256, and the whole file's sha256:
 :func:`reassemble` checks all of them, so a part that was cut or mixed up fails loudly before any
@@ -52,23 +55,27 @@ def pins(requirements: Path = ROOT / "requirements-ci.txt") -> dict[str, str]:
     return found
 
 
-def split(source: Path, kit: Path, parts: int = len(CALLS)) -> dict:
-    """``source`` in ``parts`` pieces of about equal size, part i into ``kit/CALLS[i]``; returns the manifest."""
+def split(source: Path, kit: Path, beside_last: int = 0) -> dict:
+    """``source`` in one part per call, part i into ``kit/CALLS[i]``; returns the manifest.
+
+    ``beside_last``: the bytes the last call carries besides its part (the wheels), so that the
+    calls come out about equal and each keeps the same room for the working tree.
+    """
     size = source.stat().st_size
-    step = -(-size // parts)
-    if step > PART_LIMIT:
-        raise SystemExit(f"{source.name}: {parts} parts of {step / 2**20:.1f} MiB exceed {PART_LIMIT // 2**20} MiB")
+    share = -(-(size + beside_last) // len(CALLS))
+    sizes = [share] * (len(CALLS) - 1)
+    sizes.append(size - sum(sizes))
+    if max(sizes) > PART_LIMIT or min(sizes) < 1:
+        raise SystemExit(f"{source.name}: parts of {[round(n / 2**20, 1) for n in sizes]} MiB do not fit the kit")
     entries = []
     with source.open("rb") as f:
-        for i in range(parts):
-            folder = kit / CALLS[min(i, len(CALLS) - 1)]
-            folder.mkdir(parents=True, exist_ok=True)
-            part = folder / f"{source.name}.part{i + 1}"
-            part.write_bytes(f.read(step))
-            entries.append({"file": f"{folder.name}/{part.name}", "bytes": part.stat().st_size, "sha256": sha256(part)})
+        for i, (folder, n) in enumerate(zip(CALLS, sizes)):
+            (kit / folder).mkdir(parents=True, exist_ok=True)
+            part = kit / folder / f"{source.name}.part{i + 1}"
+            part.write_bytes(f.read(n))
+            entries.append({"file": f"{folder}/{part.name}", "bytes": n, "sha256": sha256(part)})
     manifest = {"name": source.name, "bytes": size, "sha256": sha256(source), "parts": entries}
     for folder in CALLS:
-        (kit / folder).mkdir(parents=True, exist_ok=True)
         (kit / folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -87,19 +94,26 @@ def reassemble(manifest_path: Path, places: list[Path], dest: Path) -> Path:
     manifest = json.loads(manifest_path.read_text())
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".partial")
-    with partial.open("wb") as out:
-        for entry in manifest["parts"]:
-            part = find_part(entry["file"], places)
-            if part is None:
-                raise FileNotFoundError(f"part {entry['file']} is not under {', '.join(map(str, places))}")
-            if part.stat().st_size != entry["bytes"] or sha256(part) != entry["sha256"]:
-                raise ValueError(f"part {part} does not match the manifest (size or sha256)")
-            with part.open("rb") as f:
-                shutil.copyfileobj(f, out)
-    if sha256(partial) != manifest["sha256"]:
-        raise ValueError(f"{dest.name}: the reassembled file's sha256 does not match the manifest")
+    try:
+        with partial.open("wb") as out:
+            for entry in manifest["parts"]:
+                out.write(checked_part(entry, places).read_bytes())
+        if sha256(partial) != manifest["sha256"]:
+            raise ValueError(f"{dest.name}: the reassembled file's sha256 does not match the manifest")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     partial.replace(dest)
     return dest
+
+
+def checked_part(entry: dict, places: list[Path]) -> Path:
+    part = find_part(entry["file"], places)
+    if part is None:
+        raise FileNotFoundError(f"part {entry['file']} is not under {', '.join(map(str, places))}")
+    if part.stat().st_size != entry["bytes"] or sha256(part) != entry["sha256"]:
+        raise ValueError(f"part {part} does not match the manifest (size or sha256)")
+    return part
 
 
 def download_wheels(folder: Path) -> list[Path]:
@@ -142,9 +156,8 @@ def check_calls(kit: Path, tree: int) -> list[str]:
 def build(kit: Path, gguf: Path, wheels: bool = True) -> dict:
     if kit.exists():
         shutil.rmtree(kit)
-    manifest = split(gguf, kit)
-    if wheels:
-        download_wheels(kit / CALLS[-1])
+    wheel_bytes = sum(w.stat().st_size for w in download_wheels(kit / CALLS[-1])) if wheels else 0
+    manifest = split(gguf, kit, beside_last=wheel_bytes)
     problems = check_calls(kit, tree_bytes())
     if problems:
         raise SystemExit("the kit does not fit:\n" + "\n".join(problems))
