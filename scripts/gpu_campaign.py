@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -141,25 +140,13 @@ def kit_stage(c: Campaign) -> dict:
     places = [c.kit / name for name in gpu_kit.CALLS] + [c.kit, STAGING]
     manifest = next((p / gpu_kit.MANIFEST for p in places if (p / gpu_kit.MANIFEST).is_file()), None)
     result = {"places": [str(p) for p in places if p.is_dir()]}
-    result.update(install_wheels(sorted({w.name: w for p in places for w in p.glob("*.whl")}.values()), c.work))
+    result.update(gpu_kit.install_wheels(sorted({w.name: w for p in places for w in p.glob("*.whl")}.values()), c.work))
     if manifest is None:
         raise FileNotFoundError(f"no {gpu_kit.MANIFEST} under {', '.join(map(str, places))}: build the kit")
     name = json.loads(manifest.read_text())["name"]
     c.made["gguf"] = gpu_kit.reassemble(manifest, places, c.work / name)
     result["model"] = {"file": name, "sha256": gpu_kit.sha256(c.made["gguf"])}
     return result
-
-
-def install_wheels(wheels: list[Path], work: Path) -> dict:
-    """pip install --target a private folder, first on sys.path (and on PYTHONPATH for children)."""
-    if not wheels:
-        return {"wheels": [], "note": "no wheels carried: the machine's own packages are used"}
-    site = work / "site"
-    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
-    subprocess.run([*command, "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
-    sys.path.insert(0, str(site))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    return {"wheels": [w.name for w in wheels], "site": str(site)}
 
 
 def environment_stage(c: Campaign) -> dict:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -114,6 +116,22 @@ def checked_part(entry: dict, places: list[Path]) -> Path:
     if part.stat().st_size != entry["bytes"] or sha256(part) != entry["sha256"]:
         raise ValueError(f"part {part} does not match the manifest (size or sha256)")
     return part
+
+
+def install_wheels(wheels: list[Path], work: Path) -> dict:
+    """pip install --target a private folder, first on sys.path (and on PYTHONPATH for children);
+    ``from_site``: whether each wheel's package now imports from there (a module imported before
+    the install would still be the machine's own)."""
+    if not wheels:
+        return {"wheels": [], "note": "no wheels carried: the machine's own packages are used"}
+    site = work / "site"
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+    subprocess.run([*command, "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    packages = [w.name.split("-")[0] for w in wheels]  # the wheel's distribution name, as its package's
+    from_site = {name: Path(importlib.import_module(name).__file__).is_relative_to(site) for name in packages}
+    return {"wheels": [w.name for w in wheels], "site": str(site), "from_site": from_site}
 
 
 def download_wheels(folder: Path) -> list[Path]:

@@ -67,7 +67,7 @@ def test_the_campaign_dry_run_runs_every_stage_from_the_split_parts(tmp_path):
     assert "fallback" not in report
     assert sections["kit"]["model"]["sha256"] == gpu_kit.sha256(smollm2_gguf())
     assert sections["kit"]["wheels"] == [wheel.name]
-    assert (Path(sections["kit"]["site"]) / "marslm_kit_marker" / "__init__.py").is_file()
+    assert sections["kit"]["from_site"] == {"marslm_kit_marker": True}
     for arm in ("exact", "full"):
         train = sections[f"train_{arm}"]
         assert train["summary"]["steps"] == train["planned_steps"] and train["attention"] == "sdpa"
@@ -113,12 +113,50 @@ def test_the_parts_reassemble_only_as_the_manifest_says(tmp_path):
     (kit / gpu_kit.CALLS[0] / "model.gguf.part1").rename(staged / "model.gguf.part1")
     whole = gpu_kit.reassemble(kit / "call2" / gpu_kit.MANIFEST, [staged, *places], tmp_path / "out.gguf")
     assert whole.read_bytes() == source.read_bytes()
+    manifest_path = kit / "call2" / gpu_kit.MANIFEST
     part2 = kit / gpu_kit.CALLS[1] / "model.gguf.part2"
     data = part2.read_bytes()
     part2.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    with pytest.raises(ValueError, match="does not match the manifest"):
-        gpu_kit.reassemble(kit / "call2" / gpu_kit.MANIFEST, [staged, *places], tmp_path / "again.gguf")
-    assert not (tmp_path / "again.gguf").exists()
+    with pytest.raises(ValueError, match=r"part .*part2 does not match the manifest"):
+        gpu_kit.reassemble(manifest_path, [staged, *places], tmp_path / "again.gguf")
+    assert not list(tmp_path.glob("again.gguf*"))  # neither the file nor its partial copy
+    part2.write_bytes(data)
+    manifest_path.write_text(json.dumps({**manifest, "sha256": "0" * 64}))
+    with pytest.raises(ValueError, match="reassembled file's sha256"):
+        gpu_kit.reassemble(manifest_path, [staged, *places], tmp_path / "again.gguf")
+    assert not list(tmp_path.glob("again.gguf*"))
+
+
+def test_training_stops_when_its_minutes_are_spent():
+    from types import SimpleNamespace
+
+    import gpu_campaign
+
+    for seconds, stops in ((0, True), (3600, False)):
+        control = SimpleNamespace(should_training_stop=False)
+        callback = gpu_campaign.stop_after(seconds)
+        callback.on_train_begin(None, None, control)
+        callback.on_step_end(None, None, control)
+        assert control.should_training_stop is stops
+
+
+def test_an_arm_whose_flex_attention_fails_trains_again_with_sdpa(tmp_path, monkeypatch):
+    import gpu_campaign
+
+    tried = []
+
+    def train_arm(c, arm, preset, original, data):
+        tried.append(preset.train["attention"])
+        if preset.train["attention"] == "flex":
+            raise RuntimeError("no kernel")
+        return {"steps": 1}
+
+    monkeypatch.setattr(gpu_campaign, "train_arm", train_arm)
+    c = gpu_campaign.Campaign(gpu_campaign.GPU, tmp_path, tmp_path, dry_run=False)
+    c.made.update(original=tmp_path, distill=tmp_path)
+    result = gpu_campaign.train_stage(c, "exact")
+    assert tried == ["flex", "sdpa"]
+    assert result == {"flex_error": "RuntimeError: no kernel", "attention": "sdpa", "steps": 1}
 
 
 def test_each_device_call_carries_under_its_limit(tmp_path):
