@@ -334,16 +334,37 @@ def decode_stage(c: Campaign) -> dict:
                 contenders=["hf-mars", "cursor", "lossless"],
                 progress=False,
             )
-            result.setdefault(arm, []).extend(summary_rows(run_bench(models, eval_set, config)))
+            result.setdefault(arm, []).append(run_bench(models, eval_set, config))
     return result
 
 
-def summary_rows(report: dict) -> list[dict]:
-    keys = ("contender", "batch_size", "tokens_per_second", "tokens_per_forward", "speedup", "same_as_greedy")
-    return [
-        {k: row[k] for k in keys if k in row} | ({"refused": row["refused"]} if "refused" in row else {})
-        for row in report["rows"]
-    ]
+def tables(report: dict) -> str:
+    """The campaign's numbers for people (docs/results.md): per arm its training, the probe and
+    decoding speed, in the formats `marslm probe` and `marslm bench` print."""
+    from marslm.experiments.bench import format_bench_table
+    from marslm.probe_report import format_probe
+
+    sections = report["sections"]
+    lines = [f"campaign: dry run {report['dry_run']}, {report['seconds']:.0f} s"]
+    for name, section in sections.items():
+        if "error" in section or "skipped" in section:
+            lines.append(f"- {name}: {section.get('error') or section.get('skipped')}")
+    for arm in RECIPES:
+        train, probed = sections.get(f"train_{arm}", {}), sections.get(f"probe_{arm}", {})
+        lines += ["", f"## {arm}: {train.get('recipe', '-')}"]
+        if "summary" in train:
+            summary, curve = train["summary"], train["learning_curve"]
+            lines.append(
+                f"{summary['steps']} of {train['planned_steps']} steps in {summary['seconds']:.0f} s "
+                f"({train['attention']}), final loss {summary['final_loss']:.3f}; lossless tokens per forward "
+                f"(teacher-forced, {curve[0]['items'] if curve else 0} held-out answers) by step: "
+                + ", ".join(f"{p['step']}: {p['tokens_per_forward_lossless_tf']:.2f}" for p in curve)
+            )
+        if "fidelity" in probed:
+            lines += ["", format_probe(probed)]
+        for bench in sections.get("decode", {}).get(arm, []):
+            lines += ["", format_bench_table(bench)]
+    return "\n".join(lines)
 
 
 def probe_sections(c: Campaign, report) -> None:
@@ -406,7 +427,11 @@ def main(argv=None) -> int:
     for key in ("deadline_min", "distill_min", "train_min", "decode_min"):
         parser.add_argument("--" + key.replace("_", "-"), type=float, help=f"minutes (default: {GPU[key]} on a GPU)")
     parser.add_argument("--train-steps", type=int, help=f"steps per arm (default: {GPU['train_steps']} on a GPU)")
+    parser.add_argument("--table", metavar="JSON", help="print a finished campaign's JSON as tables, and stop")
     args = parser.parse_args(argv)
+    if args.table:
+        print(tables(json.loads(Path(args.table).read_text())))
+        return 0
     import torch
 
     if not torch.cuda.is_available() and not args.dry_run:

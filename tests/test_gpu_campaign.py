@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import gpu_campaign  # noqa: E402
 import gpu_kit  # noqa: E402
 
 MODEL_STAGES = ["convert", "distill", "train_exact", "train_full", "probe_exact", "probe_full", "decode"]
@@ -77,11 +78,14 @@ def test_the_campaign_dry_run_runs_every_stage_from_the_split_parts(tmp_path):
     assert "original_bf16" in sections["probe_full"]
     decode = sections["decode"]
     for arm in ("exact", "full"):
-        rows = {(r["contender"], r["batch_size"]): r for r in decode[arm]}
+        rows = {(r["contender"], r["batch_size"]): r for bench in decode[arm] for r in bench["rows"]}
         assert {b for _, b in rows} == {1, 2}
         for batch in (1, 2):
             assert rows[("MARS lossless", batch)]["same_as_greedy"], (arm, batch)
             assert rows[("MARS cursor tau=1.0", batch)]["same_as_greedy"], (arm, batch)
+    table = gpu_campaign.tables(report)
+    assert "## exact: exact mode" in table and "## full: all layers" in table
+    assert table.count("| MARS lossless | 1 |") == 2 and "fidelity (clean top-1 = reference): 100.0%" in table
 
 
 def test_without_a_part_the_model_stages_fail_and_the_probe_still_runs(tmp_path):
@@ -130,8 +134,6 @@ def test_the_parts_reassemble_only_as_the_manifest_says(tmp_path):
 def test_training_stops_when_its_minutes_are_spent():
     from types import SimpleNamespace
 
-    import gpu_campaign
-
     for seconds, stops in ((0, True), (3600, False)):
         control = SimpleNamespace(should_training_stop=False)
         callback = gpu_campaign.stop_after(seconds)
@@ -141,8 +143,6 @@ def test_training_stops_when_its_minutes_are_spent():
 
 
 def test_an_arm_whose_flex_attention_fails_trains_again_with_sdpa(tmp_path, monkeypatch):
-    import gpu_campaign
-
     tried = []
 
     def train_arm(c, arm, preset, original, data):
