@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .errors import UserError
-from .modeling import unwrap_model
+from .unwrap import unwrap_model
 
 FILENAME = "mars_adapter.safetensors"
 # Where the adapter lives on the model it is attached to: a submodule, so that the optimizer, the

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .errors import UserError
-from .modeling import attention_implementation, unwrap_model
+from .unwrap import attention_implementation, unwrap_model
 
 
 def two_stream_mask(seq_len: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from .config import FILENAME as CONFIG_FILENAME
 from .config import MASK_TOKEN, MarsConfig
 from .errors import UserError
+from .unwrap import unwrap_model
 
 log = logging.getLogger("marslm")
 
@@ -61,9 +62,10 @@ def load_model(
             MASK_TOKEN,
         )
     elif mars_config.exact:
-        from . import adapter
+        from .adapter import AdapterSpec
+        from .adapter import load as load_adapter
 
-        adapter.load(adapter.AdapterSpec.from_dict(mars_config.adapter, name_or_path), name_or_path, model)
+        load_adapter(AdapterSpec.from_dict(mars_config.adapter, name_or_path), name_or_path, model)
     elif mars_config.mask_token_id is not None:
         rows = model.get_input_embeddings().weight.shape[0]
         if mars_config.mask_token_id >= rows:
@@ -208,17 +210,6 @@ def saved_mask_token(name_or_path: str) -> bool:
     with loading_errors(name_or_path):
         vocab = AutoTokenizer.from_pretrained(name_or_path).get_vocab()
     return (config.mask_token if config else MASK_TOKEN) in vocab
-
-
-def unwrap_model(model):
-    """The model inside a DDP/DeepSpeed-style wrapper (those expose it as ``.module``, not ``.config``)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def attention_implementation(model) -> str:
-    return getattr(unwrap_model(model).config, "_attn_implementation", None) or "eager"
 
 
 def count_parameters(model) -> int:

@@ -16,7 +16,8 @@ from marslm.data import toy
 from marslm.decode import ParamError
 from marslm.errors import UserError
 from marslm.serve.config import ServeConfig
-from marslm.serve.engine import Engine, EngineError, QueueFull, RequestOptions
+from marslm.serve.engine import Engine
+from marslm.serve.requests import EngineError, QueueFull, RequestOptions
 from marslm.serve.tau import TauController
 from tests.trained import TRAIN_N, find_long_prompt
 

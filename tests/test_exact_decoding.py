@@ -98,7 +98,8 @@ def test_threshold_decoding_accepts_several_tokens(exact64, prompts):
 
 def test_the_server_engine_gives_the_original_greedy(exact64, original64, prompts):
     from marslm.serve.config import ServeConfig
-    from marslm.serve.engine import Engine, RequestOptions
+    from marslm.serve.engine import Engine
+    from marslm.serve.requests import RequestOptions
 
     expected = hf_greedy(*original64, prompts[:4], 32)
     engine = Engine(*exact64, ServeConfig(max_batch=2))

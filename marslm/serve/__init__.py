@@ -13,7 +13,7 @@
     http.py          serve(): the socket, uvicorn with a guarded h11 protocol, a draining shutdown
     vllm_launch.py   finds vLLM's environment and starts ``python -m marslm.vllm.serve`` there
 
-A request's path: app.py reads the body, openai.py parses it into ``RequestOptions`` and token
+A request's path: app.py reads the body, openai.py parses it into ``RequestOptions`` (requests.py) and token
 ids, the engine checks them against the model and queues them, and app.py turns the engine's
 tokens back into OpenAI objects (openai.py again), whole or as server-sent events.
 """

@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..decode import ParamError, TextStream
 from ..errors import UserError
 from .config import ServeConfig, served_names
-from .engine import Engine, EngineError, EngineStopped, QueueFull, Result
+from .engine import Engine
 from .metrics import render_metrics
 from .openai import (
     CHAT,
@@ -63,6 +63,7 @@ from .openai import (
     read_field,
     usage,
 )
+from .requests import EngineError, EngineStopped, QueueFull, Result
 
 log = logging.getLogger("marslm.server")
 

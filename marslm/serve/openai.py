@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..chat import encode_prompt
 from ..decode import ParamError
 from ..errors import UserError
-from .engine import RequestOptions, Result
+from .requests import RequestOptions, Result
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

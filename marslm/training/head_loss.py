@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..modeling import unwrap_model
+from ..unwrap import unwrap_model
 
 # Logit elements per chunk: 2^26 float32 logits are 256 MiB, plus as much for their gradient.
 CHUNK_ELEMENTS = 2**26
