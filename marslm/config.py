@@ -51,10 +51,10 @@ class MarsConfig:
         if not isinstance(raw, dict):
             raise UserError(f"{path} must hold a JSON object, got {type(raw).__name__}; restore it or remove it")
         config = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
-        config.check(path)
+        config.validate(path)
         return config
 
-    def check(self, where: str | Path) -> None:
+    def validate(self, where: str | Path) -> None:
         def is_int(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 

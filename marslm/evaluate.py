@@ -75,7 +75,12 @@ class EvalConfig:
     resume: bool = setting(True, "with --json: start afresh, replacing FILE", negative="--no-resume")
     progress: bool = setting(True, "no progress bars or per-cell lines", negative="--quiet")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every field in range, or one ``UserError`` line naming its flag."""
+
         def flag(name):
             return flag_of(EvalConfig, name)
 
@@ -432,7 +437,8 @@ def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict
         for cell in cells:
             settings = {k: cell[k] for k in ("tau", "metric", "block_size", "mode")}
             try:
-                params = DecodingParams(**settings, max_new_tokens=config.max_new_tokens).verify(trained_block, context)
+                params = DecodingParams(**settings, max_new_tokens=config.max_new_tokens)
+                params = params.validate(trained_block, context)
                 if not params.one_token:
                     has_mask = saved_mask_token(model) if has_mask is None else has_mask
                     params.check_mask_token(has_mask)

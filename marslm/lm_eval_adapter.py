@@ -77,7 +77,7 @@ class MarsLM(TemplateLM):
         trained = checkpoint_block_size(str(pretrained))
         self.params = DecodingParams(
             tau=float(tau), metric=metric, block_size=block_size, max_new_tokens=int(max_gen_toks), mode=mode
-        ).verify(trained)
+        ).validate(trained)
         self.decoder = DecoderOptions(cache=cache)
         self.model, self.tokenizer, _ = load_model(str(pretrained), dtype=dtype, device=_usable_device(device))
         self._device = next(self.model.parameters()).device

@@ -3,8 +3,9 @@
 A settings dataclass (``TrainConfig``, ``ServeConfig``) gives each field a :func:`setting`; the
 CLI builds its options from the fields with :func:`add_options` and the object back from the
 parsed arguments with :func:`from_args`, so a default or a help text is never written twice, and
-the object's own check (``TrainConfig.validate()``, ``ServeConfig``'s constructor) is the only
-one.
+the object's own ``validate()`` is the only check (objects that are frozen once made, such as
+``ServeConfig``, call it from ``__post_init__``; ``DecodingParams.validate`` returns the copy with
+its defaults resolved against the checkpoint).
 """
 
 from __future__ import annotations

@@ -98,9 +98,9 @@ def test_a_request_that_fails_after_admission_fails_alone(mars64, long_prompt, p
     prompt = encode_prompt(tokenizer, long_prompt, apply_chat_template=False)
     healthy = [dict(tau=1.0), dict(tau=0.9), dict(mode="lossless")]
     engine = make_engine(mars64, max_batch=4)
-    validate = engine.validate
-    engine.validate = lambda ids, params: (
-        replace(validate(ids, params), **poison) if params.seed == 13 else validate(ids, params)
+    resolve = engine.resolve
+    engine.resolve = lambda ids, params: (
+        replace(resolve(ids, params), **poison) if params.seed == 13 else resolve(ids, params)
     )
     try:
 
@@ -211,17 +211,17 @@ def test_validation(mars64):
     ]
     for params, field in bad:
         with pytest.raises(ParamError) as err:
-            engine.validate(ids, params)
+            engine.resolve(ids, params)
         assert err.value.param == field, params
     with pytest.raises(ParamError) as err:
-        engine.validate([5] * 1000, RequestOptions(max_tokens=100))
+        engine.resolve([5] * 1000, RequestOptions(max_tokens=100))
     assert err.value.code == "context_length_exceeded"
     with pytest.raises(ParamError):
-        engine.validate([], RequestOptions())
+        engine.resolve([], RequestOptions())
     # defaults: the trained block size, the default tau, max_tokens capped by what the context has left
-    row = engine.validate([5] * 1000, RequestOptions())
+    row = engine.resolve([5] * 1000, RequestOptions())
     assert (row.block_size, row.tau, row.max_new_tokens) == (4, 0.95, 24)
-    assert engine.validate(ids, RequestOptions(tau=0.3, metric="entropy")).tau == 0.3
+    assert engine.resolve(ids, RequestOptions(tau=0.3, metric="entropy")).tau == 0.3
 
 
 def test_tau_controller_fixed_and_adaptive():

@@ -85,13 +85,13 @@ def load_for_decoding(model_path: str, params, device: str = "auto", decoder=Non
         warn_untrained_masks,
     )
 
-    params.verify()
+    params.validate()
     check_model_source(model_path)
     config = MarsConfig.load(model_path)
     context = model_context(model_path)
-    params = params.verify(trained_block_size(config), context)
+    params = params.validate(trained_block_size(config), context)
     if decoder is not None:
-        decoder.check(params, context)
+        decoder.validate(params, context)
     if not params.one_token:
         params.check_mask_token(saved_mask_token(model_path))
     model, tokenizer, _ = load_model(model_path, device=resolve_device(device))

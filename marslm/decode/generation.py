@@ -127,8 +127,8 @@ def generate(
     params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
     facts = checkpoint_facts(model, tokenizer, mask_token_id)
     context = model_context(model)
-    params = params.verify(facts.block_size, context)
-    decoder.check(params, context)
+    params = params.validate(facts.block_size, context)
+    decoder.validate(params, context)
     params.check_mask_token(facts.mask_token_id is not None)
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     for ids in prompt_ids:

@@ -2,7 +2,7 @@
 
 :class:`DecodingParams` is one request's settings (in the manner of vLLM's ``SamplingParams``):
 every surface that decodes (``marslm.generate``, the CLI, evaluation, the server, the lm-eval
-adapter) builds one and calls :meth:`DecodingParams.verify`. :class:`DecoderOptions` is how the
+adapter) builds one and calls :meth:`DecodingParams.validate`. :class:`DecoderOptions` is how the
 decoder runs for every request of a call (cache policy, which masks a step reads), checked when
 it is made. None of the surfaces checks a decoding setting itself.
 """
@@ -79,7 +79,7 @@ class DecodingParams:
         (), "end the answer just before this text (repeat for up to 4)", metavar="TEXT", repeat=True
     )
 
-    def verify(self, trained_block_size: int | None = None, context: int | None = None) -> DecodingParams:
+    def validate(self, trained_block_size: int | None = None, context: int | None = None) -> DecodingParams:
         """Check every field; return a copy with ``block_size`` resolved against the checkpoint's.
         ``context``: the model's (``max_position_embeddings``), which an answer must fit beside a
         prompt of at least one token."""
@@ -195,7 +195,7 @@ class DecoderOptions:
             raise UserError(f"block_cache_size must be >= 1, got {self.block_cache_size}")
         check_mask_batch_limit(self.mask_batch_limit, "mask_batch_limit")
 
-    def check(self, params: DecodingParams, context: int | None = None) -> None:
+    def validate(self, params: DecodingParams, context: int | None = None) -> None:
         """Refuse request settings this decoder cannot run; ``context``: the model's, which bounds a
         block of the block cache."""
         if context is not None and self.block_cache_size > context:

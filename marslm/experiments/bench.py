@@ -357,7 +357,7 @@ def load_bench_models(config: BenchConfig) -> dict:
 
     for path in (config.model, config.ar_model):  # every refusal before the first model loads
         check_model_source(path)
-        DecodingParams(max_new_tokens=config.max_new_tokens).verify(context=model_context(path))
+        DecodingParams(max_new_tokens=config.max_new_tokens).validate(context=model_context(path))
     saved = saved_config(config.model)
     if saved is not None and saved.stage == "ar":
         warn_untrained_masks(config.model, "every MARS contender at tau < 1")

@@ -129,7 +129,11 @@ class BenchConfig:
     json_path: str | None = setting(None, "write the report as JSON to FILE", flag="--json", metavar="FILE")
     progress: bool = setting(True, "no progress bars", negative="--quiet")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every field in range, or one ``UserError`` line naming its flag."""
         if self.n < 1 or self.repeats < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
             raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
         counts = [("n", self.n), ("repeats", self.repeats), *(("batch_sizes", b) for b in self.batch_sizes)]

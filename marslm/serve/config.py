@@ -94,6 +94,11 @@ class ServeConfig:
     max_connections: int = setting(1024, "open connections; one more is answered 503 and closed")
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every field in range, or one ``UserError`` line naming its flag."""
+
         def flag(name):
             return flag_of(ServeConfig, name)
 

@@ -191,7 +191,7 @@ class Engine:
             self._thread.join(10.0)
 
     # ------------------------------------------------------------------------ submitting
-    def validate(self, prompt_ids: list[int], options: RequestOptions) -> DecodingParams:
+    def resolve(self, prompt_ids: list[int], options: RequestOptions) -> DecodingParams:
         """Resolve defaults and check a request against the model; raises ``ParamError`` naming the field."""
         return self.limits.resolve(prompt_ids, options, self.controller.tau)
 
@@ -200,7 +200,7 @@ class Engine:
     ) -> RequestStream:
         """Queue a request; call from the event loop (or pass ``loop``). Raises ParamError,
         QueueFull or EngineStopped; never blocks."""
-        settings = self.validate(prompt_ids, options)
+        settings = self.resolve(prompt_ids, options)
         loop = loop or asyncio.get_running_loop()
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, len(prompt_ids), loop)
@@ -435,7 +435,7 @@ class Engine:
 
 
 def _warm_up(batch: DecodeBatch, pad_id: int, block_size: int | None) -> None:
-    warm = DecodingParams(tau=0.5, block_size=block_size, max_new_tokens=2).verify()
+    warm = DecodingParams(tau=0.5, block_size=block_size, max_new_tokens=2).validate()
     batch.add([[pad_id] * 4], [warm], ["warmup"])
     while len(batch):
         batch.step()

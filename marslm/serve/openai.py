@@ -2,7 +2,7 @@
 responses and stream chunks built, and the error object every refusal is answered with.
 
 A refused request field is a ``ParamError`` (``marslm.decode.params``), wherever it is found:
-here, in the engine's checks or in ``DecodingParams.verify``; the app answers it with a 400 in
+here, in the engine's checks or in ``DecodingParams.validate``; the app answers it with a 400 in
 one place. :class:`APIError` is for the rest, which has a status of its own (a body that is not
 JSON, a missing API key, an unknown model, a shutdown).
 

@@ -158,4 +158,4 @@ class RequestLimits:
             top_k=options.top_k,
             seed=options.seed,
             stop=options.stop,
-        ).verify(self.trained_block_size)
+        ).validate(self.trained_block_size)

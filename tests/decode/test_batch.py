@@ -140,7 +140,7 @@ def test_a_joining_prompt_is_prefilled_apart(trained_checkpoints, prompts, mode)
     by_length = sorted(prompts, key=len)
     short, middle, long_ = by_length[0], by_length[len(by_length) // 2], by_length[-1]
     assert len(short) < len(middle) < len(long_)
-    params = DecodingParams(tau=0.9, mode=mode, block_size=4, max_new_tokens=24).verify()
+    params = DecodingParams(tau=0.9, mode=mode, block_size=4, max_new_tokens=24).validate()
     facts = checkpoint_facts(model, tokenizer)
     batch = DecodeBatch(
         model, mask_token_id=facts.mask_token_id, stop_ids=stop_token_ids(tokenizer), pad_id=facts.pad_id
@@ -195,7 +195,7 @@ def test_leaving_rows_are_replaced_from_the_end(trained_checkpoints, prompts):
     """A leaving row's place goes to the last row (the cache copies one row, not all of them), and
     a row that joins into a place another request used decodes as if alone."""
     model, tokenizer = trained_checkpoints["mars64"]
-    params = DecodingParams(tau=0.9, block_size=4, max_new_tokens=24).verify()
+    params = DecodingParams(tau=0.9, block_size=4, max_new_tokens=24).validate()
     facts = checkpoint_facts(model, tokenizer)
     batch = DecodeBatch(
         model, mask_token_id=facts.mask_token_id, stop_ids=stop_token_ids(tokenizer), pad_id=facts.pad_id
@@ -217,7 +217,7 @@ def test_no_masks_above_the_batch_limit(trained_checkpoints, prompts):
     come back."""
     model, tokenizer = trained_checkpoints["mars64"]
     facts = checkpoint_facts(model, tokenizer)
-    params = DecodingParams(tau=0.7, block_size=4, max_new_tokens=40).verify()
+    params = DecodingParams(tau=0.7, block_size=4, max_new_tokens=40).validate()
     batch = DecodeBatch(
         model,
         mask_token_id=facts.mask_token_id,

@@ -51,7 +51,7 @@ def test_metric_codes_are_the_places_of_the_metric_names():
 
 def test_every_row_field_joins_and_leaves_together():
     """A field declared in RowState is stacked by ``extend`` and indexed by ``keep``: none is left behind."""
-    params = DecodingParams(tau=0.9, max_new_tokens=5, seed=3).verify()
+    params = DecodingParams(tau=0.9, max_new_tokens=5, seed=3).validate()
     rows = RowState.empty("cpu")
     join = dict(pad_id=0, use_last_mask=True, slots=0, device="cpu")
     rows.extend(RowState.joining([[1, 2, 3], [4]], [params, params], ["a", "b"], **join))
@@ -77,8 +77,8 @@ def test_decoder_options_are_checked_when_made(options, fragment):
 
 def test_the_block_cache_refuses_what_it_cannot_decode():
     with pytest.raises(UserError, match="block cache"):
-        DecoderOptions(cache="block").check(DecodingParams(mode="lossless").verify())
-    DecoderOptions(cache="block").check(DecodingParams(tau=0.9).verify())
+        DecoderOptions(cache="block").validate(DecodingParams(mode="lossless").validate())
+    DecoderOptions(cache="block").validate(DecodingParams(tau=0.9).validate())
 
 
 def test_generate_routes_keywords_and_checks_the_trained_block_size(make_tiny_model, tiny_tokenizer):

@@ -61,7 +61,7 @@ def exact_distribution(model) -> dict[tuple, float]:
 
 def sample_lossless(model, draws: int, seed: int) -> list[tuple]:
     batch = DecodeBatch(model, mask_token_id=MASK, stop_ids=[99], seed=seed)
-    params = DecodingParams(mode="lossless", temperature=1.0, block_size=3, max_new_tokens=NEW).verify()
+    params = DecodingParams(mode="lossless", temperature=1.0, block_size=3, max_new_tokens=NEW).validate()
     batch.add([PROMPT] * draws, [params] * draws, list(range(draws)))
     rows = []
     while len(batch):
@@ -128,7 +128,7 @@ def test_a_seed_gives_the_same_sample_whatever_the_batch(tiny_vocab_model):
     def run(prompts, seeds):
         batch = DecodeBatch(tiny_vocab_model, mask_token_id=MASK, stop_ids=[99])
         params = [
-            DecodingParams(mode=m, temperature=0.8, top_p=0.9, block_size=3, max_new_tokens=12, seed=s).verify()
+            DecodingParams(mode=m, temperature=0.8, top_p=0.9, block_size=3, max_new_tokens=12, seed=s).validate()
             for m, s in seeds
         ]
         batch.add(prompts, params, list(range(len(prompts))))
@@ -172,7 +172,7 @@ def test_settings_at_their_limits_decode_as_the_limit_does(tiny_vocab_model, mod
 
     def run(**settings):
         batch = DecodeBatch(tiny_vocab_model, mask_token_id=MASK, stop_ids=[99])
-        params = DecodingParams(mode=mode, block_size=3, max_new_tokens=12, seed=5, **settings).verify()
+        params = DecodingParams(mode=mode, block_size=3, max_new_tokens=12, seed=5, **settings).validate()
         batch.add([PROMPT], [params], [0])
         rows = []
         while len(batch):

@@ -51,7 +51,7 @@ def test_text_stream_without_stops_streams_everything(tiny_tokenizer):
 @pytest.mark.parametrize("stop", [("a",) * 5, ("",), (3,)])
 def test_bad_stop_lists_are_refused(stop):
     with pytest.raises(ParamError) as err:
-        DecodingParams(stop=stop).verify()
+        DecodingParams(stop=stop).validate()
     assert err.value.param == "stop"
 
 
