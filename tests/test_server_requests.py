@@ -134,6 +134,11 @@ def test_the_path_it_was_started_with_is_served_beside_the_directory_name(servin
         assert response.json()["model"] == "mars"  # answers carry the first name, as vLLM's do
     refused = post(app, "/v1/completions", {"model": "runs/other", "prompt": PROMPT, "max_tokens": 2})
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+    for name in ("mars", path):  # the openai client's models.retrieve(name)
+        card = request(app, "GET", f"/v1/models/{name}")
+        assert card.status_code == 200 and card.json()["id"] == name and card.json()["object"] == "model"
+    unknown = request(app, "GET", "/v1/models/runs/other")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 def test_served_model_names_are_all_served_and_replace_the_directory_name(serving, trained_dirs):

@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP front end over :class:`marslm.serve.engine.Engine` (FastAPI + uvicorn).
 
     POST /v1/chat/completions   POST /v1/completions      (``stream: true``: server-sent events)
-    GET  /v1/models             GET  /health               GET /metrics (Prometheus text format)
+    GET  /v1/models[/{id}]      GET  /health               GET /metrics (Prometheus text format)
     POST /admin/tau             GET|POST /admin/policy     (live default tau and tau policy)
 
 OpenAI's ``temperature``, ``top_p``, ``seed`` and ``stop`` (up to 4 strings) are honoured. Beyond
@@ -99,6 +99,10 @@ def _add_routes(app: FastAPI, service: _Service, auth: list) -> None:
     async def models():
         return service.models()
 
+    @app.get("/v1/models/{name:path}", dependencies=auth)
+    async def model(name: str):
+        return service.model_card(name)
+
     @app.post(CHAT.path, dependencies=auth)
     async def chat_completions(request: Request):
         return await service.complete(request, CHAT)
@@ -170,19 +174,23 @@ class _Service:
 
     def models(self) -> dict:
         """One card per served name, as vLLM lists them."""
-        cards = [
-            {
-                "id": name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "marslm",
-                "root": self.model,
-                "max_model_len": self.engine.limits.context,
-                "block_size": self.engine.limits.trained_block_size,
-            }
-            for name in self.names
-        ]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [self._card(name) for name in self.names]}
+
+    def model_card(self, name: str) -> dict:
+        """The card of one served name (``models.retrieve`` in the openai client); 404 for others."""
+        self.check_model({"model": name})
+        return self._card(name)
+
+    def _card(self, name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "marslm",
+            "root": self.model,
+            "max_model_len": self.engine.limits.context,
+            "block_size": self.engine.limits.trained_block_size,
+        }
 
     def check_model(self, body: dict) -> None:
         name = read_field(body, "model", "str")
