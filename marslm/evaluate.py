@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .decode.params import ADAPTIVE_WIDTH, CACHE_MODES, METRICS, MODES, DecoderOptions, DecodingParams, check_tau
 from .errors import UserError
-from .files import read_json, write_json_atomically
+from .files import output_file, read_json, write_json_atomically
 from .settings import check_count, flag_of, floats, ints, setting, strings
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
@@ -84,6 +84,8 @@ class EvalConfig:
         def flag(name):
             return flag_of(EvalConfig, name)
 
+        if self.json_path is not None:
+            output_file(self.json_path, flag("json_path"))
         for metric in self.metrics:
             if metric not in METRICS:
                 raise UserError(f"unknown metric {metric!r} in {flag('metrics')}; choose from {', '.join(METRICS)}")

@@ -45,6 +45,7 @@ def read_json(path: str | Path, hint: str = "") -> object:
 def output_file(path: str | Path, flag: str) -> Path:
     """``path`` as a file to write, refused in one line (before any work) where no file can go."""
     path = Path(path)
+    _names_fit(path, flag)
     if path.is_dir():
         raise UserError(f"{flag} {path} is a directory; give a file path")
     _parent_is_a_directory(path, flag)
@@ -54,16 +55,46 @@ def output_file(path: str | Path, flag: str) -> Path:
 def output_directory(path: str | Path, flag: str) -> Path:
     """``path`` as a directory to write into, refused in one line (before any work) where it cannot be one."""
     path = Path(path)
+    _names_fit(path, flag)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file; give a directory")
     _parent_is_a_directory(path, flag)
     return path
 
 
+def make_directory(path: Path, flag: str) -> Path:
+    """Create ``path`` (and its parents), or one line naming ``flag`` where the system refuses."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot create it ({exc.strerror or exc})") from None
+    return path
+
+
+def _names_fit(path: Path, flag: str) -> None:
+    """Each name in ``path`` at most NAME_MAX bytes: a longer one fails every call that touches it."""
+    longest = max((len(os.fsencode(part)) for part in path.parts), default=0)
+    if longest > NAME_MAX:
+        raise UserError(f"{flag} {path}: a name in it is {longest} bytes; file names hold at most {NAME_MAX}")
+
+
 def _parent_is_a_directory(path: Path, flag: str) -> None:
+    """Where ``path`` would be created: under a directory this process may write into."""
     existing = next((p for p in path.absolute().parents if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise UserError(f"{flag} {path}: {existing} is a file, not a directory")
+    if existing is not None and not path.exists() and not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: cannot create it, {existing} is not writable")
+
+
+# The longest file name (one path component) POSIX file systems take, in bytes.
+NAME_MAX = 255
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:
@@ -75,6 +106,7 @@ def write_text_atomically(path: str | Path, text: str) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a report is as readable as any file
         os.replace(tmp, path)
     except OSError as exc:
         if tmp is not None and os.path.exists(tmp):

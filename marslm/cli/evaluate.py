@@ -51,9 +51,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..evaluate import EvalConfig, data_key, format_markdown, format_table, labelled, model_reports, sweep
-    from ..files import write_text_atomically
+    from ..files import output_file, write_text_atomically
     from ..settings import from_args
 
+    if args.markdown:
+        output_file(args.markdown, "--markdown")
     code_execution(args)
     config = from_args(EvalConfig, args, models=[m for group in args.model for m in group])
     payload = sweep(config)

@@ -106,8 +106,11 @@ def run(args) -> int:
 def _check(args) -> None:
     from ..decode.params import check_tau
     from ..errors import UserError
+    from ..files import output_file
     from ..modeling import check_model_source
 
+    if args.out:
+        output_file(args.out, "--out")
     for tau in args.tau:
         check_tau(tau, "prob")
     for flag, value in (("--batch-size", args.batch_size), ("--limit", args.limit)):

@@ -40,10 +40,12 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..decode.params import DecodingParams
     from ..experiments.show import render_ansi, render_html, show_generation
-    from ..files import write_text_atomically
+    from ..files import output_file, write_text_atomically
     from ..settings import from_args
     from .common import load_for_decoding
 
+    if args.html:
+        output_file(args.html, "--html")
     model, tokenizer, params = load_for_decoding(args.model, from_args(DecodingParams, args), args.device)
     shown = show_generation(
         model,

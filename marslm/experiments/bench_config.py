@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..decode.params import check_tau
 from ..errors import UserError
+from ..files import output_file
 from ..settings import check_count, flag_of, floats, ints, setting, strings
 
 # Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
@@ -134,6 +135,8 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Every field in range, or one ``UserError`` line naming its flag."""
+        if self.json_path is not None:
+            output_file(self.json_path, flag_of(BenchConfig, "json_path"))
         if self.n < 1 or self.repeats < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
             raise UserError("--n, --repeats and every --batch-sizes value must be >= 1")
         counts = [("n", self.n), ("repeats", self.repeats), *(("batch_sizes", b) for b in self.batch_sizes)]

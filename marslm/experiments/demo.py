@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import UserError
-from ..files import output_directory, write_json_atomically
+from ..files import make_directory, output_directory, write_json_atomically
 from .stages import Stages, at_steps, curve_steps, say
 
 _say = partial(say, "demo")
@@ -329,8 +329,7 @@ def prepare_output(out: str | Path, overwrite: bool) -> Path:
                 shutil.rmtree(path)
             else:
                 path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    return make_directory(out, "--out")
 
 
 def run_demo(

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from ..files import write_json_atomically
+from ..files import make_directory, output_directory, write_json_atomically
 from .smollm2_measure import (
     bench_stage,
     eval_stage,
@@ -121,8 +121,7 @@ def run_smollm2_demo(
 ) -> dict:
     """The whole recipe (module docstring); ``original`` reuses an already converted checkpoint."""
     preset = resolve_preset(preset, **overrides)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_directory(output_directory(out, "--out"), "--out")
     stages = Stages("demo smollm2", 7)
 
     with stages.timed("convert"):

@@ -37,6 +37,7 @@ from typing import Any
 
 from ..decode.params import check_tau
 from ..errors import UserError
+from ..files import output_file
 from ..serve.config import no_extra_args
 from ..settings import check_count, flag_of, floats, ints, setting
 
@@ -139,6 +140,8 @@ class LoadtestConfig:
     )
 
     def __post_init__(self):
+        if self.json_path is not None:
+            output_file(self.json_path, flag_of(LoadtestConfig, "json_path"))
         if self.engine not in ENGINES:
             raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.engine == "vllm":
