@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -96,6 +97,48 @@ _NOT_THE_RUN = ("output", "overwrite", "resume", "progress", "save_steps", "logg
 
 def partial_dir_of(output: str) -> Path:
     return Path(str(Path(output)) + ".partial")
+
+
+def _main_process() -> bool:
+    """Rank 0 of a distributed run (torchrun and accelerate set RANK), or a run of one process."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+@contextmanager
+def one_run_per_output(output: str):
+    """Hold OUT for this run: a second run into the same OUT, started while this one trains, is
+    refused in one line instead of resuming this run's live checkpoints. The lock (an advisory
+    ``flock``, released by the kernel when the process ends, ``kill -9`` included) lives in the
+    cache directory, so OUT's neighbourhood gets no lock file."""
+    import fcntl
+
+    from .cache import cache_dir, digest
+
+    if not _main_process():  # the ranks of one distributed run share OUT: the first holds it for all
+        yield
+        return
+    path = cache_dir().parent / "locks" / f"{digest(str(Path(output).absolute()))}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another run is training into {output}; wait for it, or choose another --output") from None
+        yield
+
+
+@contextmanager
+def nothing_left_on_failure(partial_dir: Path):
+    """A run that fails before its first complete checkpoint removes the ``OUT.partial/`` it
+    created: there is nothing in it to resume from. An existing one (a run being resumed) stays."""
+    existed = partial_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if _main_process() and not existed and partial_dir.is_dir():
+            if not any(checkpoint_is_complete(p) for p in partial_dir.glob("checkpoint-*")):
+                shutil.rmtree(partial_dir, ignore_errors=True)
+        raise
 
 
 def run_settings(cfg: TrainConfig) -> dict:

@@ -36,6 +36,8 @@ from .checkpoints import (
     agreed_resume_point,
     last_loss,
     may_resume,
+    nothing_left_on_failure,
+    one_run_per_output,
     partial_dir_of,
     resumes_same_data,
     save_atomically,
@@ -105,9 +107,15 @@ class TrainSummary:
 
 
 def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSummary:
-    """Run one training stage end to end; returns a summary. ``model``/``tokenizer`` skip loading."""
+    """Run one training stage end to end; returns a summary. ``model``/``tokenizer`` skip loading.
+    One run per output at a time; a run that fails before its first checkpoint leaves nothing."""
     started = time.time()
     resume = _check(cfg, model)
+    with one_run_per_output(cfg.output), nothing_left_on_failure(partial_dir_of(cfg.output)):
+        return _train(cfg, callbacks, model, tokenizer, resume, started)
+
+
+def _train(cfg: TrainConfig, callbacks, model, tokenizer, resume: bool, started: float) -> TrainSummary:
     conversations = load_conversations(cfg.data, "train", n=cfg.data_n, seed=cfg.data_seed, mix=cfg.data_mix)
     # Imported only once the input is known to be good: bad input fails in a fraction of a second.
     from transformers import set_seed
