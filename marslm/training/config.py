@@ -13,6 +13,7 @@ from pathlib import Path
 from ..config import DEFAULT_BLOCK_SIZE, STAGES
 from ..data import TOY, check_mix
 from ..errors import UserError
+from ..files import output_directory
 from ..settings import check_count, check_range, flag_of, setting
 
 # Learning-rate schedules: Trainer's names for those that need nothing beyond the warmup and the
@@ -240,8 +241,11 @@ class TrainConfig:
         if self.exact:
             self._check_exact(flag)
         check_mix(self.data, self.data_mix)
-        out = Path(self.output)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not self.overwrite:
+        out = output_directory(self.output, flag("output"))
+        if out.resolve() == Path.cwd() or out.resolve() in Path.cwd().parents:
+            here = "holds the working directory"
+            raise UserError(f"{flag('output')} {out} {here}; give the checkpoint a directory of its own")
+        if out.exists() and any(out.iterdir()) and not self.overwrite:
             raise UserError(f"output directory {out} already holds something; pass --overwrite to replace it")
 
     def _check_numbers(self, flag) -> None:

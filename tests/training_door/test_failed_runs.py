@@ -61,3 +61,22 @@ def test_a_failed_resume_keeps_the_checkpoints_it_resumes(tiny_model_dir, tmp_pa
     with pytest.raises(RuntimeError):
         train(tiny_run(tiny_model_dir, out))
     assert (partial / "keep-me").is_file()
+
+
+@pytest.mark.parametrize(
+    "output, overwrite, fragment",
+    [
+        (".", True, "holds the working directory"),
+        ("a-file", True, "is a file; give a directory"),
+        ("a-file/out", False, "is a file, not a directory"),
+    ],
+)
+def test_an_output_that_cannot_hold_the_checkpoint_is_refused_up_front(
+    tmp_path, monkeypatch, output, overwrite, fragment
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("the user's")
+    cfg = TrainConfig(stage="mars", model="m", data="toy", output=output, overwrite=overwrite)
+    with pytest.raises(UserError, match=fragment):
+        cfg.validate()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
