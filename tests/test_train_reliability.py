@@ -187,6 +187,20 @@ def test_completeness_is_the_marker_and_the_sizes(tmp_path):
     assert resume_point(partial, resume=False) is None and not partial.exists()
 
 
+def test_a_checkpoint_damaged_in_place_is_not_resumed(tmp_path):
+    """Same size, other bytes: the marker's hashes catch it before any file is loaded."""
+    from marslm.training.checkpoints import mark_checkpoint_complete, resume_point
+
+    partial = tmp_path / "out.partial"
+    for step in (2, 4):
+        (partial / f"checkpoint-{step}").mkdir(parents=True)
+        (partial / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"x" * 100)
+        mark_checkpoint_complete(partial / f"checkpoint-{step}")
+    (partial / "checkpoint-4" / "model.safetensors").write_bytes(b"y" * 100)
+    assert resume_point(partial, resume=True) == partial / "checkpoint-2"
+    assert sorted(p.name for p in partial.iterdir()) == ["checkpoint-2"]
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -2,8 +2,9 @@
 
 Trainer writes ``checkpoint-N/`` file by file, so a kill part way leaves a directory that looks
 like a checkpoint (and resuming from it fails for good). Once Trainer has written everything, a
-marker listing every file and its size is renamed into place, last: a checkpoint is complete iff
-the marker is there and every file it lists has that size. Light on purpose (no torch at import):
+marker listing every file, its size and its sha256 is renamed into place, last: a checkpoint is
+complete iff the marker is there and every file it lists has that size (and, checked before a run
+resumes from it, those bytes). Light on purpose (no torch at import):
 ``marslm train`` decides whether it resumes before anything heavy loads.
 
 Beside them: the run record that ties ``OUT.partial/`` to the settings that wrote it (a rerun
@@ -13,6 +14,7 @@ final save, written next to ``OUT`` and renamed into place.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -34,7 +36,7 @@ CHECKPOINT_MARKER = "marslm-complete.json"
 
 def mark_checkpoint_complete(directory: Path) -> None:
     files = {
-        str(p.relative_to(directory)): p.stat().st_size
+        str(p.relative_to(directory)): [p.stat().st_size, _sha256(p)]
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != CHECKPOINT_MARKER
     }
@@ -43,12 +45,25 @@ def mark_checkpoint_complete(directory: Path) -> None:
     os.replace(tmp, directory / CHECKPOINT_MARKER)
 
 
-def checkpoint_is_complete(directory: Path) -> bool:
+def checkpoint_is_complete(directory: Path, contents: bool = False) -> bool:
+    """Every file the marker lists is there at its size; with ``contents``, also with its bytes
+    (a file damaged in place keeps its size): the check made before resuming from it."""
     try:
         files = json.loads((directory / CHECKPOINT_MARKER).read_text())["files"]
-        return bool(files) and all((directory / name).stat().st_size == size for name, size in files.items())
+        return bool(files) and all(
+            (directory / name).stat().st_size == size and (not contents or _sha256(directory / name) == sha)
+            for name, (size, sha) in files.items()
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
 
 
 class NonFiniteTraining(UserError):
@@ -79,10 +94,13 @@ def resume_point(partial_dir: Path, resume: bool) -> Path | None:
     shutil.rmtree(partial_dir / "final", ignore_errors=True)
     newest = None
     for path in sorted(partial_dir.glob("checkpoint-*"), key=_checkpoint_step, reverse=True):
-        if newest is None and checkpoint_is_complete(path):
+        if newest is None and checkpoint_is_complete(path, contents=True):
             newest = path
         elif not checkpoint_is_complete(path):
             log.warning("removing %s: an interrupted run left it incomplete", path)
+            shutil.rmtree(path)
+        elif newest is None:
+            log.warning("removing %s: a file in it changed since it was written", path)
             shutil.rmtree(path)
     return newest
 
