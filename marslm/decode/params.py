@@ -185,7 +185,7 @@ class DecoderOptions:
         "training teaches exactly that case)",
         negative="--no-last-mask",
     )
-    draft_groups: bool = setting(False, "lossless: one mask group per possible accepted-draft count")
+    draft_groups: bool = setting(False, "lossless and hybrid: one mask group per possible accepted-draft count")
     adaptive_width: bool = setting(
         ADAPTIVE_WIDTH,
         "rest a row from masks (1, 2, 4 .. 16 steps) after steps running that accepted none of them: "
