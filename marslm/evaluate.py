@@ -65,7 +65,10 @@ class EvalConfig:
     )
     cache: str = setting("cursor", "KV cache policy", choices=CACHE_MODES)
     mode: str = setting(
-        "threshold", "threshold: MARS acceptance by tau; lossless: exact greedy output, tau ignored", choices=MODES
+        "threshold",
+        "threshold: MARS acceptance by tau; lossless: exact greedy output, tau ignored; hybrid: lossless, "
+        "then tau on the masks after the verified drafts",
+        choices=MODES,
     )
     adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)  # the CLI's --[no-]adaptive-width
     batch_size: int = setting(32, "rows decoded together")

@@ -74,6 +74,14 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
             contenders.append(
                 _mars(f"MARS cursor adaptive-width tau={tau}", length, tau=tau, cache="cursor", adaptive_width=True)
             )
+        if "hybrid" in groups:  # lossless verification, then tau on the selected group's masks
+            contenders.append(_mars(f"MARS hybrid tau={tau}", length, tau=tau, mode="hybrid", cache="cursor"))
+        if "hybrid-groups" in groups:
+            contenders.append(
+                _mars(
+                    f"MARS hybrid +groups tau={tau}", length, tau=tau, mode="hybrid", cache="cursor", draft_groups=True
+                )
+            )
     if "lossless" in groups:
         contenders.append(_mars("MARS lossless", length, mode="lossless", cache="cursor"))
     if "lossless-groups" in groups:

@@ -13,7 +13,18 @@ from ..files import output_file
 from ..settings import DTYPE_NAMES, check_count, flag_of, floats, ints, setting, strings
 
 # Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
-CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "cursor-adaptive", "lossless", "lossless-groups")
+CONTENDER_GROUPS = (
+    "hf-mars",
+    "lookup",
+    "none",
+    "block",
+    "cursor",
+    "cursor-adaptive",
+    "lossless",
+    "lossless-groups",
+    "hybrid",
+    "hybrid-groups",
+)
 TRAIN_STEP_FIELDS = (  # BenchConfig's fields that only --train-step reads (an option group of their own)
     "train_step",
     "shape",
@@ -100,7 +111,7 @@ class BenchConfig:
     n: int = setting(32, "prompts per contender and batch size")
     repeats: int = setting(3, "timed repeats, after a warm-up")
     max_new_tokens: int = setting(128, "longest answer, in tokens")
-    taus: list = setting([0.95, 0.9], "comma-separated taus of the MARS threshold contenders", parse=floats)
+    taus: list = setting([0.95, 0.9], "comma-separated taus of the MARS threshold and hybrid contenders", parse=floats)
     contenders: list = setting(
         list(CONTENDER_GROUPS),
         "comma-separated contender groups besides HF generate on --ar-model, which always runs; all by default",

@@ -48,6 +48,8 @@ def test_bench_smoke(trained_dirs, tmp_path, capsys):
         assert 0.0 <= row["accuracy"] <= 1.0
     # the lossless claim is checked per row (exact equality is proven in the decoding tests)
     assert isinstance(rows[("MARS lossless", 1)]["same_as_greedy"], bool)
+    assert rows[("MARS hybrid tau=0.95", 2)]["tokens_per_forward"] >= 1.0  # a row per tau, as threshold's
+    assert rows[("MARS hybrid +groups tau=0.9", 1)]["tokens_per_forward"] >= 1.0
 
 
 def test_bench_contender_groups_and_interleaved_repeats(trained_dirs, tmp_path, capsys, monkeypatch):
@@ -170,3 +172,20 @@ def test_contenders_carry_their_decoding_settings_built_once():
     assert (block.decoder.cache, block.decoder.block_cache_size) == ("block", 32)
     groups = contenders["MARS lossless +groups"]
     assert (groups.params.mode, groups.params.max_new_tokens, groups.decoder.draft_groups) == ("lossless", 7, True)
+
+
+def test_hybrid_contenders_run_per_tau_with_and_without_draft_groups():
+    from marslm.experiments.bench import default_contenders
+    from marslm.experiments.bench_config import BenchConfig
+
+    config = BenchConfig(model="m", ar_model="a", taus=[0.9, 0.8], contenders=["hybrid", "hybrid-groups"])
+    contenders = {c.name: c for c in default_contenders(config)}
+    assert list(contenders)[1:] == [
+        "MARS hybrid tau=0.9",
+        "MARS hybrid +groups tau=0.9",
+        "MARS hybrid tau=0.8",
+        "MARS hybrid +groups tau=0.8",
+    ]
+    groups = contenders["MARS hybrid +groups tau=0.8"]
+    assert (groups.params.mode, groups.params.tau, groups.decoder.draft_groups) == ("hybrid", 0.8, True)
+    assert not contenders["MARS hybrid tau=0.9"].decoder.draft_groups
