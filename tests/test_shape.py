@@ -18,7 +18,6 @@ LONG_FUNCTIONS = {
     "data/tokenizer.py:train_chat_tokenizer",
     "distill.py:distill",
     "experiments/demo.py:check_results",
-    "masks.py:decode_step_mask",
 }
 LONG_MODULES = {
     "evaluate.py",
