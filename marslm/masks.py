@@ -188,7 +188,13 @@ def decode_step_mask(
         if causal_as_none and slot_valid.all() and fed_valid.all():
             return None
         return causal_step_mask(slot_valid, fed_valid)
+    return _grouped_step_mask(slot_valid, pending_valid, draft_valid, group_sees, group_valid, n_masks)
 
+
+def _grouped_step_mask(slot_valid, pending_valid, draft_valid, group_sees, group_valid, n_masks):
+    """decode_step_mask's general case: several mask groups, each seeing its own prefix of the draft."""
+    batch, width_pending = pending_valid.shape
+    draft_width, groups = draft_valid.shape[1], group_sees.shape[1]
     seg = np.repeat([0, 1, 2], [width_pending, draft_width, groups * n_masks])
     idx = np.concatenate([np.arange(width_pending), np.arange(draft_width), np.tile(np.arange(n_masks), groups)])
     grp = np.concatenate([np.full(width_pending + draft_width, -1), np.repeat(np.arange(groups), n_masks)])
