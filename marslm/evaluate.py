@@ -17,22 +17,19 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .decode.params import ADAPTIVE_WIDTH, CACHE_MODES, METRICS, MODES, DecoderOptions, DecodingParams, check_tau
 from .errors import UserError
+from .eval_report import format_table, labelled, summarise_result
+from .eval_sets import EVAL_SOURCES, EvalSet, load_eval_set
 from .files import output_file, read_json, write_json_atomically
 from .settings import check_count, flag_of, floats, ints, setting, strings
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
 # mode, and a confident prediction has H well below 0.5.
 ENTROPY_TAUS = (0.0, 0.25, 0.5, 1.0)
-EVAL_SOURCES = (
-    "toy, reworded, gsm8k:PATH, humaneval:PATH, answers:PATH, or a GSM8K/HumanEval/recorded-answers JSONL path"
-)
 EVAL_MAX_NEW_TOKENS = 192
 
 
@@ -116,69 +113,6 @@ class EvalConfig:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
 
-@dataclass
-class EvalSet:
-    name: str
-    examples: list  # objects with .messages and .family
-    score_many: Callable[[list, list[str]], list[bool]]
-
-
-def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
-    """``toy`` (the embedded suite's test split), ``reworded`` (its arithmetic and lists worded as the
-    training data never does), ``gsm8k:PATH``, ``humaneval:PATH``, ``answers:PATH``, or a path whose
-    first record tells the format (GSM8K: question/answer; HumanEval: task_id/prompt/test/entry_point;
-    recorded answers, such as ``marslm distill``'s output: messages ending in the answer).
-
-    Files give their first ``n`` records in file order; ``seed`` applies to ``toy`` and ``reworded``.
-    """
-    from .sandbox import require_isolation
-
-    if source == "toy":
-        from .data import toy
-
-        require_isolation()  # its code family runs model-written code: refuse now, not after decoding
-        return EvalSet("toy", toy.make_split("test", n, seed=seed), toy.score_many)
-    if source == "reworded":  # off-distribution: toy arithmetic and lists, worded as training never does
-        from .data import reworded, toy
-
-        return EvalSet("reworded", reworded.make_split(n, seed=seed), toy.score_many)
-    kind, _, path = source.partition(":")
-    if kind not in ("gsm8k", "humaneval", "answers") or not path:
-        kind, path = _detect_eval_format(source), source
-    if kind == "answers":
-        from .data import answers
-
-        return EvalSet(source, answers.load_answers(path, n), answers.score_many)
-    if kind == "gsm8k":
-        from .data import gsm8k
-
-        return EvalSet(source, gsm8k.load_gsm8k(path, n), gsm8k.score_many)
-    from .data import humaneval
-
-    require_isolation()
-
-    return EvalSet(source, humaneval.load_humaneval(path, n), humaneval.score_many)
-
-
-def _detect_eval_format(path: str) -> str:
-    from .data import answers, gsm8k, humaneval
-    from .data.jsonl import first_record
-
-    if not Path(path).is_file():
-        raise UserError(f"unknown evaluation data {path!r} (use {EVAL_SOURCES})")
-    keys = set(first_record(path))
-    if set(humaneval.KEYS) <= keys:
-        return "humaneval"
-    if set(gsm8k.KEYS) <= keys:
-        return "gsm8k"
-    if set(answers.KEYS) <= keys:
-        return "answers"
-    raise UserError(
-        f"{path}: not a GSM8K (question, answer), HumanEval (task_id, prompt, test, entry_point) or "
-        f"recorded-answers (messages) file; its first record has keys {sorted(keys)}"
-    )
-
-
 def evaluate(
     model,
     tokenizer,
@@ -234,55 +168,6 @@ def evaluate(
         )
         results.append(entry)
     return {"model": model_name or getattr(model, "name_or_path", ""), "data": eval_set.name, "results": results}
-
-
-def summarise_result(examples, correct, accepted_per_step, seconds) -> dict:
-    """One result entry: accuracy, speed and per-family numbers for one decoding setting.
-
-    ``correct`` and ``accepted_per_step`` (tokens accepted at each forward) align with ``examples``.
-    """
-    by_family = defaultdict(lambda: {"correct": 0, "n": 0, "tokens": 0, "forwards": 0})
-    for ex, ok, steps in zip(examples, correct, accepted_per_step):
-        fam = by_family[ex.family]
-        fam["correct"] += bool(ok)
-        fam["n"] += 1
-        fam["tokens"] += sum(steps)
-        fam["forwards"] += len(steps)
-    tokens = sum(map(sum, accepted_per_step))
-    forwards = sum(map(len, accepted_per_step))
-    return {
-        "accuracy": sum(map(bool, correct)) / len(examples),
-        "n": len(examples),
-        "tokens_per_forward": tokens / forwards,
-        "forwards_per_answer": forwards / len(examples),
-        "tokens_per_second": tokens / seconds if seconds else None,
-        "seconds": round(seconds, 2),
-        "families": {
-            name: {"accuracy": f["correct"] / f["n"], "n": f["n"], "tokens_per_forward": f["tokens"] / f["forwards"]}
-            for name, f in sorted(by_family.items())
-        },
-        "correct": [int(bool(ok)) for ok in correct],  # per item, in order: for paired comparisons
-    }
-
-
-def paired_bootstrap(
-    correct_a: list[int], correct_b: list[int], *, resamples: int = 2000, seed: int = 0, level: float = 0.95
-) -> tuple[float, float]:
-    """Interval of accuracy(a) - accuracy(b), in points, resampling the same items for both.
-
-    Two settings scored on the same items are compared item by item, so the interval shows how
-    much of a difference the choice of test items alone could make.
-    """
-    import random
-
-    if len(correct_a) != len(correct_b) or not correct_a:
-        raise ValueError("paired_bootstrap needs two equally long, non-empty lists")
-    rng = random.Random(seed)
-    n = len(correct_a)
-    diffs = [a - b for a, b in zip(correct_a, correct_b)]
-    means = sorted(100 * sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
-    tail = (1 - level) / 2
-    return means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 # ---------------------------------------------------------------------------- sweeps
@@ -524,53 +409,6 @@ def _say_cell(index: int, total: int, model: str, cell: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- tables
-
-
-def format_table(reports: dict[str, dict]) -> str:
-    """A markdown table: one row per (model, setting), accuracy per family, tokens per forward.
-
-    Block size, metric, mode and adaptive width get columns only when they vary; a failed cell
-    shows its reason.
-    """
-    cells = [r for rep in reports.values() for r in rep["results"]]
-    families = sorted({f for r in cells for f in r.get("families", {})})
-    varying = [k for k in ("block_size", "metric", "mode", "adaptive_width") if len({r.get(k) for r in cells}) > 1]
-    names = {"block_size": "B", "adaptive_width": "adaptive width"}
-    head = [
-        "model",
-        *[names.get(k, k) for k in varying],
-        "tau",
-        "accuracy",
-        *families,
-        "tok/fwd",
-        "fwd/answer",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label, rep in reports.items():
-        for r in rep["results"]:
-            cells_out = [label, *[str(r.get(k)) for k in varying], f"{r['tau']:g}"]
-            if "failed" in r:
-                cells_out += [f"failed: {r['failed']}"] + ["-"] * (len(head) - len(cells_out) - 1)
-            else:
-                cells_out.append(f"{100 * r['accuracy']:.1f}")
-                cells_out += [
-                    f"{100 * r['families'][f]['accuracy']:.1f}" if f in r["families"] else "-" for f in families
-                ]
-                cells_out += [f"{r['tokens_per_forward']:.2f}", f"{r['forwards_per_answer']:.1f}"]
-            lines.append("| " + " | ".join(cells_out) + " |")
-    return "\n".join(lines)
-
-
-def labelled(reports: list[dict]) -> dict[str, dict]:
-    """Model reports keyed by a display label: the model name, plus the data where that repeats."""
-    names = [rep.get("model", "") for rep in reports]
-    out = {}
-    for rep in reports:
-        label = rep.get("model", "")
-        if names.count(label) > 1:
-            label = f"{label} ({rep.get('data')}, n={rep.get('data_n')}, seed={rep.get('data_seed')})"
-        out[label] = rep
-    return out
 
 
 def format_markdown(payload: dict, title: str = "marslm evaluation") -> str:

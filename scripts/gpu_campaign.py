@@ -299,7 +299,7 @@ def probe_stage(c: Campaign, arm: str) -> dict:
 
 def decode_stage(c: Campaign) -> dict:
     """Each trained arm against HF generate on the original, batch by batch, while time is left."""
-    from marslm.evaluate import load_eval_set
+    from marslm.eval_sets import load_eval_set
     from marslm.experiments.bench import run_bench
     from marslm.experiments.bench_config import BenchConfig
     from marslm.modeling import load_model, resolve_device

@@ -21,7 +21,8 @@ from lm_eval.api.registry import get_model  # noqa: E402
 
 from marslm.chat import encode_prompt  # noqa: E402
 from marslm.data import toy  # noqa: E402
-from marslm.evaluate import EvalSet, evaluate  # noqa: E402
+from marslm.eval_sets import EvalSet  # noqa: E402
+from marslm.evaluate import evaluate  # noqa: E402
 from marslm.lm_eval_adapter import MarsLM  # noqa: E402
 from tests.trained import TRAIN_N  # noqa: E402
 

@@ -20,7 +20,6 @@ LONG_FUNCTIONS = {
     "experiments/demo.py:check_results",
 }
 LONG_MODULES = {
-    "evaluate.py",
     "experiments/demo.py",
     "experiments/loadtest.py",
     "probe.py",

@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..evaluate import load_eval_set
+    from ..eval_sets import load_eval_set
     from ..experiments.bench import format_bench_table, load_bench_models, run_bench
     from ..experiments.bench_config import BenchConfig
     from ..settings import from_args

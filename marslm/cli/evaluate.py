@@ -50,7 +50,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..evaluate import EvalConfig, data_key, format_markdown, format_table, labelled, model_reports, sweep
+    from ..eval_report import format_table, labelled
+    from ..evaluate import EvalConfig, data_key, format_markdown, model_reports, sweep
     from ..files import output_file, write_text_atomically
     from ..settings import from_args
 

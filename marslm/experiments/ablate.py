@@ -30,7 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..evaluate import evaluate, load_eval_set, summarise_result
+from ..eval_report import summarise_result
+from ..eval_sets import load_eval_set
+from ..evaluate import evaluate
 from ..files import output_directory, read_json, write_json_atomically, write_text_atomically
 from ..training.config import TrainConfig
 from ..training.recipe import train

@@ -176,7 +176,8 @@ def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: lis
     """Evaluates greedy accuracy on held-out items a few times during AR training."""
     from transformers import AutoTokenizer
 
-    from ..evaluate import evaluate, load_eval_set
+    from ..eval_sets import load_eval_set
+    from ..evaluate import evaluate
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     eval_set = load_eval_set("toy", preset.curve_items, seed=preset.seed + 1)
@@ -210,7 +211,7 @@ def _one_token_gap(mars: dict, baseline: dict) -> tuple[float, dict, str]:
 
 def _interval(a: dict, b: dict) -> str:
     """The paired bootstrap interval of a - b over the test items, when both carry per-item scores."""
-    from ..evaluate import paired_bootstrap
+    from ..eval_report import paired_bootstrap
 
     if not a.get("correct") or len(a["correct"]) != len(b.get("correct") or []):
         return ""
@@ -421,7 +422,8 @@ def _train_stages(out: Path, preset: DemoPreset, progress: bool, stages: Stages)
 def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
     """Each checkpoint's report on the test split, by stage name, and the MARS checkpoint's with
     the paper's sampler."""
-    from ..evaluate import evaluate, load_eval_set
+    from ..eval_sets import load_eval_set
+    from ..evaluate import evaluate
     from ..modeling import load_model, resolve_device
 
     eval_set = load_eval_set("toy", preset.test_examples, seed=preset.seed)
@@ -458,7 +460,7 @@ def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
 
 
 def _results_table(reports: dict, preset: DemoPreset) -> str:
-    from ..evaluate import format_table
+    from ..eval_report import format_table
 
     mars = f"MARS B={preset.block_size}"
     rows = {"AR SFT": reports["ar"], "AR control": reports["ar_control"], mars: reports["mars"]}

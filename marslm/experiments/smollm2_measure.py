@@ -256,7 +256,7 @@ def bench_stage(stages: Stages, mars: Path, original: Path, out: Path, preset: R
     held-out answers, scored as agreement with them): lossless and tau 0.95 against HF ``generate`` on the
     original, in float32 and bfloat16, at batch 1 and 8, each dtype's contenders interleaved
     (experiments/bench.py) -> OUT/bench.json. Each finished dtype is kept."""
-    from ..evaluate import load_eval_set
+    from ..eval_sets import load_eval_set
     from ..modeling import load_model, resolve_device
     from .bench import run_bench
     from .bench_config import BenchConfig
