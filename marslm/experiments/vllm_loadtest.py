@@ -11,7 +11,7 @@ contenders share them:
 
 For each repeat, each concurrency level and each contender in turn (interleaved, so a slow
 spell of a shared machine hits every contender alike), the toy test prompts go out as streaming
-chat completions from closed-loop workers (``loadtest._run_level``). Reported per contender and
+chat completions from closed-loop workers (``load_client.run_level``). Reported per contender and
 level: completion tokens per second (median over repeats, and the range), tokens per forward
 (from ``usage``; 1 for plain decoding), accuracy on the toy suite and the speed-up over plain
 at the same level.
@@ -135,7 +135,8 @@ def run_vllm_bench(config: LoadtestConfig, *, start_timeout: float = 600.0, log=
 
 async def _measure(servers, field, config: LoadtestConfig, log, settle: float = 3.0) -> list[dict]:
     from ..data import toy
-    from .loadtest import _one_request, _run_level, _summarise, http_client
+    from .load_client import one_request, run_level, summarise
+    from .loadtest import http_client
 
     examples = toy.make_split("test", config.requests, seed=config.seed)
     runs = []
@@ -143,7 +144,7 @@ async def _measure(servers, field, config: LoadtestConfig, log, settle: float = 
         models = {}
         for kind, server in servers.items():
             models[kind] = (await client.get(server.url + "/v1/models")).json()["data"][0]["id"]
-            await _one_request(client, server.url, {}, models[kind], examples[0].messages, 8, config.timeout)  # warm-up
+            await one_request(client, server.url, {}, models[kind], examples[0].messages, 8, config.timeout)  # warm-up
         for repeat in range(config.repeats):
             for concurrency in config.concurrency:
                 for contender in field:
@@ -151,7 +152,7 @@ async def _measure(servers, field, config: LoadtestConfig, log, settle: float = 
                     # A vLLM worker keeps polling for a moment after its last request; on a machine
                     # with few cores it would take them from the next contender's server.
                     await asyncio.sleep(settle)
-                    samples, wall = await _run_level(
+                    samples, wall = await run_level(
                         client,
                         server.url,
                         {},
@@ -169,7 +170,7 @@ async def _measure(servers, field, config: LoadtestConfig, log, settle: float = 
                         "contender": contender.name,
                         "concurrency": concurrency,
                         "repeat": repeat,
-                        **_summarise(samples, wall, correct),
+                        **summarise(samples, wall, correct),
                     }
                     if contender.server == "none":
                         entry["tokens_per_forward"] = 1.0  # no drafts: one token per forward by construction
