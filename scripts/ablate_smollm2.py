@@ -107,7 +107,8 @@ def run_arm(name: str, out: Path, demo: Path, steps: int, probe_limit: int | Non
     import torch
 
     from marslm.modeling import checkpoint_facts, load_model
-    from marslm.probe import load_probe_items, probe
+    from marslm.probe import probe
+    from marslm.probe_items import load_probe_items
     from marslm.training.config import TrainConfig
     from marslm.training.recipe import train
 

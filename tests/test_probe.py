@@ -9,7 +9,8 @@ import torch
 
 from marslm.chat import IGNORE, encode_conversation
 from marslm.cli import main
-from marslm.probe import Measurements, ProbeItem, load_probe_items, measure, probe, summarise
+from marslm.probe import Measurements, measure, probe, summarise
+from marslm.probe_items import ProbeItem, load_probe_items
 from tests.helpers import chat_conversations
 
 B = 4

@@ -21,7 +21,6 @@ LONG_FUNCTIONS = {
 }
 LONG_MODULES = {
     "experiments/demo.py",
-    "probe.py",
     "serve/app.py",
     "serve/engine.py",
 }

@@ -58,7 +58,8 @@ def run(args) -> int:
     import logging
 
     from ..modeling import checkpoint_facts, load_model, model_context, resolve_device
-    from ..probe import load_probe_items, probe, probe_clean
+    from ..probe import probe, probe_clean
+    from ..probe_items import load_probe_items
     from ..probe_report import format_probe
 
     _check(args)
@@ -125,7 +126,8 @@ def _probe_original(args, device, progress: bool) -> dict:
     import torch
 
     from ..modeling import checkpoint_facts, load_model, model_context
-    from ..probe import load_probe_items, probe_clean
+    from ..probe import probe_clean
+    from ..probe_items import load_probe_items
 
     original, original_tokenizer, _ = load_model(args.original, dtype="float32", device=device)
     return {

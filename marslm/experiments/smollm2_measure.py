@@ -86,7 +86,8 @@ def learning_curve_callback(stages: Stages, out: Path, preset: RealModelPreset, 
     forward teacher-forced (the paper's rule at tau 0.95, and lossless) and accuracy per mask offset."""
     from ..chat import stop_token_ids
     from ..distill import read_answers
-    from ..probe import probe, probe_item
+    from ..probe import probe
+    from ..probe_items import probe_item
 
     curve = StepPoints(out / "learning_curve.json")
     answers = read_answers(out / "distill" / "heldout.jsonl")
@@ -211,7 +212,8 @@ def probe_stage(
     from ..distill import read_answers
     from ..files import read_json, write_json_atomically
     from ..modeling import checkpoint_facts, load_model, resolve_device
-    from ..probe import probe, probe_clean, probe_item
+    from ..probe import probe, probe_clean
+    from ..probe_items import probe_item
 
     path = out / "probe.json"
     if path.is_file():
