@@ -6,11 +6,14 @@ from dataclasses import dataclass, field, fields, replace
 
 from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
+from ..settings import check_count
 from .batch import DecodeBatch
 from .block_cache import BlockCachedBatch
 from .params import DecoderOptions, DecodingParams
 from .rows import BatchStats, FinishedRow
 from .text import TextStream
+
+MAX_DRAFT_TOKENS = 16  # drafts per step; each adds a mask group to the target's forward
 
 
 @dataclass
@@ -100,6 +103,9 @@ def generate(
     batch_size: int | None = None,
     mask_token_id: int | None = None,
     on_finish=None,
+    draft_model=None,
+    num_draft_tokens: int = 4,
+    draft_tokenizer=None,
     **overrides,
 ) -> GenerationResult:
     """Decode ``prompts`` (strings, message lists or token-id lists) with the MARS sliding window.
@@ -119,11 +125,20 @@ def generate(
     ``batch_size`` caps the rows decoded together (default: all prompts at once); finished rows
     are replaced by waiting prompts between steps. ``on_finish(row)`` is called as rows finish.
     ``mask_token_id`` overrides the checkpoint's mask token.
+
+    ``draft_model`` (an HF causal LM sharing the target's vocabulary; ``draft_tokenizer``, if
+    given, is checked for that) proposes ``num_draft_tokens`` per step, which the model verifies,
+    adding its confident masks under tau after them (draft_model.py; rows decode one at a time).
     """
     from ..modeling import checkpoint_facts, model_context
 
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
+    if draft_model is not None:
+        from .draft_model import check_drafter_tokenizer
+
+        check_drafter_tokenizer(tokenizer, draft_tokenizer)
+        check_count("num_draft_tokens", num_draft_tokens, MAX_DRAFT_TOKENS)
     params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
     facts = checkpoint_facts(model, tokenizer, mask_token_id)
     context = model_context(model)
@@ -139,7 +154,12 @@ def generate(
         stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
     streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
-    if decoder.cache == "block":
+    if draft_model is not None:
+        mask_id = facts.mask_token_id  # None: an AR target, plain speculative decoding
+        batch, rows = run_with_drafter(
+            model, draft_model, num_draft_tokens, prompt_ids, params, decoder, mask_id, common
+        )
+    elif decoder.cache == "block":
         batch = BlockCachedBatch(model, block_cache_size=decoder.block_cache_size, **common)
         rows = run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
     else:
@@ -162,6 +182,30 @@ def generate(
         accepted_per_step=[r.accepted_per_step for r in rows],
         stats=batch.stats,
     )
+
+
+def run_with_drafter(model, drafted, prompt_ids, params, decoder, common):
+    """Decode each prompt in turn, ``drafted = (draft model, drafts per step, the target's mask
+    token or None)`` (draft_model.py)."""
+    draft_model, k, mask_token_id = drafted
+    from .draft_model import ARDrafter, DraftModelDecoder
+
+    if decoder.cache == "block" or params.stop:
+        raise UserError("a draft model decodes with the cursor cache and without stop strings")
+    decoding = DraftModelDecoder(
+        model,
+        ARDrafter(draft_model),
+        k,
+        mask_token_id=mask_token_id,
+        stop_ids=common["stop_ids"],
+        use_last_mask=decoder.use_last_mask,
+    )
+    seed = params.seed
+    rows = [
+        decoding.run_row(ids, replace(params, seed=None if seed is None else seed + i), i)
+        for i, ids in enumerate(prompt_ids)
+    ]
+    return decoding, rows
 
 
 def with_overrides(params: DecodingParams, decoder: DecoderOptions, overrides: dict):
