@@ -58,7 +58,7 @@ class ARDrafter:
                 break
             keep += 1
         if keep < len(self.cached):
-            self.cache.crop(keep)
+            crop_to(self.cache, keep)
             self.cached = self.cached[:keep]
 
     @torch.no_grad()
@@ -84,13 +84,20 @@ class ARDrafter:
         start = len(self.cached)
         ids = torch.tensor([feed], device=self.device)
         positions = torch.arange(start, start + len(feed), device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
         self.forwards += 1
         self.cached += feed
         return out.logits[0, -1]
 
     def _probs(self, logits: torch.Tensor, params: DecodingParams) -> torch.Tensor:
         return _probs(logits[None], params, self.device)[0]
+
+
+def crop_to(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` tokens' keys/values (``crop`` takes how many to remove)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
 
 
 def _probs(logits: torch.Tensor, params: DecodingParams, device) -> torch.Tensor:
@@ -131,7 +138,7 @@ class DraftModelDecoder:
             tokens, kept = self._accept(logits, drafts, q, n_masks, params, generator)
             accept, stop = cut_at_stop(np.array([tokens]), np.array([min(len(tokens), room)]), self.stop_ids)
             accept, stopped = int(accept[0]), bool(stop[0])
-            cache.crop(len(ids) + min(kept, accept))  # pending and the accepted drafts; no masks
+            crop_to(cache, len(ids) + min(kept, accept))  # pending and the accepted drafts; no masks
             cached = len(ids) + min(kept, accept)
             ids += tokens[:accept]
             steps.append(accept)
@@ -158,7 +165,7 @@ class DraftModelDecoder:
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             attention_mask=for_attention(torch.from_numpy(mask).to(self.device), self.model),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
         ).logits[0]
         return logits[len(pending) - 1 :]
