@@ -86,6 +86,19 @@ class _LoRA(nn.Module):
         self.a = nn.Parameter(torch.empty(rank, in_features))
         self.b = nn.Parameter(torch.zeros(out_features, rank))  # starts as no change at all
         nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
+        self._factors = None  # (versions, a^T, scale * b^T) for inference
+
+    def factors(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a^T`` and ``scale * b^T``, contiguous, in float32: a few rows times a rank-r factor is
+        far cheaper in float32 than in bfloat16 on a CPU, and the scale folds in once. Rebuilt
+        whenever the weights change in place (an optimizer step bumps their versions)."""
+        versions = (self.a._version, self.b._version, self.a.data_ptr(), self.b.data_ptr())
+        if self._factors is None or self._factors[0] != versions:
+            with torch.no_grad():
+                a_t = self.a.detach().float().t().contiguous()
+                b_t = (self.b.detach().float() * scale).t().contiguous()
+            self._factors = (versions, a_t, b_t)
+        return self._factors[1], self._factors[2]
 
 
 class MaskAdapter(nn.Module):
@@ -171,7 +184,7 @@ class MaskAdapter(nn.Module):
             offsets = self._explicit_offsets.flatten()[index]
         else:
             offsets = mask_offsets(is_mask, kwargs.get("attention_mask"))[is_mask]
-        self._gate = (input_ids.shape, index, offsets.clamp(0, self.spec.rows - 1))
+        self._gate = _Gate(input_ids.shape, index, offsets.clamp(0, self.spec.rows - 1), _trailing_masks(is_mask))
         return None
 
     def _forget_masks(self, module, args, output):
@@ -183,28 +196,56 @@ class MaskAdapter(nn.Module):
         return (torch.where(ids == self.spec.mask_token_id, 0, ids),)
 
     def _put_rows(self, module, args, output):
-        if self._gate is None or not len(self._gate[1]):
+        if self._gate is None or not len(self._gate.index):
             return output
-        _, index, offsets = self._gate
         flat = output.reshape(-1, output.shape[-1])
-        return flat.index_copy(0, index, self.rows[offsets].to(output.dtype)).reshape(output.shape)
+        rows = self.rows[self._gate.offsets].to(output.dtype)
+        return flat.index_copy(0, self._gate.index, rows).reshape(output.shape)
 
     def _gated_update(self, lora: _LoRA):
         scale = self.spec.alpha / self.spec.rank
 
         def hook(module, args, output):
-            if self._gate is None or not len(self._gate[1]):
+            gate = self._gate
+            if gate is None or not len(gate.index):
                 return output
-            shape, index, _ = self._gate
             x = args[0]
-            if x.shape[:-1].numel() != shape.numel():
-                raise UserError(f"a gated Linear saw {tuple(x.shape[:-1])} tokens for {tuple(shape)} input ids")
-            picked = x.reshape(-1, x.shape[-1])[index]
+            if x.shape[:-1].numel() != gate.shape.numel():
+                raise UserError(f"a gated Linear saw {tuple(x.shape[:-1])} tokens for {tuple(gate.shape)} input ids")
+            if gate.tail and x.shape[:-1] == gate.shape and not torch.is_grad_enabled():
+                # decoding: the masks are each row's last columns, so the update is a slice
+                # added in place, with no gather, scatter or copy of the output
+                a_t, b_t = lora.factors(scale)
+                output[:, -gate.tail :] += ((x[:, -gate.tail :].float() @ a_t) @ b_t).to(output.dtype)
+                return output
+            picked = x.reshape(-1, x.shape[-1])[gate.index]
             update = (picked.to(lora.a.dtype) @ lora.a.T @ lora.b.T) * scale
             flat = output.reshape(-1, output.shape[-1])
-            return flat.index_add(0, index, update.to(output.dtype)).reshape(output.shape)
+            return flat.index_add(0, gate.index, update.to(output.dtype)).reshape(output.shape)
 
         return hook
+
+
+@dataclass(frozen=True)
+class _Gate:
+    """Where one forward's masks are: ``index`` into the flattened ``[rows, columns]`` input, each
+    mask's ``offsets``, and ``tail``: how many last columns of every row are all the masks (a
+    decoding step's layout), 0 where they lie elsewhere (training's interleaved streams)."""
+
+    shape: torch.Size
+    index: torch.Tensor
+    offsets: torch.Tensor
+    tail: int
+
+
+def _trailing_masks(is_mask: torch.Tensor) -> int:
+    """``n`` if every row's masks are exactly its last ``n`` columns, else 0."""
+    if is_mask.dim() != 2:
+        return 0
+    n = int(is_mask[0].sum())
+    if n == 0 or not bool(is_mask[:, -n:].all()) or bool(is_mask[:, :-n].any()):
+        return 0
+    return n
 
 
 def mask_offsets(is_mask: torch.Tensor, attention_mask) -> torch.Tensor:

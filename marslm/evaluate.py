@@ -30,7 +30,9 @@ from .settings import check_count, flag_of, floats, ints, setting, strings
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
 # mode, and a confident prediction has H well below 0.5.
 ENTROPY_TAUS = (0.0, 0.25, 0.5, 1.0)
-EVAL_SOURCES = "toy, reworded, gsm8k:PATH, humaneval:PATH, or a GSM8K/HumanEval-format JSONL path"
+EVAL_SOURCES = (
+    "toy, reworded, gsm8k:PATH, humaneval:PATH, answers:PATH, or a GSM8K/HumanEval/recorded-answers JSONL path"
+)
 EVAL_MAX_NEW_TOKENS = 192
 
 
@@ -63,7 +65,10 @@ class EvalConfig:
     )
     cache: str = setting("cursor", "KV cache policy", choices=CACHE_MODES)
     mode: str = setting(
-        "threshold", "threshold: MARS acceptance by tau; lossless: exact greedy output, tau ignored", choices=MODES
+        "threshold",
+        "threshold: MARS acceptance by tau; lossless: exact greedy output, tau ignored; hybrid: lossless, "
+        "then tau on the masks after the verified drafts",
+        choices=MODES,
     )
     adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)  # the CLI's --[no-]adaptive-width
     batch_size: int = setting(32, "rows decoded together")
@@ -120,8 +125,9 @@ class EvalSet:
 
 def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
     """``toy`` (the embedded suite's test split), ``reworded`` (its arithmetic and lists worded as the
-    training data never does), ``gsm8k:PATH``, ``humaneval:PATH``, or a path whose first record
-    tells the format (GSM8K: question/answer; HumanEval: task_id/prompt/test/entry_point).
+    training data never does), ``gsm8k:PATH``, ``humaneval:PATH``, ``answers:PATH``, or a path whose
+    first record tells the format (GSM8K: question/answer; HumanEval: task_id/prompt/test/entry_point;
+    recorded answers, such as ``marslm distill``'s output: messages ending in the answer).
 
     Files give their first ``n`` records in file order; ``seed`` applies to ``toy`` and ``reworded``.
     """
@@ -137,8 +143,12 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
 
         return EvalSet("reworded", reworded.make_split(n, seed=seed), toy.score_many)
     kind, _, path = source.partition(":")
-    if kind not in ("gsm8k", "humaneval") or not path:
+    if kind not in ("gsm8k", "humaneval", "answers") or not path:
         kind, path = _detect_eval_format(source), source
+    if kind == "answers":
+        from .data import answers
+
+        return EvalSet(source, answers.load_answers(path, n), answers.score_many)
     if kind == "gsm8k":
         from .data import gsm8k
 
@@ -151,7 +161,7 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
 
 
 def _detect_eval_format(path: str) -> str:
-    from .data import gsm8k, humaneval
+    from .data import answers, gsm8k, humaneval
     from .data.jsonl import first_record
 
     if not Path(path).is_file():
@@ -161,9 +171,11 @@ def _detect_eval_format(path: str) -> str:
         return "humaneval"
     if set(gsm8k.KEYS) <= keys:
         return "gsm8k"
+    if set(answers.KEYS) <= keys:
+        return "answers"
     raise UserError(
-        f"{path}: not a GSM8K (question, answer) or HumanEval (task_id, prompt, test, entry_point) "
-        f"file; its first record has keys {sorted(keys)}"
+        f"{path}: not a GSM8K (question, answer), HumanEval (task_id, prompt, test, entry_point) or "
+        f"recorded-answers (messages) file; its first record has keys {sorted(keys)}"
     )
 
 

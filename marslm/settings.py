@@ -18,6 +18,9 @@ from typing import Any
 
 from .errors import UserError
 
+# Weights dtypes a command may load a model in (modeling.load_model; auto: as saved).
+DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
+
 
 def setting(
     default: Any = dataclasses.MISSING,

@@ -137,3 +137,61 @@ def test_a_second_adapter_is_refused(model_and_adapter):
     adapter.attach(model)
     with pytest.raises(UserError, match="already"):
         MaskAdapter.for_model(model, mask_id, rank=2, rows=1).attach(model)
+
+
+def test_decoding_fast_path_equals_the_general_path(model_and_adapter):
+    """A decoding step's masks are each row's last columns: without autograd the update is added to
+    that slice in float32; it must give what the gather/scatter path (taken under autograd) gives."""
+    model, adapter, mask_id = model_and_adapter
+    adapter.attach(model)
+    ids = torch.cat([torch.randint(0, 100, (2, 7)), torch.full((2, 4), mask_id)], dim=1)
+    fast = _logits(model, ids)
+    with torch.enable_grad():
+        general = model(input_ids=ids).logits.detach()
+    torch.testing.assert_close(fast, general, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fast[:, :7], general[:, :7])
+
+
+def test_fast_path_follows_weights_changed_in_place(model_and_adapter):
+    """The float32 factors the fast path keeps are rebuilt when an optimizer step changes the weights."""
+    model, adapter, mask_id = model_and_adapter
+    adapter.attach(model)
+    ids = torch.cat([torch.randint(0, 100, (1, 5)), torch.full((1, 3), mask_id)], dim=1)
+    before = _logits(model, ids)
+    with torch.no_grad():
+        for lora in adapter.lora:
+            lora.b.mul_(2.0)
+    after = _logits(model, ids)
+    with torch.enable_grad():
+        general = model(input_ids=ids).logits.detach()
+    assert not torch.allclose(after[:, 5:], before[:, 5:])
+    torch.testing.assert_close(after, general, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "rows, tail",
+    [
+        ([[0, 0, 1, 1], [0, 0, 1, 1]], 2),  # a decoding step: every row ends in the same masks
+        ([[0, 1, 0, 1], [0, 0, 1, 1]], 0),  # a mask before a clean token
+        ([[0, 0, 0, 1], [0, 0, 1, 1]], 0),  # rows with different mask counts
+        ([[0, 0, 0, 0], [0, 0, 0, 0]], 0),  # no masks
+        ([[1, 1, 1, 1]], 4),
+    ],
+)
+def test_trailing_masks(rows, tail):
+    assert adapter_mod._trailing_masks(torch.tensor(rows, dtype=torch.bool)) == tail
+
+
+def test_masks_between_clean_tokens_take_the_general_path_without_autograd(model_and_adapter):
+    """The probe's layout: masks inside the row, not at its end; without autograd it must still
+    touch the masks alone (the slice fast path would move every position)."""
+    model, adapter, mask_id = model_and_adapter
+    ids = torch.randint(0, 100, (2, 10))
+    ids[:, 3:5] = mask_id
+    original = _logits(model, torch.where(ids == mask_id, 0, ids))
+    adapter.attach(model)
+    out = _logits(model, ids)
+    assert torch.equal(out[:, :3], original[:, :3])
+    with torch.enable_grad():
+        general = model(input_ids=ids).logits.detach()
+    assert torch.equal(out, general)

@@ -158,3 +158,25 @@ def test_served_model_names_are_all_served_and_replace_the_directory_name(servin
             {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         )
         assert response.status_code == status, (name, response.text)
+
+
+def test_a_hybrid_request_decodes_as_generate_does_and_its_refusals_are_named(app, trained_checkpoints):
+    model, tokenizer = trained_checkpoints["mars64"]
+    for tau in (0.5, None):  # None: the server's default tau, which hybrid reads as threshold mode does
+        expected = generate(
+            model,
+            tokenizer,
+            [PROMPT],
+            mode="hybrid",
+            tau=ServeConfig().tau if tau is None else tau,
+            max_new_tokens=12,
+            apply_chat_template=False,
+        ).texts[0]
+        body = {"prompt": PROMPT, "max_tokens": 12, "mode": "hybrid", **({} if tau is None else {"tau": tau})}
+        response = post(app, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected
+    for fields, param in [({"temperature": 0.7}, "temperature"), ({"metric": "entropy"}, "tau")]:
+        response = post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "mode": "hybrid", **fields})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param

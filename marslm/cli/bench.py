@@ -75,7 +75,7 @@ def _cost_curve(config: BenchConfig) -> int:
             f"--contexts {max(config.contexts)} plus the widest step fed on top ({widest} tokens: "
             f"2 --block-size + 2) exceeds the model's context of {room} tokens"
         )
-    model, _, _ = load_model(config.model, device=resolve_device(config.device))
+    model, _, _ = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
     with allocation_errors("--batch-sizes or --contexts"):
         report = cost_curve(
             model,

@@ -5,14 +5,16 @@ One step, for every row at once, in four phases:
     inputs  feed [pending | draft | mask group(s)]; pending = tokens whose keys/values are not cached
     accept  threshold rows: a confident left-to-right prefix of [AR token, mask predictions]
             lossless rows:  the drafts the AR outputs confirm, then the AR token after them
-    record  append the accepted tokens; lossless rows take their next draft from the masks
+            hybrid rows:    as lossless, then the confident prefix of the group verification selected
+    record  append the accepted tokens; lossless and hybrid rows take their next draft from the masks
     commit  keep the keys/values of the real tokens, drop the masks'
 
 Threshold mode is MARS as in the paper. Lossless mode turns the masks into a self-drafter: the
 masks' predictions of one step are fed as real tokens in the next and verified by the AR outputs
 there, so the output is plain AR decoding, greedy token for token or, sampling, in distribution
-(sampling.py). What a step feeds is inputs.py's; the rules, and when a row reads no masks
-(adaptive width, the batch limit), are rules.py's; the per-row state is rows.py's.
+(sampling.py). Hybrid mode composes the two: lossless verification, then the threshold rule on
+the masks after the kept drafts. What a step feeds is inputs.py's; the rules, and when a row reads
+no masks (adaptive width, the batch limit), are rules.py's; the per-row state is rows.py's.
 
 Two cache policies:
 
@@ -45,10 +47,12 @@ from .rules import (
     back_off,
     compaction_order,
     cut_at_stop,
+    hybrid_accept,
     lossless_candidates,
     masks_to_read,
     next_draft,
     pad_cols,
+    selected_group,
     threshold_accept,
     verify_drafts,
 )
@@ -258,17 +262,21 @@ class DecodeBatch:
         if (r.temperature > 0).any():
             probs = sampling_probs(logits, *map(self._to_device, (r.temperature, r.top_p, r.top_k)))
 
-        width = max(draft_width, step.masks_per_group) + 1
+        # a hybrid row may accept its drafts, the AR token and a whole group of masks
+        width = (draft_width + step.masks_per_group if r.hybrid.any() else max(draft_width, step.masks_per_group)) + 1
         verified = np.zeros(len(r), np.int64)
-        if not r.lossless.all():
+        drafting = r.drafting
+        if not drafting.all():
             candidates, accept = self._threshold(step, predicted, conf, probs, width)
-        if r.lossless.any():
+        if drafting.any():
             verified, drafted = self._lossless(step, predicted, probs, width)
-            if r.lossless.all():
+            if drafting.all():
                 candidates, accept = drafted, verified + 1
             else:
-                candidates = np.where(r.lossless[:, None], drafted, candidates)
-                accept = np.where(r.lossless, verified + 1, accept)
+                candidates = np.where(drafting[:, None], drafted, candidates)
+                accept = np.where(drafting, verified + 1, accept)
+            if r.hybrid.any() and step.masks_per_group:
+                candidates, accept = self._hybrid(step, conf, mask_tokens, verified, candidates, accept)
         accept, stopped = cut_at_stop(candidates, np.minimum(accept, r.max_len - r.seq_len), self.stop_ids)
         return candidates, accept, stopped, verified, mask_tokens, probs
 
@@ -282,6 +290,24 @@ class DecodeBatch:
         if probs is not None and sampling.any():
             tokens[:, 0] = np.where(sampling, self._draw(probs[:, 0], sampling), tokens[:, 0])
         return pad_cols(tokens, width), accept
+
+    def _hybrid(self, step: StepInputs, conf, mask_tokens, verified, candidates, accept):
+        """Hybrid rows: after verification, the threshold rule on the selected group (rules.py)."""
+        r, rows = self.rows, np.arange(len(self.rows))
+        group, usable = selected_group(r, verified, step.groups, draft_groups=self.draft_groups)
+        mask_conf = conf[:, r.draft.shape[1] + 1 :].reshape(mask_tokens.shape)
+        hybrid, usable = r.hybrid, usable & r.hybrid
+        extended, longer = hybrid_accept(
+            candidates,
+            verified,
+            mask_tokens[rows, group],
+            mask_conf[rows, group],
+            usable,
+            r.tau,
+            r.metric,
+            step.masks_read,
+        )
+        return np.where(hybrid[:, None], extended, candidates), np.where(hybrid, longer, accept)
 
     def _lossless(self, step: StepInputs, predicted, probs, width):
         """The drafts the AR outputs confirm (greedy: equal to; sampling: speculative sampling),
@@ -314,11 +340,20 @@ class DecodeBatch:
         r.last_accept = accept
         r.seq_len = r.seq_len + accept
         if self.adaptive_width:
-            tried = np.where(r.lossless, r.draft_len, step.masks_read)
+            tried = np.where(r.lossless, r.draft_len, step.masks_read + np.where(r.hybrid, r.draft_len, 0))
             if tried.any() or r.pause.any():
                 r.misses, r.pause = back_off(r.misses, r.pause, tried, np.where(r.lossless, verified, accept - 1))
+        # what a hybrid row accepted past its AR token (a row cut short by a stop or its length finishes)
+        taken = np.where(r.hybrid, np.maximum(accept - verified - 1, 0), 0)
         r.draft, r.draft_len, r.draft_q = next_draft(
-            r, mask_tokens, verified, step.masks_read, probs, draft_groups=self.draft_groups, draw=self._draw
+            r,
+            mask_tokens,
+            verified,
+            step.masks_read,
+            probs,
+            draft_groups=self.draft_groups,
+            draw=self._draw,
+            taken=taken,
         )
 
     def _commit(self, step: StepInputs, seq_len_before, verified) -> None:
@@ -328,7 +363,7 @@ class DecodeBatch:
         r = self.rows
         if step.masks_per_group:
             self.kv.crop(-step.groups * step.masks_per_group)
-        kept = np.where(r.lossless, verified, 0)[:, None]
+        kept = np.where(r.drafting, verified, 0)[:, None]
         kept_drafts = (np.arange(step.draft_valid.shape[1]) < kept) & step.draft_valid
         r.slot_valid = np.concatenate([r.slot_valid, step.pending_valid, kept_drafts], axis=1)
         r.cached_len = seq_len_before + kept_drafts.sum(axis=1)

@@ -120,6 +120,8 @@ def generate(
     the AR model's (greedy, or at ``temperature`` > 0 exactly its distribution). Threshold mode at
     ``temperature`` > 0 samples the AR token of each step; the masks keep the tau rule. ``seed``:
     prompt i samples with seed ``seed + i``, so its answer does not depend on the other prompts.
+    ``mode="hybrid"`` verifies as lossless does, then accepts the confident (tau) predictions of
+    the masks after the kept drafts; it decodes greedily, and at tau 1 it is lossless.
     ``stop``: up to 4 strings; an answer ends before the first one it produces.
 
     ``batch_size`` caps the rows decoded together (default: all prompts at once); finished rows

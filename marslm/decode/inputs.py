@@ -4,7 +4,7 @@ sees, and which outputs are read, all built on the host from the rows' state (ro
 A step feeds ``[pending | draft | groups x masks]`` per row, padded to the widest row:
 
     pending  the row's tokens whose keys/values are not cached yet (at least its last token)
-    draft    lossless rows: last step's mask predictions, to verify
+    draft    lossless and hybrid rows: last step's mask predictions, to verify
     masks    one group of masks; with draft groups, one group per possible number of accepted
              drafts, each seeing only that many drafts (the paper's section 4.6)
 

@@ -17,7 +17,10 @@ from ..errors import UserError
 from ..settings import setting
 
 METRICS = ("prob", "entropy", "margin")
-MODES = ("threshold", "lossless")
+# hybrid: lossless verification, then the threshold rule on the mask group verification selected
+# (the paper's section 4.6 with the model as its own drafter): a composition of the other two
+MODES = ("threshold", "lossless", "hybrid")
+TAU_MODES = ("threshold", "hybrid")  # the modes whose acceptance reads tau (lossless ignores it)
 CACHE_MODES = ("none", "block", "cursor")  # none: recompute; block: the paper's; cursor: ours (batch.py)
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
 # A temperature below this samples the argmax in all but rounding, and dividing logits by it can
@@ -68,7 +71,8 @@ class DecodingParams:
     mode: str = setting(
         "threshold",
         "threshold: accept while confident (tau); lossless: the masks draft, the "
-        "next forward verifies, and the output is the AR model's",
+        "next forward verifies, and the output is the AR model's; hybrid: lossless, then the "
+        "confident (tau) predictions of the masks after the verified drafts (greedy only; tau 1: lossless)",
         choices=MODES,
     )
     temperature: float = setting(0.0, "0: greedy; > 0 samples (lossless mode: exactly the AR model's distribution)")
@@ -95,8 +99,8 @@ class DecodingParams:
                 f"trained with), got {block_size}",
                 "block_size",
             )
-        if self.mode == "lossless" and block_size < 2:
-            raise ParamError("lossless mode needs at least one mask to draft from (block size >= 2)", "block_size")
+        if self.mode != "threshold" and block_size < 2:
+            raise ParamError(f"{self.mode} mode needs at least one mask to draft from (block size >= 2)", "block_size")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ParamError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}", "max_tokens")
         if context is not None and self.max_new_tokens > context - 1:
@@ -108,6 +112,12 @@ class DecodingParams:
             )
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= 2):
             raise ParamError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if self.mode == "hybrid" and self.temperature >= MIN_TEMPERATURE:
+            raise ParamError(
+                "hybrid mode decodes greedily (its threshold part takes argmax tokens); sample with "
+                "mode lossless (exact) or threshold",
+                "temperature",
+            )
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -175,7 +185,7 @@ class DecoderOptions:
         "training teaches exactly that case)",
         negative="--no-last-mask",
     )
-    draft_groups: bool = setting(False, "lossless: one mask group per possible accepted-draft count")
+    draft_groups: bool = setting(False, "lossless and hybrid: one mask group per possible accepted-draft count")
     adaptive_width: bool = setting(
         ADAPTIVE_WIDTH,
         "rest a row from masks (1, 2, 4 .. 16 steps) after steps running that accepted none of them: "

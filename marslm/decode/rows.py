@@ -62,7 +62,8 @@ class RowState:
     top_k: np.ndarray
     max_masks: np.ndarray  # most masks the row may read per step
     lossless: np.ndarray
-    draft: np.ndarray  # [rows, K] lossless: tokens to verify
+    hybrid: np.ndarray  # lossless verification, then threshold acceptance on the selected group
+    draft: np.ndarray  # [rows, K] lossless and hybrid: tokens to verify
     draft_len: np.ndarray
     draft_q: torch.Tensor  # [rows, K, vocab] lossless sampling: what the drafts were drawn from (device)
     accept_log: np.ndarray  # [rows, steps] tokens accepted per forward
@@ -74,6 +75,11 @@ class RowState:
 
     def __len__(self) -> int:
         return len(self.request_ids)
+
+    @property
+    def drafting(self) -> np.ndarray:
+        """Rows whose masks draft the next step and whose drafts are verified: lossless and hybrid."""
+        return self.lossless | self.hybrid
 
     @classmethod
     def empty(cls, device) -> RowState:
@@ -116,6 +122,7 @@ class RowState:
             top_k=np.array([s.top_k for s in settings], long),
             max_masks=max_masks,
             lossless=np.array([s.mode == "lossless" for s in settings], bool),
+            hybrid=np.array([s.mode == "hybrid" for s in settings], bool),
             draft=np.zeros((n, 0), long),
             draft_len=zeros,
             draft_q=torch.zeros(n, 0, 0, device=device),

@@ -2,7 +2,12 @@
 
 Threshold rows accept a confident left-to-right prefix of ``[AR token, mask predictions]``
 (acceptance.py holds the confidence rule). Lossless rows keep the drafts the AR outputs confirm,
-then the AR token after them, and draft their next step from the masks.
+then the AR token after them, and draft their next step from the masks. Hybrid rows do what
+lossless rows do, then apply the threshold rule to the mask group verification selected (the one
+that saw exactly the kept drafts): its confident left-to-right prefix is accepted after the AR
+token, and the rest of the group is the next draft (the paper's section 4.6, the model drafting
+for itself). At tau 1 the threshold part accepts nothing, so hybrid is lossless token for token;
+below, a step accepts what lossless would, and more.
 
 Adaptive width (``adaptive_width``, off by default: every step reads its masks, the paper's rule):
 a row whose masks were all refused in ``REST_AFTER`` steps running rests: it reads no masks for 1
@@ -40,7 +45,7 @@ def masks_to_read(rows: RowState, mask_batch_limit: int | None) -> np.ndarray:
     row or a threshold row in one-token mode (a batch of only those is plain AR), else its most."""
     if mask_batch_limit is not None and len(rows) > mask_batch_limit:
         return np.zeros(len(rows), np.int64)
-    reads = (rows.lossless | ~one_token_rows(rows.tau, rows.metric)) & (rows.pause == 0)
+    reads = (rows.drafting | ~one_token_rows(rows.tau, rows.metric)) & (rows.pause == 0)
     return np.where(reads, rows.max_masks, 0)
 
 
@@ -69,6 +74,33 @@ def lossless_candidates(draft, verified, correction, width: int):
     return np.where(np.arange(width) == verified[:, None], correction[:, None], pad_cols(draft, width))
 
 
+def selected_group(rows: RowState, verified, groups: int, *, draft_groups: bool):
+    """Per drafting row, the mask group that saw exactly the drafts verification kept, and whether
+    there is one: with draft groups group j saw j drafts; without, the one group saw the whole draft,
+    so it counts only when every draft was kept. Returns ``(group, usable)``."""
+    if draft_groups:
+        return np.minimum(verified, groups - 1), rows.drafting
+    return np.zeros_like(verified), rows.drafting & (verified == rows.draft_len)
+
+
+def hybrid_accept(candidates, verified, group_tokens, group_conf, usable, tau, metric, masks_read):
+    """Hybrid rows: the kept drafts and the AR token after them (``candidates``, as lossless builds
+    them), then the selected group's confident left-to-right prefix under the row's tau and metric.
+
+    The threshold rule is acceptance.py's, with the AR token as its always-accepted first candidate,
+    so tau 1 accepts no mask and a row accepts at least ``verified + 1``. ``group_tokens`` and
+    ``group_conf``: ``[rows, masks per group]`` of the selected group; ``candidates`` must have room
+    for ``verified + 1`` and the group. Returns ``(candidates, accept)``.
+    """
+    per_group = group_tokens.shape[1]
+    ar_first = np.concatenate([np.zeros_like(group_conf[:, :1]), group_conf], axis=1)
+    taken = np.where(usable, accept_length(ar_first, tau, metric, masks_read + 1) - 1, 0)
+    at = np.arange(candidates.shape[1]) - (verified + 1)[:, None]
+    masks = np.take_along_axis(group_tokens, np.clip(at, 0, per_group - 1), axis=1)
+    in_group = (at >= 0) & (at < per_group) & usable[:, None]
+    return np.where(in_group, masks, candidates), verified + 1 + taken
+
+
 def cut_at_stop(candidates, accept, stop_ids):
     """Accept lengths that end at the first stop token accepted, and which rows stopped."""
     is_stop = (candidates[:, :, None] == stop_ids).any(axis=2) & (np.arange(candidates.shape[1]) < accept[:, None])
@@ -89,26 +121,26 @@ def back_off(misses, pause, tried, used):
     return misses, np.where(missed & (misses >= REST_AFTER), backoff, np.maximum(pause - 1, 0))
 
 
-def next_draft(rows: RowState, mask_tokens, verified, masks_read, probs, *, draft_groups: bool, draw):
-    """Lossless rows' drafts for the next step, from the masks of the group that saw exactly the
-    drafts that were accepted: ``(draft, draft_len, draft_q)``.
+def next_draft(rows: RowState, mask_tokens, verified, masks_read, probs, *, draft_groups: bool, draw, taken=None):
+    """Drafting rows' drafts for the next step, from the masks of the group that saw exactly the
+    drafts that were accepted (:func:`selected_group`): ``(draft, draft_len, draft_q)``.
 
-    Without draft groups the one group saw the whole draft, so it is valid only when the whole
-    draft was accepted; otherwise the next step drafts afresh. Sampling rows draw their drafts
-    from the masks' distributions (``draw(probs, selected)``, one token per selected entry) and
-    keep those distributions (``draft_q``) for the next step's verification.
+    ``taken``: ``[rows]`` masks of that group a hybrid row accepted after its AR token; its draft
+    is the rest of the group. Sampling rows draw their drafts from the masks' distributions
+    (``draw(probs, selected)``, one token per selected entry) and keep those distributions
+    (``draft_q``) for the next step's verification.
     """
     n, groups, per_group = mask_tokens.shape
-    if not rows.lossless.any():  # threshold rows never draft
+    if not rows.drafting.any():  # threshold rows never draft
         if rows.draft.shape[1] or rows.draft_q.numel():
             return np.zeros((n, 0), np.int64), np.zeros(n, np.int64), rows.draft_q.new_zeros(n, 0, 0)
         return rows.draft, rows.draft_len, rows.draft_q
-    if draft_groups:
-        group, usable = np.minimum(verified, groups - 1), rows.lossless
-    else:
-        group, usable = np.zeros_like(verified), rows.lossless & (verified == rows.draft_len)
+    group, usable = selected_group(rows, verified, groups, draft_groups=draft_groups)
     chosen = mask_tokens[np.arange(n), group]
-    draft_len = np.where(usable, masks_read, 0)
+    taken = np.zeros(n, np.int64) if taken is None else np.where(usable, taken, 0)
+    if taken.any():  # a hybrid row's draft starts after the masks it accepted
+        chosen = np.take_along_axis(chosen, np.minimum(np.arange(per_group) + taken[:, None], per_group - 1), axis=1)
+    draft_len = np.where(usable, masks_read - taken, 0)
     # only as wide as the longest usable draft: a column no row drafts would be fed as padding
     width = int(draft_len.max())
     draft_q = rows.draft_q.new_zeros(n, 0, 0) if rows.draft_q.numel() else rows.draft_q

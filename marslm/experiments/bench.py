@@ -74,6 +74,14 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
             contenders.append(
                 _mars(f"MARS cursor adaptive-width tau={tau}", length, tau=tau, cache="cursor", adaptive_width=True)
             )
+        if "hybrid" in groups:  # lossless verification, then tau on the selected group's masks
+            contenders.append(_mars(f"MARS hybrid tau={tau}", length, tau=tau, mode="hybrid", cache="cursor"))
+        if "hybrid-groups" in groups:
+            contenders.append(
+                _mars(
+                    f"MARS hybrid +groups tau={tau}", length, tau=tau, mode="hybrid", cache="cursor", draft_groups=True
+                )
+            )
     if "lossless" in groups:
         contenders.append(_mars("MARS lossless", length, mode="lossless", cache="cursor"))
     if "lossless-groups" in groups:
@@ -191,6 +199,7 @@ def run_bench(models: dict, eval_set, config: BenchConfig) -> dict:
         "repeats": config.repeats,
         "max_new_tokens": config.max_new_tokens,
         "device": str(next(iter(models.values()))[0].device),
+        "dtype": str(next(iter(models.values()))[0].dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "paper_reference": PAPER_REFERENCE,
         "rows": rows,
@@ -339,7 +348,8 @@ def format_bench_table(report: dict) -> str:
     lines.append("")
     lines.append(
         f"n={report['n']} prompts, {report['repeats']} repeats, max {report['max_new_tokens']} new tokens, "
-        f"device {report['device']}, {report['threads']} threads. Reference: {report['paper_reference']}"
+        f"device {report['device']}, {report.get('dtype', 'float32')}, {report['threads']} threads. "
+        f"Reference: {report['paper_reference']}"
     )
     return "\n".join(lines)
 
@@ -363,7 +373,7 @@ def load_bench_models(config: BenchConfig) -> dict:
         warn_untrained_masks(config.model, "every MARS contender at tau < 1")
     models = {}
     for name, path in (("mars", config.model), ("ar", config.ar_model)):
-        model, tokenizer, _ = load_model(path, device=resolve_device(config.device))
+        model, tokenizer, _ = load_model(path, dtype=config.dtype, device=resolve_device(config.device))
         models[name] = (model, tokenizer)
     return models
 

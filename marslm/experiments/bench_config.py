@@ -10,10 +10,21 @@ from dataclasses import dataclass
 from ..decode.params import check_tau
 from ..errors import UserError
 from ..files import output_file
-from ..settings import check_count, flag_of, floats, ints, setting, strings
+from ..settings import DTYPE_NAMES, check_count, flag_of, floats, ints, setting, strings
 
 # Contender groups `--contenders` selects from; HF generate on the AR checkpoint always runs (the baseline).
-CONTENDER_GROUPS = ("hf-mars", "lookup", "none", "block", "cursor", "cursor-adaptive", "lossless", "lossless-groups")
+CONTENDER_GROUPS = (
+    "hf-mars",
+    "lookup",
+    "none",
+    "block",
+    "cursor",
+    "cursor-adaptive",
+    "lossless",
+    "lossless-groups",
+    "hybrid",
+    "hybrid-groups",
+)
 TRAIN_STEP_FIELDS = (  # BenchConfig's fields that only --train-step reads (an option group of their own)
     "train_step",
     "shape",
@@ -100,7 +111,7 @@ class BenchConfig:
     n: int = setting(32, "prompts per contender and batch size")
     repeats: int = setting(3, "timed repeats, after a warm-up")
     max_new_tokens: int = setting(128, "longest answer, in tokens")
-    taus: list = setting([0.95, 0.9], "comma-separated taus of the MARS threshold contenders", parse=floats)
+    taus: list = setting([0.95, 0.9], "comma-separated taus of the MARS threshold and hybrid contenders", parse=floats)
     contenders: list = setting(
         list(CONTENDER_GROUPS),
         "comma-separated contender groups besides HF generate on --ar-model, which always runs; all by default",
@@ -126,6 +137,9 @@ class BenchConfig:
     attention: str = setting("sdpa", "attention implementation", choices=("sdpa", "eager", "flex"))
     gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass")
     bf16: bool = setting(False, "bf16 autocast (on CUDA, as training's default)")
+    dtype: str = setting(
+        "auto", "weights dtype of the decoded models (auto: as saved; on a CPU bfloat16 may pay)", choices=DTYPE_NAMES
+    )
     device: str = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
     json_path: str | None = setting(None, "write the report as JSON to FILE", flag="--json", metavar="FILE")
     progress: bool = setting(True, "no progress bars", negative="--quiet")
@@ -166,6 +180,8 @@ class BenchConfig:
             )
 
     def _check_train_step(self) -> None:
+        if self.dtype != "auto":
+            raise UserError("--dtype sets the decoded models' weights; --train-step keeps float32 (--bf16: autocast)")
         if (self.model is None) == (self.shape is None):
             raise UserError("--train-step needs exactly one of --model or --shape")
         if not self.seq_lens or min(self.seq_lens) < 2:

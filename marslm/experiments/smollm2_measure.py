@@ -252,7 +252,8 @@ BENCH_DTYPES = ("float32", "bfloat16")
 
 
 def bench_stage(stages: Stages, mars: Path, original: Path, out: Path, preset: RealModelPreset, progress: bool) -> dict:
-    """Decoding speed on held-out toy prompts: lossless and tau 0.95 against HF ``generate`` on the
+    """Decoding speed on held-out prompts of the training distribution (the first of the distilled
+    held-out answers, scored as agreement with them): lossless and tau 0.95 against HF ``generate`` on the
     original, in float32 and bfloat16, at batch 1 and 8, each dtype's contenders interleaved
     (experiments/bench.py) -> OUT/bench.json. Each finished dtype is kept."""
     from ..evaluate import load_eval_set
@@ -273,7 +274,7 @@ def bench_stage(stages: Stages, mars: Path, original: Path, out: Path, preset: R
         contenders=["cursor", "lossless"],
         progress=progress,
     )
-    eval_set = load_eval_set("toy", config.n, seed=preset.seed)
+    eval_set = load_eval_set(f"answers:{out / 'distill' / 'heldout.jsonl'}", config.n)
     for dtype in BENCH_DTYPES:
         if dtype in done:
             continue

@@ -11,10 +11,9 @@ from pathlib import Path
 
 from ..decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
 from ..errors import UserError
-from ..settings import flag_of, setting
+from ..settings import DTYPE_NAMES, flag_of, setting
 
 POLICIES = ("fixed", "adaptive")
-DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 ENGINES = ("marslm", "vllm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

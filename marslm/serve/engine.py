@@ -44,6 +44,7 @@ import torch
 from ..chat import stop_token_ids
 from ..decode import DecodeBatch, DecoderOptions, DecodingParams, TextStream
 from ..decode.costs import MaskBatchLimit, masked_step_costs
+from ..decode.params import TAU_MODES
 from ..errors import UserError
 from .config import ServeConfig
 from .metrics import EngineMetrics
@@ -83,7 +84,7 @@ class _Request:
             "cancelled",
             len(self.prompt_ids),
             [],
-            self.settings.tau if self.settings.mode == "threshold" else None,
+            self.settings.tau if self.settings.mode in TAU_MODES else None,
         )
 
 
@@ -204,7 +205,7 @@ class Engine:
         loop = loop or asyncio.get_running_loop()
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, len(prompt_ids), loop)
-        follows = options.tau is None and options.mode == "threshold"
+        follows = options.tau is None and options.mode in TAU_MODES
         text = TextStream(self.tokenizer, settings.stop) if settings.stop else None
         request = _Request(request_id, list(prompt_ids), settings, follows, text, stream, time.perf_counter())
         with self._lock:
@@ -381,7 +382,7 @@ class Engine:
                 reason,
                 len(r.prompt_ids),
                 row.accepted_per_step,
-                r.settings.tau if r.settings.mode == "threshold" else None,
+                r.settings.tau if r.settings.mode in TAU_MODES else None,
                 text,
             )
             by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, result))

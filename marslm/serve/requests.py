@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass
 
 from ..decode import METRICS, DecodingParams, ParamError
+from ..decode.params import TAU_MODES
 
 # The metrics whose tau lives in (0, 1] with "higher = stricter": the server's default tau applies
 # to them. Entropy runs the other way (accept while H <= tau), so an entropy request names its tau.
@@ -40,7 +41,7 @@ class RequestOptions:
     tau: float | None = None  # None: follow the server's (possibly adaptive) default tau
     metric: str = "prob"
     block_size: int | None = None  # masks per step + 1; at most the block size the model was trained with
-    mode: str = "threshold"  # or "lossless": the masks draft, the next forward verifies
+    mode: str = "threshold"  # or "lossless" (the masks draft, the next forward verifies) or "hybrid"
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -116,7 +117,7 @@ class RequestLimits:
             options.tau is None
             and options.metric in METRICS
             and options.metric not in DEFAULT_TAU_METRICS
-            and options.mode == "threshold"
+            and options.mode in TAU_MODES
         ):
             raise ParamError(
                 f"the server's default tau is a probability; a request with metric "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..config import MarsConfig
 from ..errors import UserError
-from .request_settings import PluginConfig
+from .request_settings import PluginConfig, check_request
 
 PROPOSER = "marslm.vllm.proposer.MarsProposer"
 SCHEDULER = "marslm.vllm.scheduler.MarsScheduler"
@@ -38,6 +38,7 @@ def plugin_config(
     model_dir: str | Path, *, tau: float = 0.95, metric: str = "prob", mode: str = "threshold"
 ) -> PluginConfig:
     """The checkpoint's mask token and block size (``marslm.json``), or none for a plain AR checkpoint."""
+    check_request({"mode": mode})  # the server's default mode, checked as a request's
     mars = MarsConfig.load(model_dir) if Path(model_dir).is_dir() else None
     if mars is not None and mars.exact:
         raise UserError(

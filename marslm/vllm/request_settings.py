@@ -12,6 +12,8 @@ Each request decodes in one of three row modes:
     THRESHOLD  [AR token, mask predictions], the leading confident ones (acceptance.py)
     LOSSLESS   the masks draft, the next forward verifies: greedy output, token for token
 
+Hybrid mode (marslm serve's) is refused here: ``HYBRID_REFUSED`` says why.
+
 This module imports nothing of vLLM, so the CLI and the HTTP middleware can use it too.
 """
 
@@ -23,6 +25,12 @@ from dataclasses import asdict, dataclass
 from ..decode.params import METRICS, MODES, ParamError, check_tau, metric_code, one_token
 
 OFF, THRESHOLD, LOSSLESS = range(3)
+# vLLM's sampler emits at most the drafts it verified and one token after them, and the plugin's
+# scheduler re-feeds accepted mask positions only right after the AR token (sampler.py, scheduler.py)
+HYBRID_REFUSED = (
+    "'mode' hybrid is not served by the vLLM plugin (its sampler cannot accept masks after verified "
+    "drafts); use marslm serve, or mode lossless or threshold"
+)
 FIELDS = ("tau", "metric", "mode")
 CONFIG_KEY = "marslm"
 
@@ -73,6 +81,8 @@ def check_request(fields: dict, greedy: bool = True) -> None:
         raise FieldError(f"'metric' must be one of {', '.join(METRICS)}, got {json.dumps(metric)}", "metric")
     if mode is not None and mode not in MODES:
         raise FieldError(f"'mode' must be one of {', '.join(MODES)}, got {json.dumps(mode)}", "mode")
+    if mode == "hybrid":
+        raise FieldError(HYBRID_REFUSED, "mode")
     if tau is not None:
         try:
             check_tau(float(tau), metric or "prob")

@@ -186,10 +186,31 @@ def test_eval_data_errors(tmp_path):
     with pytest.raises(UserError, match="unknown evaluation data"):
         load_eval_set("nonsense")
     other = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "q", "completion": "a"}])
-    with pytest.raises(UserError, match="not a GSM8K .* or HumanEval"):
+    with pytest.raises(UserError, match="not a GSM8K .* HumanEval .* recorded-answers"):
         load_eval_set(other)
     broken = write_jsonl(
         tmp_path / "he.jsonl", [{"task_id": "T/0", "prompt": "def f():\n", "test": 3, "entry_point": "f"}]
     )
     with pytest.raises(UserError, match=r"he\.jsonl:1: .*'test'"):
         load_eval_set(f"humaneval:{broken}")
+
+
+def test_recorded_answers_eval_set(tmp_path):
+    """A distill output as an evaluation set: the prompt is the conversation before the answer, a
+    response is right when it is the recorded answer, cut answers are skipped."""
+    chat = [{"role": "user", "content": "What is 2 plus 2?"}]
+    records = [
+        {"id": "a", "source": "instructions", "messages": chat + [{"role": "assistant", "content": "4."}]},
+        {"id": "b", "source": "toy", "messages": chat + [{"role": "assistant", "content": "cut"}], "finished": False},
+        {"id": "c", "messages": chat + [{"role": "assistant", "content": " Four. "}], "finished": True},
+    ]
+    path = write_jsonl(tmp_path / "heldout.jsonl", records)
+    eval_set = load_eval_set(path)
+    assert [(ex.id, ex.family) for ex in eval_set.examples] == [("a", "instructions"), ("c", "answers")]
+    assert eval_set.examples[0].messages == chat
+    assert eval_set.score_many(eval_set.examples, ["4.", "Four."]) == [True, True]
+    assert eval_set.score_many(eval_set.examples, ["4", "Four. And more."]) == [False, False]
+    assert [ex.id for ex in load_eval_set(f"answers:{path}", n=1).examples] == ["a"]
+    no_answer = write_jsonl(tmp_path / "open.jsonl", [{"messages": chat}])
+    with pytest.raises(UserError, match="open.jsonl:1: .*assistant"):
+        load_eval_set(no_answer)

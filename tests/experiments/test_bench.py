@@ -28,12 +28,16 @@ def test_bench_smoke(trained_dirs, tmp_path, capsys):
             "--json",
             str(out),
             "--quiet",
+            "--dtype",
+            "float64",
         ]
     )
     assert code == 0
     table = capsys.readouterr().out
     assert "MARS cursor tau=0.95" in table and "refused" in table  # prompt lookup refuses batch 2
+    assert "float64" in table
     report = json.loads(out.read_text())
+    assert report["dtype"] == "float64"
     rows = {(r["contender"], r["batch_size"]): r for r in report["rows"]}
     assert rows[("HF generate (AR ckpt)", 1)]["speedup"] == 1.0
     for (name, batch), row in rows.items():
@@ -42,9 +46,10 @@ def test_bench_smoke(trained_dirs, tmp_path, capsys):
             continue
         assert row["tokens_per_second"] > 0 and row["tokens_per_forward"] >= 1.0
         assert 0.0 <= row["accuracy"] <= 1.0
-    # the lossless claim is checked per row (exact equality is proven in float64 in test_decode.py;
-    # here the models are float32, where a near-tie may legitimately differ)
+    # the lossless claim is checked per row (exact equality is proven in the decoding tests)
     assert isinstance(rows[("MARS lossless", 1)]["same_as_greedy"], bool)
+    assert rows[("MARS hybrid tau=0.95", 2)]["tokens_per_forward"] >= 1.0  # a row per tau, as threshold's
+    assert rows[("MARS hybrid +groups tau=0.9", 1)]["tokens_per_forward"] >= 1.0
 
 
 def test_bench_contender_groups_and_interleaved_repeats(trained_dirs, tmp_path, capsys, monkeypatch):
@@ -138,6 +143,7 @@ def test_bench_config_checks_what_its_mode_reads_when_made():
         (dict(train_step=True), "exactly one of --model or --shape"),
         (dict(train_step=True, shape="smollm2-135m", prompt_share=1.0), "--prompt-share must be in [0, 1), got 1.0"),
         (dict(train_step=True, shape="smollm2-135m", seq_lens=[1]), "every --seq-lens value must be >= 2"),
+        (dict(train_step=True, shape="smollm2-135m", dtype="bfloat16"), "--train-step keeps float32"),
     ]
     for settings, fragment in refused:
         with pytest.raises(UserError) as info:
@@ -166,3 +172,20 @@ def test_contenders_carry_their_decoding_settings_built_once():
     assert (block.decoder.cache, block.decoder.block_cache_size) == ("block", 32)
     groups = contenders["MARS lossless +groups"]
     assert (groups.params.mode, groups.params.max_new_tokens, groups.decoder.draft_groups) == ("lossless", 7, True)
+
+
+def test_hybrid_contenders_run_per_tau_with_and_without_draft_groups():
+    from marslm.experiments.bench import default_contenders
+    from marslm.experiments.bench_config import BenchConfig
+
+    config = BenchConfig(model="m", ar_model="a", taus=[0.9, 0.8], contenders=["hybrid", "hybrid-groups"])
+    contenders = {c.name: c for c in default_contenders(config)}
+    assert list(contenders)[1:] == [
+        "MARS hybrid tau=0.9",
+        "MARS hybrid +groups tau=0.9",
+        "MARS hybrid tau=0.8",
+        "MARS hybrid +groups tau=0.8",
+    ]
+    groups = contenders["MARS hybrid +groups tau=0.8"]
+    assert (groups.params.mode, groups.params.tau, groups.decoder.draft_groups) == ("hybrid", 0.8, True)
+    assert not contenders["MARS hybrid tau=0.9"].decoder.draft_groups
