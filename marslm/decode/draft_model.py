@@ -31,10 +31,40 @@ from .rules import cut_at_stop, verify_drafts
 from .sampling import sampling_probs, speculative_accept
 
 
-def check_drafter_tokenizer(tokenizer, draft_tokenizer) -> None:
-    """Drafts are token ids fed to the target: both must mean the same tokens by them."""
-    if draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise UserError("the draft model's tokenizer differs from the target's; a drafter must share its vocabulary")
+def check_drafter(params: DecodingParams, decoder, target, drafter, mask_token_id) -> None:
+    """Refuse, before decoding, what this decoder cannot run. ``target`` is ``(model, tokenizer)``,
+    ``drafter`` ``(model, tokenizer or None)``."""
+    if params.mode != "threshold" or decoder.cache == "block" or params.stop:
+        raise UserError("a draft model decodes in threshold mode with the cursor cache, without stop strings")
+    check_drafter_vocabulary(target, drafter, mask_token_id)
+
+
+def check_drafter_vocabulary(target, drafter, mask_token_id) -> None:
+    """Drafts are token ids fed to the target: the drafter must mean the same tokens by them.
+
+    The drafter covers every token of the target's tokenizer but its mask token (a MARS target may
+    have added one), and has no output row the target lacks; a given drafter tokenizer must map
+    each token as the target's does (the mask token aside).
+    """
+    (model, tokenizer), (draft_model, draft_tokenizer) = target, drafter
+    vocab = {t: i for t, i in tokenizer.get_vocab().items() if i != mask_token_id}
+    needed, rows, target_rows = max(vocab.values()) + 1, output_rows(draft_model), output_rows(model)
+    if not needed <= rows <= target_rows:
+        raise UserError(
+            f"the draft model's vocabulary ({rows} rows) differs from the target's ({needed} tokens, "
+            f"{target_rows} rows); a drafter must share its tokenizer"
+        )
+    if draft_tokenizer is not None:
+        draft_vocab = {t: i for t, i in draft_tokenizer.get_vocab().items() if i != mask_token_id}
+        if draft_vocab != vocab:
+            raise UserError(
+                "the draft model's tokenizer differs from the target's; a drafter must share its vocabulary"
+            )
+
+
+def output_rows(model) -> int:
+    """The number of token ids a model scores (its output embedding's rows)."""
+    return model.get_output_embeddings().weight.shape[0]
 
 
 class ARDrafter:
@@ -174,26 +204,40 @@ class DraftModelDecoder:
         """The step's tokens (kept drafts, the target's token, group j's confident masks) and how
         many drafts were kept."""
         k = len(drafts)
-        ar = logits[: k + 1]
         if params.temperature > 0:
-            p = _probs(ar, params, self.device)
-            draft = torch.tensor([drafts], device=self.device, dtype=torch.long)
-            qq = q[None] if q is not None else p.new_zeros(1, 0, p.shape[-1])
-            uniform = torch.rand(1, k, generator=generator, device=self.device)
-            kept_t, next_p = speculative_accept(p[None], qq, draft, torch.tensor([k], device=self.device), uniform)
-            kept = int(kept_t[0])
-            correction = int(torch.multinomial(next_p[0], 1, generator=generator)[0])
+            kept, token = self._verify_sampling(logits[: k + 1], drafts, q, params, generator)
         else:
-            draft = np.array([drafts], np.int64).reshape(1, k)
-            kept_a, corr_a = verify_drafts(ar.argmax(-1).cpu().numpy()[None], draft, np.ones((1, k), bool))
-            kept, correction = int(kept_a[0]), int(corr_a[0])
-        tokens = drafts[:kept] + [correction]
-        if n_masks:
-            group = logits[k + 1 + kept * n_masks : k + 1 + (kept + 1) * n_masks]
-            metric = torch.tensor([metric_code(params.metric)])
-            predicted, conf = confidence(group[None].cpu(), metric)
-            # the target's token first (always accepted), then the masks while confident
-            conf = torch.cat([torch.zeros(1, 1), conf], dim=1)
-            extra = int(accept_length(conf, torch.tensor([params.tau]), metric)[0]) - 1
-            tokens += predicted[0, :extra].tolist()
+            kept, token = self._verify_greedy(logits[: k + 1], drafts)
+        tokens = drafts[:kept] + [token]
+        if n_masks:  # group j = kept sits after the kept drafts: its masks follow the target's token
+            tokens += self._confident(logits[k + 1 + kept * n_masks : k + 1 + (kept + 1) * n_masks], params)
         return tokens, kept
+
+    def _verify_greedy(self, ar_logits, drafts):
+        """Drafts kept while equal to the target's argmax, then the target's token after them."""
+        draft = np.array([drafts], np.int64).reshape(1, len(drafts))
+        kept, correction = verify_drafts(ar_logits.argmax(-1).cpu().numpy()[None], draft, np.ones(draft.shape, bool))
+        return int(kept[0]), int(correction[0])
+
+    def _verify_sampling(self, ar_logits, drafts, q, params: DecodingParams, generator):
+        """Speculative sampling: the kept drafts and the token after them are distributed as the
+        target's samples."""
+        k = len(drafts)
+        p = _probs(ar_logits, params, self.device)
+        if q is None:
+            q = p.new_zeros(0, p.shape[-1])
+        # the drafter scores no id past its rows (check_drafter_vocabulary): probability 0 there
+        q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
+        draft = torch.tensor([drafts], device=self.device, dtype=torch.long).reshape(1, k)
+        uniform = torch.rand(1, k, generator=generator, device=self.device)
+        kept, next_p = speculative_accept(p[None], q[None], draft, torch.tensor([k], device=self.device), uniform)
+        return int(kept[0]), int(torch.multinomial(next_p[0], 1, generator=generator)[0])
+
+    def _confident(self, group_logits, params: DecodingParams) -> list[int]:
+        """The group's mask predictions accepted left to right under tau, after the target's token
+        (acceptance.py's rule, whose first candidate is always accepted)."""
+        metric = torch.tensor([metric_code(params.metric)])
+        predicted, conf = confidence(group_logits[None].cpu(), metric)
+        conf = torch.cat([torch.zeros(1, 1), conf], dim=1)  # the target's token, already accepted
+        accept = int(accept_length(conf, torch.tensor([params.tau]), metric)[0])
+        return predicted[0, : accept - 1].tolist()

@@ -137,9 +137,6 @@ def generate(
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
     if draft_model is not None:
-        from .draft_model import check_drafter_tokenizer
-
-        check_drafter_tokenizer(tokenizer, draft_tokenizer)
         check_count("num_draft_tokens", num_draft_tokens, MAX_DRAFT_TOKENS)
     params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
     facts = checkpoint_facts(model, tokenizer, mask_token_id)
@@ -147,6 +144,10 @@ def generate(
     params = params.validate(facts.block_size, context)
     decoder.validate(params, context)
     params.check_mask_token(facts.mask_token_id is not None)
+    if draft_model is not None:
+        from .draft_model import check_drafter
+
+        check_drafter(params, decoder, (model, tokenizer), (draft_model, draft_tokenizer), facts.mask_token_id)
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     for ids in prompt_ids:
         params.check_prompt(len(ids), context)
@@ -157,10 +158,8 @@ def generate(
     )
     streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
     if draft_model is not None:
-        mask_id = facts.mask_token_id  # None: an AR target, plain speculative decoding
-        batch, rows = run_with_drafter(
-            model, draft_model, num_draft_tokens, prompt_ids, params, decoder, mask_id, common
-        )
+        drafting = (draft_model, num_draft_tokens, facts.mask_token_id)  # no mask token: an AR target
+        batch, rows = run_with_drafter(model, drafting, prompt_ids, params, decoder, common, on_finish)
     elif decoder.cache == "block":
         batch = BlockCachedBatch(model, block_cache_size=decoder.block_cache_size, **common)
         rows = run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
@@ -186,14 +185,12 @@ def generate(
     )
 
 
-def run_with_drafter(model, drafted, prompt_ids, params, decoder, common):
-    """Decode each prompt in turn, ``drafted = (draft model, drafts per step, the target's mask
+def run_with_drafter(model, drafting, prompt_ids, params, decoder, common, on_finish=None):
+    """Decode each prompt in turn, ``drafting = (draft model, drafts per step, the target's mask
     token or None)`` (draft_model.py)."""
-    draft_model, k, mask_token_id = drafted
+    draft_model, k, mask_token_id = drafting
     from .draft_model import ARDrafter, DraftModelDecoder
 
-    if decoder.cache == "block" or params.stop:
-        raise UserError("a draft model decodes with the cursor cache and without stop strings")
     decoding = DraftModelDecoder(
         model,
         ARDrafter(draft_model),
@@ -202,11 +199,11 @@ def run_with_drafter(model, drafted, prompt_ids, params, decoder, common):
         stop_ids=common["stop_ids"],
         use_last_mask=decoder.use_last_mask,
     )
-    seed = params.seed
-    rows = [
-        decoding.run_row(ids, replace(params, seed=None if seed is None else seed + i), i)
-        for i, ids in enumerate(prompt_ids)
-    ]
+    seed, rows = params.seed, []
+    for i, ids in enumerate(prompt_ids):
+        rows.append(decoding.run_row(ids, replace(params, seed=None if seed is None else seed + i), i))
+        if on_finish is not None:
+            on_finish(rows[-1])
     return decoding, rows
 
 
