@@ -109,6 +109,29 @@ def test_a_drafter_with_another_vocabulary_is_refused(trained_checkpoints, tiny_
         generate(model, tokenizer, prompts, draft_model=model, draft_tokenizer=tiny_tokenizer)
 
 
+def test_a_drafter_model_with_another_vocabulary_is_refused(trained_checkpoints, prompts, other_vocab_model):
+    """Without a drafter tokenizer, the drafter model's output rows are checked: ids it proposes
+    would be valid for the target, but mean other tokens."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    with pytest.raises(UserError, match="draft model's vocabulary"):
+        generate(model, tokenizer, prompts, max_new_tokens=4, draft_model=other_vocab_model)
+
+
+def test_the_ar_parent_shares_the_vocabulary_but_the_mask_token(trained_checkpoints, prompts):
+    model, tokenizer = trained_checkpoints["mars64"]
+    draft, draft_tokenizer = trained_checkpoints["ar64"]
+    out = generate(model, tokenizer, prompts, max_new_tokens=8, draft_model=draft, draft_tokenizer=draft_tokenizer)
+    assert out.token_ids == hf_greedy(model, tokenizer, prompts, 8)
+
+
+@pytest.mark.parametrize("setting", [dict(mode="lossless"), dict(cache="block"), dict(stop=["x"])])
+def test_settings_a_drafter_cannot_run_are_refused(trained_checkpoints, prompts, setting):
+    model, tokenizer = trained_checkpoints["mars64"]
+    draft = trained_checkpoints["ar64"][0]
+    with pytest.raises(UserError, match="a draft model decodes"):
+        generate(model, tokenizer, prompts, draft_model=draft, tau=0.9, **setting)
+
+
 def test_the_number_of_drafts_is_checked(trained_checkpoints, prompts):
     model, tokenizer = trained_checkpoints["mars64"]
     with pytest.raises(UserError, match="num_draft_tokens"):
@@ -154,3 +177,14 @@ def test_speculative_sampling_is_the_target_distribution(tiny_vocab_model, other
     for positions in ((0, 1), (1, 2), (2,), (0, 1, 2)):
         observed, expected = marginals(samples, exact, positions)
         assert chi_square_p(observed, expected, DRAWS) > 1e-3, positions
+
+
+def test_the_masks_read_are_those_of_the_group_verification_selected():
+    """One draft kept of two: group 1's masks (after draft 1) give the extra tokens, not group 0's."""
+    vocab, n_masks = 10, 2
+    decoder = DraftModelDecoder(torch.nn.Linear(1, 1), None, 2, mask_token_id=9, stop_ids=[], use_last_mask=False)
+    rows = [3, 4, 6] + [5, 5] + [7, 8] + [1, 1]  # AR argmax at pending, draft 1, draft 2; groups 0, 1, 2
+    logits = torch.nn.functional.one_hot(torch.tensor(rows), vocab).double() * 20
+    params = DecodingParams(tau=0.5, block_size=3, max_new_tokens=10).validate()
+    tokens, kept = decoder._accept(logits, [3, 2], None, n_masks, params, None)
+    assert (kept, tokens) == (1, [3, 4, 7, 8])
