@@ -13,7 +13,9 @@ Each step, one row at a time:
 
 At tau 1, or with a target that has no mask token, no masks are fed: plain speculative decoding,
 whose output is the target's (greedy token for token, or in distribution). Rows decode one after
-another (batch size 1 per row).
+another (batch size 1 per row). Before any decoding, ``check_drafter`` refuses a drafter of
+another vocabulary and the settings this loop does not run (other modes, the block cache, stop
+strings).
 """
 
 from __future__ import annotations

@@ -128,9 +128,11 @@ def generate(
     are replaced by waiting prompts between steps. ``on_finish(row)`` is called as rows finish.
     ``mask_token_id`` overrides the checkpoint's mask token.
 
-    ``draft_model`` (an HF causal LM sharing the target's vocabulary; ``draft_tokenizer``, if
-    given, is checked for that) proposes ``num_draft_tokens`` per step, which the model verifies,
-    adding its confident masks under tau after them (draft_model.py; rows decode one at a time).
+    ``draft_model`` (an HF causal LM sharing the target's vocabulary: its output rows are checked
+    against the target's, and ``draft_tokenizer``, if given, token by token) proposes
+    ``num_draft_tokens`` per step, which the model verifies, adding its confident masks under tau
+    after them (draft_model.py; threshold mode, cursor cache, no stop strings; rows decode one at
+    a time).
     """
     from ..modeling import checkpoint_facts, model_context
 
