@@ -55,6 +55,7 @@ class CheckedDrafter(ARDrafter):
             fresh = self.model(input_ids=fed).logits[0, len(ids) - 1 :].argmax(-1).tolist()
         assert drafts == fresh
         assert len(self.cached) == len(ids) + k - 1
+        assert self.cache.get_seq_length() == len(self.cached)  # no rejected draft's keys/values left
         return drafts, q
 
     def reset(self):
