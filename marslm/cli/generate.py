@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
     add_options(decoder, DecoderOptions, skip=("adaptive_width", "mask_batch_limit"))
     add_adaptive_width(decoder)
     add_device(decoder)
+    decoder.add_argument("--draft-model", metavar="PATH", help="an AR model of the same vocabulary drafting for MODEL")
+    decoder.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="drafts per step (default 4)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     parser.set_defaults(run=run)
@@ -38,8 +40,11 @@ def run(args) -> int:
     from .common import load_for_decoding
 
     decoder = from_args(DecoderOptions, args)
+    drafting = load_drafter(args)
     model, tokenizer, params = load_for_decoding(args.model, from_args(DecodingParams, args), args.device, decoder)
-    result = generate(model, tokenizer, [args.prompt], params, decoder, apply_chat_template=not args.no_chat_template)
+    result = generate(
+        model, tokenizer, [args.prompt], params, decoder, apply_chat_template=not args.no_chat_template, **drafting
+    )
     if args.json:
         print(
             json.dumps(
@@ -49,9 +54,23 @@ def run(args) -> int:
                     "forwards": result.forwards[0],
                     "tokens_per_forward": round(result.tokens_per_forward, 4),
                     "accepted_per_step": result.accepted_per_step[0],
+                    "drafter_forwards": result.stats.drafter_forwards,
                 }
             )
         )
     else:
         print(result.texts[0])
     return 0
+
+
+def load_drafter(args) -> dict:
+    """``generate``'s drafting keywords from ``--draft-model`` / ``--num-draft-tokens`` (none without a drafter)."""
+    if args.draft_model is None:
+        return {}
+    from ..decode.generation import MAX_DRAFT_TOKENS
+    from ..modeling import load_model, resolve_device
+    from ..settings import check_count
+
+    check_count("--num-draft-tokens", args.num_draft_tokens, MAX_DRAFT_TOKENS)
+    draft_model, draft_tokenizer, _ = load_model(args.draft_model, device=resolve_device(args.device))
+    return dict(draft_model=draft_model, draft_tokenizer=draft_tokenizer, num_draft_tokens=args.num_draft_tokens)

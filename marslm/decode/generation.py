@@ -6,11 +6,14 @@ from dataclasses import dataclass, field, fields, replace
 
 from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
+from ..settings import check_count
 from .batch import DecodeBatch
 from .block_cache import BlockCachedBatch
 from .params import DecoderOptions, DecodingParams
 from .rows import BatchStats, FinishedRow
 from .text import TextStream
+
+MAX_DRAFT_TOKENS = 16  # drafts per step; each adds a mask group to the target's forward
 
 
 @dataclass
@@ -100,6 +103,9 @@ def generate(
     batch_size: int | None = None,
     mask_token_id: int | None = None,
     on_finish=None,
+    draft_model=None,
+    num_draft_tokens: int = 4,
+    draft_tokenizer=None,
     **overrides,
 ) -> GenerationResult:
     """Decode ``prompts`` (strings, message lists or token-id lists) with the MARS sliding window.
@@ -121,17 +127,29 @@ def generate(
     ``batch_size`` caps the rows decoded together (default: all prompts at once); finished rows
     are replaced by waiting prompts between steps. ``on_finish(row)`` is called as rows finish.
     ``mask_token_id`` overrides the checkpoint's mask token.
+
+    ``draft_model`` (an HF causal LM sharing the target's vocabulary: its output rows are checked
+    against the target's, and ``draft_tokenizer``, if given, token by token) proposes
+    ``num_draft_tokens`` per step, which the model verifies, adding its confident masks under tau
+    after them (draft_model.py; threshold mode, cursor cache, no stop strings; rows decode one at
+    a time).
     """
     from ..modeling import checkpoint_facts, model_context
 
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
+    if draft_model is not None:
+        check_count("num_draft_tokens", num_draft_tokens, MAX_DRAFT_TOKENS)
     params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
     facts = checkpoint_facts(model, tokenizer, mask_token_id)
     context = model_context(model)
     params = params.validate(facts.block_size, context)
     decoder.validate(params, context)
     params.check_mask_token(facts.mask_token_id is not None)
+    if draft_model is not None:
+        from .draft_model import check_drafter
+
+        check_drafter(params, decoder, (model, tokenizer), (draft_model, draft_tokenizer), facts.mask_token_id)
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     for ids in prompt_ids:
         params.check_prompt(len(ids), context)
@@ -141,7 +159,10 @@ def generate(
         stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
     streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
-    if decoder.cache == "block":
+    if draft_model is not None:
+        drafting = (draft_model, num_draft_tokens, facts.mask_token_id)  # no mask token: an AR target
+        batch, rows = run_with_drafter(model, drafting, prompt_ids, params, decoder, common, on_finish)
+    elif decoder.cache == "block":
         batch = BlockCachedBatch(model, block_cache_size=decoder.block_cache_size, **common)
         rows = run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
     else:
@@ -164,6 +185,28 @@ def generate(
         accepted_per_step=[r.accepted_per_step for r in rows],
         stats=batch.stats,
     )
+
+
+def run_with_drafter(model, drafting, prompt_ids, params, decoder, common, on_finish=None):
+    """Decode each prompt in turn, ``drafting = (draft model, drafts per step, the target's mask
+    token or None)`` (draft_model.py)."""
+    draft_model, k, mask_token_id = drafting
+    from .draft_model import ARDrafter, DraftModelDecoder
+
+    decoding = DraftModelDecoder(
+        model,
+        ARDrafter(draft_model),
+        k,
+        mask_token_id=mask_token_id,
+        stop_ids=common["stop_ids"],
+        use_last_mask=decoder.use_last_mask,
+    )
+    seed, rows = params.seed, []
+    for i, ids in enumerate(prompt_ids):
+        rows.append(decoding.run_row(ids, replace(params, seed=None if seed is None else seed + i), i))
+        if on_finish is not None:
+            on_finish(rows[-1])
+    return decoding, rows
 
 
 def with_overrides(params: DecodingParams, decoder: DecoderOptions, overrides: dict):

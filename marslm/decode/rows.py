@@ -43,6 +43,7 @@ class BatchStats:
     peak_cache_slots: int = 0  # widest the cache got, holes included
     masked_row_steps: int = 0  # rows that took part in steps that fed masks, summed over those steps
     masked_row_tokens: int = 0  # and the tokens they accepted there
+    drafter_forwards: int = 0  # a separate draft model's calls (draft_model.py); forwards counts the target's
 
 
 @dataclass

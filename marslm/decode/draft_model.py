@@ -1,0 +1,245 @@
+"""Speculative decoding with a separate draft model, composed with MARS (the paper, section 4.6).
+
+Each step, one row at a time:
+
+    draft    an AR drafter (its own KV cache) proposes K tokens
+    verify   one target forward over [pending | K drafts | K + 1 groups of masks]; group g sits
+             after draft g and sees the prefix and drafts 1..g (masks.py's group layout)
+    accept   the drafts the target confirms (greedy: equal to its argmax; sampling: speculative
+             sampling, exact), then the target's token after them; then, from group j (j drafts
+             kept), a confident left-to-right prefix of its mask predictions under the row's tau
+    commit   both caches keep only the accepted tokens: the target drops masks and rejected
+             drafts, the drafter crops back to the longest prefix it shares with the output
+
+At tau 1, or with a target that has no mask token, no masks are fed: plain speculative decoding,
+whose output is the target's (greedy token for token, or in distribution). Rows decode one after
+another (batch size 1 per row). Before any decoding, ``check_drafter`` refuses a drafter of
+another vocabulary and the settings this loop does not run (other modes, the block cache, stop
+strings).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from ..errors import UserError
+from ..masks import decode_step_mask, for_attention
+from .acceptance import accept_length, confidence
+from .params import DecodingParams, metric_code
+from .rows import BatchStats, FinishedRow
+from .rules import cut_at_stop, verify_drafts
+from .sampling import sampling_probs, speculative_accept
+
+
+def check_drafter(params: DecodingParams, decoder, target, drafter, mask_token_id) -> None:
+    """Refuse, before decoding, what this decoder cannot run. ``target`` is ``(model, tokenizer)``,
+    ``drafter`` ``(model, tokenizer or None)``."""
+    if params.mode != "threshold" or decoder.cache == "block" or params.stop:
+        raise UserError("a draft model decodes in threshold mode with the cursor cache, without stop strings")
+    check_drafter_vocabulary(target, drafter, mask_token_id)
+
+
+def check_drafter_vocabulary(target, drafter, mask_token_id) -> None:
+    """Drafts are token ids fed to the target: the drafter must mean the same tokens by them.
+
+    The drafter covers every token of the target's tokenizer but its mask token (a MARS target may
+    have added one), and has no output row the target lacks; a given drafter tokenizer must map
+    each token as the target's does (the mask token aside).
+    """
+    (model, tokenizer), (draft_model, draft_tokenizer) = target, drafter
+    vocab = {t: i for t, i in tokenizer.get_vocab().items() if i != mask_token_id}
+    needed, rows, target_rows = max(vocab.values()) + 1, output_rows(draft_model), output_rows(model)
+    if not needed <= rows <= target_rows:
+        raise UserError(
+            f"the draft model's vocabulary ({rows} rows) differs from the target's ({needed} tokens, "
+            f"{target_rows} rows); a drafter must share its tokenizer"
+        )
+    if draft_tokenizer is not None:
+        draft_vocab = {t: i for t, i in draft_tokenizer.get_vocab().items() if i != mask_token_id}
+        if draft_vocab != vocab:
+            raise UserError(
+                "the draft model's tokenizer differs from the target's; a drafter must share its vocabulary"
+            )
+
+
+def output_rows(model) -> int:
+    """The number of token ids a model scores (its output embedding's rows)."""
+    return model.get_output_embeddings().weight.shape[0]
+
+
+class ARDrafter:
+    """An HF causal LM proposing tokens from its own KV cache, which it rolls back to the longest
+    prefix it shares with the text when drafts are rejected."""
+
+    def __init__(self, model):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.forwards = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache, self.cached = DynamicCache(), []  # the ids whose keys/values the cache holds
+
+    def rollback(self, ids: list[int]) -> None:
+        """Keep only the cached tokens that are a prefix of ``ids``."""
+        keep = 0
+        for a, b in zip(self.cached, ids):
+            if a != b:
+                break
+            keep += 1
+        if keep < len(self.cached):
+            crop_to(self.cache, keep)
+            self.cached = self.cached[:keep]
+
+    @torch.no_grad()
+    def propose(self, ids: list[int], k: int, params: DecodingParams, generator):
+        """``k`` drafts after ``ids`` and, sampling, the ``[k, vocab]`` distributions drawn from."""
+        self.rollback(ids)
+        if len(self.cached) == len(ids):  # the last token must be fed to read its output
+            self.rollback(ids[:-1])
+        drafts, dists, feed = [], [], ids[len(self.cached) :]
+        for _ in range(k):
+            logits = self._forward(feed)
+            if params.temperature > 0:
+                q = self._probs(logits, params)
+                token = int(torch.multinomial(q, 1, generator=generator)[0])
+                dists.append(q)
+            else:
+                token = int(logits.argmax())
+            drafts.append(token)
+            feed = [token]
+        return drafts, (torch.stack(dists) if dists else None)
+
+    def _forward(self, feed: list[int]) -> torch.Tensor:
+        start = len(self.cached)
+        ids = torch.tensor([feed], device=self.device)
+        positions = torch.arange(start, start + len(feed), device=self.device)[None]
+        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
+        self.forwards += 1
+        self.cached += feed
+        return out.logits[0, -1]
+
+    def _probs(self, logits: torch.Tensor, params: DecodingParams) -> torch.Tensor:
+        return _probs(logits[None], params, self.device)[0]
+
+
+def crop_to(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` tokens' keys/values (``crop`` takes how many to remove)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _probs(logits: torch.Tensor, params: DecodingParams, device) -> torch.Tensor:
+    """``sampling_probs`` for one row's ``[n, vocab]`` logits."""
+    t, p, k = (torch.tensor([v], device=device) for v in (params.temperature, params.top_p, params.top_k))
+    return sampling_probs(logits[None], t, p, k)[0]
+
+
+class DraftModelDecoder:
+    """Decodes rows with ``drafter`` proposing ``num_draft_tokens`` per step and ``model`` verifying."""
+
+    def __init__(self, model, drafter: ARDrafter, num_draft_tokens: int, *, mask_token_id, stop_ids, use_last_mask):
+        self.model, self.drafter, self.k = model, drafter, num_draft_tokens
+        self.device = next(model.parameters()).device
+        self.mask_token_id = mask_token_id  # None: an AR target, plain speculative decoding
+        self.stop_ids = np.array(stop_ids, dtype=np.int64)
+        self.use_last_mask = use_last_mask
+        self.stats = BatchStats()
+
+    @torch.no_grad()
+    def run_row(self, prompt: list[int], params: DecodingParams, request_id) -> FinishedRow:
+        generator = torch.Generator(device=self.device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
+        self.drafter.reset()
+        cache, ids, cached, steps, stopped = DynamicCache(), list(prompt), 0, [], False
+        n_masks = 0
+        if self.mask_token_id is not None and not params.one_token:
+            n_masks = params.block_size - 1 + self.use_last_mask
+        while not stopped and len(ids) - len(prompt) < params.max_new_tokens:
+            room = params.max_new_tokens - (len(ids) - len(prompt))
+            k = min(self.k, room - 1)
+            drafts, q = self.drafter.propose(ids, k, params, generator) if k > 0 else ([], None)
+            logits = self._verify_forward(cache, ids[cached:], cached, len(ids), drafts, n_masks)
+            self.stats.forwards += 1
+            tokens, kept = self._accept(logits, drafts, q, n_masks, params, generator)
+            accept, stop = cut_at_stop(np.array([tokens]), np.array([min(len(tokens), room)]), self.stop_ids)
+            accept, stopped = int(accept[0]), bool(stop[0])
+            crop_to(cache, len(ids) + min(kept, accept))  # pending and the accepted drafts; no masks
+            cached = len(ids) + min(kept, accept)
+            ids += tokens[:accept]
+            steps.append(accept)
+        self.stats.drafter_forwards = self.drafter.forwards
+        new = ids[len(prompt) :]
+        return FinishedRow(request_id, new[:-1] if stopped else new, stopped, steps, None)
+
+    def _verify_forward(self, cache, pending, cached, length, drafts, n_masks):
+        """Logits at the last pending token, each draft and every mask: ``[K + 1 + (K + 1) * masks, vocab]``."""
+        k, groups = len(drafts), len(drafts) + 1 if n_masks else 1
+        sees = np.arange(groups)[None] if n_masks else np.array([[k]])
+        input_ids = pending + drafts + [self.mask_token_id] * (groups * n_masks)
+        positions = list(range(cached, length)) + list(range(length, length + k))
+        positions += [length + g + c for g in range(groups) for c in range(n_masks)]
+        mask = decode_step_mask(
+            np.ones((1, cached), bool),
+            np.ones((1, len(pending)), bool),
+            np.ones((1, k), bool),
+            sees,
+            np.ones((1, groups), bool),
+            n_masks,
+        )
+        logits = self.model(
+            input_ids=torch.tensor([input_ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            attention_mask=for_attention(torch.from_numpy(mask).to(self.device), self.model),
+            cache=cache,
+            use_cache=True,
+        ).logits[0]
+        return logits[len(pending) - 1 :]
+
+    def _accept(self, logits, drafts, q, n_masks, params: DecodingParams, generator):
+        """The step's tokens (kept drafts, the target's token, group j's confident masks) and how
+        many drafts were kept."""
+        k = len(drafts)
+        if params.temperature > 0:
+            kept, token = self._verify_sampling(logits[: k + 1], drafts, q, params, generator)
+        else:
+            kept, token = self._verify_greedy(logits[: k + 1], drafts)
+        tokens = drafts[:kept] + [token]
+        if n_masks:  # group j = kept sits after the kept drafts: its masks follow the target's token
+            tokens += self._confident(logits[k + 1 + kept * n_masks : k + 1 + (kept + 1) * n_masks], params)
+        return tokens, kept
+
+    def _verify_greedy(self, ar_logits, drafts):
+        """Drafts kept while equal to the target's argmax, then the target's token after them."""
+        draft = np.array([drafts], np.int64).reshape(1, len(drafts))
+        kept, correction = verify_drafts(ar_logits.argmax(-1).cpu().numpy()[None], draft, np.ones(draft.shape, bool))
+        return int(kept[0]), int(correction[0])
+
+    def _verify_sampling(self, ar_logits, drafts, q, params: DecodingParams, generator):
+        """Speculative sampling: the kept drafts and the token after them are distributed as the
+        target's samples."""
+        k = len(drafts)
+        p = _probs(ar_logits, params, self.device)
+        if q is None:
+            q = p.new_zeros(0, p.shape[-1])
+        # the drafter scores no id past its rows (check_drafter_vocabulary): probability 0 there
+        q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
+        draft = torch.tensor([drafts], device=self.device, dtype=torch.long).reshape(1, k)
+        uniform = torch.rand(1, k, generator=generator, device=self.device)
+        kept, next_p = speculative_accept(p[None], q[None], draft, torch.tensor([k], device=self.device), uniform)
+        return int(kept[0]), int(torch.multinomial(next_p[0], 1, generator=generator)[0])
+
+    def _confident(self, group_logits, params: DecodingParams) -> list[int]:
+        """The group's mask predictions accepted left to right under tau, after the target's token
+        (acceptance.py's rule, whose first candidate is always accepted)."""
+        metric = torch.tensor([metric_code(params.metric)])
+        predicted, conf = confidence(group_logits[None].cpu(), metric)
+        conf = torch.cat([torch.zeros(1, 1), conf], dim=1)  # the target's token, already accepted
+        accept = int(accept_length(conf, torch.tensor([params.tau]), metric)[0])
+        return predicted[0, : accept - 1].tolist()
