@@ -134,42 +134,61 @@ def generate(
     after them (draft_model.py; threshold mode, cursor cache, no stop strings; rows decode one at
     a time).
     """
-    from ..modeling import checkpoint_facts, model_context
+    from ..modeling import model_context
 
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
     if draft_model is not None:
         check_count("num_draft_tokens", num_draft_tokens, MAX_DRAFT_TOKENS)
     params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
+    params, facts, common = _checked(model, tokenizer, params, decoder, mask_token_id, (draft_model, draft_tokenizer))
+    prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
+    for ids in prompt_ids:
+        params.check_prompt(len(ids), model_context(model))
+    streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
+    drafting = None if draft_model is None else (draft_model, num_draft_tokens, facts.mask_token_id)
+    batch, rows = _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting)
+    return _result(tokenizer, rows, streams, batch.stats)
+
+
+def _checked(model, tokenizer, params, decoder, mask_token_id, drafter):
+    """``(params resolved against the checkpoint, its facts, the ids every decoder takes)``, every
+    setting checked before any prompt is encoded; ``drafter``: ``(draft model or None, its
+    tokenizer or None)``."""
+    from ..modeling import checkpoint_facts, model_context
+
     facts = checkpoint_facts(model, tokenizer, mask_token_id)
     context = model_context(model)
     params = params.validate(facts.block_size, context)
     decoder.validate(params, context)
     params.check_mask_token(facts.mask_token_id is not None)
-    if draft_model is not None:
+    if drafter[0] is not None:
         from .draft_model import check_drafter
 
-        check_drafter(params, decoder, (model, tokenizer), (draft_model, draft_tokenizer), facts.mask_token_id)
-    prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
-    for ids in prompt_ids:
-        params.check_prompt(len(ids), context)
+        check_drafter(params, decoder, (model, tokenizer), drafter, facts.mask_token_id)
     common = dict(
         mask_token_id=facts.mask_token_id if facts.mask_token_id is not None else facts.pad_id,
         pad_id=facts.pad_id,
         stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
-    streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
-    if draft_model is not None:
-        drafting = (draft_model, num_draft_tokens, facts.mask_token_id)  # no mask token: an AR target
-        batch, rows = run_with_drafter(model, drafting, prompt_ids, params, decoder, common, on_finish)
-    elif decoder.cache == "block":
+    return params, facts, common
+
+
+def _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting):
+    """``(decoder, rows)``: every prompt decoded by the loop the settings call for."""
+    if drafting is not None:  # a target without a mask token: plain speculative decoding
+        return run_with_drafter(model, drafting, prompt_ids, params, decoder, common, on_finish)
+    if decoder.cache == "block":
         batch = BlockCachedBatch(model, block_cache_size=decoder.block_cache_size, **common)
-        rows = run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
-    else:
-        batch = DecodeBatch.with_options(model, decoder, **common)
-        seed = params.seed
-        per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompts))]
-        rows = run_to_completion(batch, prompt_ids, per_prompt, batch_size, streams, on_finish)
+        return batch, run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
+    batch = DecodeBatch.with_options(model, decoder, **common)
+    seed = params.seed
+    per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompt_ids))]
+    return batch, run_to_completion(batch, prompt_ids, per_prompt, batch_size, streams, on_finish)
+
+
+def _result(tokenizer, rows: list[FinishedRow], streams: dict, stats: BatchStats) -> GenerationResult:
+    """Texts and token ids per prompt, a stop string's cut applied where one ended the row."""
     texts, token_ids = [], []
     for i, row in enumerate(rows):
         if i in streams:
@@ -183,7 +202,7 @@ def generate(
         token_ids=token_ids,
         forwards=[r.forwards for r in rows],
         accepted_per_step=[r.accepted_per_step for r in rows],
-        stats=batch.stats,
+        stats=stats,
     )
 
 
