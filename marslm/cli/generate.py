@@ -46,18 +46,16 @@ def run(args) -> int:
         model, tokenizer, [args.prompt], params, decoder, apply_chat_template=not args.no_chat_template, **drafting
     )
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "text": result.texts[0],
-                    "tokens": len(result.token_ids[0]),
-                    "forwards": result.forwards[0],
-                    "tokens_per_forward": round(result.tokens_per_forward, 4),
-                    "accepted_per_step": result.accepted_per_step[0],
-                    "drafter_forwards": result.stats.drafter_forwards,
-                }
-            )
-        )
+        report = {
+            "text": result.texts[0],
+            "tokens": len(result.token_ids[0]),
+            "forwards": result.forwards[0],
+            "tokens_per_forward": round(result.tokens_per_forward, 4),
+            "accepted_per_step": result.accepted_per_step[0],
+        }
+        if drafting:  # the target's forwards above; the drafter's beside them
+            report["drafter_forwards"] = result.stats.drafter_forwards
+        print(json.dumps(report))
     else:
         print(result.texts[0])
     return 0
