@@ -33,6 +33,7 @@ COMMON = dict(
     warmup_ratio=0.05,
     save_steps=20,
     logging_steps=10,
+    soft_clean=0.0,  # the anchor only where an arm names it (full mode's default on distilled data)
 )
 # Exact mode's common settings: its own learning rate (the adapter starts from zero).
 EXACT = dict(exact=True, learning_rate=1e-3)

@@ -232,6 +232,46 @@ def test_soft_clean_anchors_to_the_starting_model_through_the_trainer(base, writ
     assert again == anchored  # the second run read the teacher's cache
 
 
+@pytest.mark.parametrize(
+    "options, share",
+    [
+        (dict(stage="mars"), 1.0),  # full MARS on the model's own answers: the anchor
+        (dict(stage="mars", soft_clean=0.0), 0.0),
+        (dict(stage="mars", soft_clean=0.5), 0.5),
+        (dict(stage="ar"), 0.0),
+        (dict(stage="mars", exact=True), 0.0),
+        (dict(stage="mars", mask_only=True), 0.0),
+        (dict(stage="mars", data="chat"), 0.0),  # conversations, not the model's answers
+    ],
+)
+def test_the_kl_anchor_is_the_full_modes_default_on_distilled_data(
+    options, share, tiny_tokenizer, write_chat_jsonl, tmp_path
+):
+    data = {"chat": write_chat_jsonl(tmp_path / "chat.jsonl", 2)}.get(
+        options.pop("data", None), _distill_file(tiny_tokenizer, tmp_path / "d.jsonl")
+    )
+    cfg = TrainConfig(model="m", data=str(data), output=str(tmp_path / "o"), **options)
+    assert cfg.soft_clean in (None, share)  # given or left to the default
+    assert cfg.with_defaults().soft_clean == share
+
+
+def test_a_full_run_on_distilled_data_anchors_through_the_teacher(tiny_tokenizer, base, tmp_path, monkeypatch):
+    """The default reaches training: the teacher pass runs, and the run's settings record the share,
+    so a resumed run compares definite values."""
+    import json
+
+    from marslm.training import teacher
+
+    calls = []
+    real = teacher.teacher_top_k
+    monkeypatch.setattr(teacher, "teacher_top_k", lambda *a, **k: calls.append(1) or real(*a, **k))
+    data = _distill_file(tiny_tokenizer, tmp_path / "d.jsonl")
+    _train(base, data, tmp_path / "o", max_steps=1, teacher_top_k=4)
+    assert calls == [1]
+    settings = json.loads((tmp_path / "o" / "marslm.json").read_text())
+    assert settings["extra"]["settings"]["soft_clean"] == 1.0
+
+
 def test_soft_target_and_optimizer_settings_are_checked(base, write_chat_jsonl, tmp_path):
     with pytest.raises(UserError, match="--soft-masked"):
         TrainConfig(stage="ar", model=str(base), data="toy", output=str(tmp_path / "o"), soft_masked=0.5).validate()

@@ -7,7 +7,7 @@ so the CLI builds its parser and refuses a bad command line without loading torc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import DEFAULT_BLOCK_SIZE, STAGES
@@ -203,11 +203,13 @@ class TrainConfig:
         "accepts first, count most; 1 weighs them alike (stage mars)",
         metavar="DECAY",
     )
-    soft_clean: float = setting(
-        0.0,
+    soft_clean: float | None = setting(
+        None,
         "share of the original model's own next-token distribution in the clean stream's targets, "
         "the rest the data's token: 1 is a KL to the original, an anchor that pulls drift back "
-        "instead of sharpening (its top-k is kept in one pass before training: --teacher-top-k)",
+        "instead of sharpening (its top-k is kept in one pass before training: --teacher-top-k). "
+        "Default: 1 where stage mars trains the model's weights on a `marslm distill` file (the "
+        "model's own answers), else 0",
         metavar="S",
     )
     soft_masked: float = setting(
@@ -256,7 +258,8 @@ class TrainConfig:
         check_range(flag("adam_epsilon"), self.adam_epsilon, low=0, low_open=True)
         check_range(flag("epochs"), self.epochs, low=0)
         check_range(flag("max_grad_norm"), self.max_grad_norm, low=0)
-        check_range(flag("soft_clean"), self.soft_clean, low=0, high=1)
+        if self.soft_clean is not None:
+            check_range(flag("soft_clean"), self.soft_clean, low=0, high=1)
         check_range(flag("soft_masked"), self.soft_masked, low=0, high=1)
         for name in COUNTS:
             value = getattr(self, name)
@@ -328,6 +331,22 @@ class TrainConfig:
                     f"{flag('exact')} keeps the model frozen and trains only its adapter: drop {flag(name)}"
                     + (" (the masked stream alone keeps activations)" if name == "gradient_checkpointing" else "")
                 )
+
+    def with_defaults(self) -> TrainConfig:
+        """The settings whose default depends on the others (and on the data) made definite: call
+        once, after :meth:`validate`, and train from the result."""
+        if self.soft_clean is not None:
+            return self
+        return replace(self, soft_clean=1.0 if self._anchors_by_default() else 0.0)
+
+    def _anchors_by_default(self) -> bool:
+        # On the model's own answers the data's token and the model's distribution agree at the
+        # argmax, so the anchor costs no learning and keeps the model closer (docs/results.md,
+        # section 7). Exact mode and the mask row alone leave the clean stream's logits unchanged.
+        from ..distill import is_distill_file
+
+        trains_weights = not (self.exact or self.mask_only)
+        return self.stage == "mars" and trains_weights and is_distill_file(self.data)
 
     def _given(self, name: str) -> bool:
         """Whether a setting differs from its default: the CLI fills in every default, so a flag

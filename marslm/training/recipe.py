@@ -40,6 +40,7 @@ from .checkpoints import (
     one_run_per_output,
     partial_dir_of,
     resumes_same_data,
+    run_settings,
     save_atomically,
     train_from,
 )
@@ -110,6 +111,7 @@ def train(cfg: TrainConfig, callbacks=(), model=None, tokenizer=None) -> TrainSu
     """Run one training stage end to end; returns a summary. ``model``/``tokenizer`` skip loading.
     One run per output at a time; a run that fails before its first checkpoint leaves nothing."""
     started = time.time()
+    cfg = cfg.with_defaults()
     resume = _check(cfg, model)
     with one_run_per_output(cfg.output), nothing_left_on_failure(partial_dir_of(cfg.output)):
         return _train(cfg, callbacks, model, tokenizer, resume, started)
@@ -171,7 +173,8 @@ def _train(cfg: TrainConfig, callbacks, model, tokenizer, resume: bool, started:
         log.warning(
             "the mask token needed a new embedding row: %d -> %d parameters", parameters_before, summary.parameters
         )
-    record = objective.record(cfg, adapter, extra={"train": asdict(summary), **cfg.extra})
+    extra = {"train": asdict(summary), "settings": run_settings(cfg), **cfg.extra}
+    record = objective.record(cfg, adapter, extra=extra)
     save_atomically(trainer, record, Path(cfg.output), partial_dir, overwrite=cfg.overwrite)
     return summary
 
