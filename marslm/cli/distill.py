@@ -9,7 +9,7 @@ COMMAND = "distill"
 
 
 def add_parser(sub) -> None:
-    from ..distill import DEFAULT_PROMPTS
+    from ..distill import DEFAULT_BATCH, DEFAULT_PROMPTS
 
     dist = sub.add_parser(
         COMMAND,
@@ -36,7 +36,9 @@ def add_parser(sub) -> None:
     )
     dist.add_argument("--seed", type=int, default=0, help="seed of the generated sources")
     dist.add_argument("--max-new-tokens", type=int, default=128, help="longest answer (default 128)")
-    dist.add_argument("--batch-size", type=int, default=16, help="rows decoded together (default 16)")
+    dist.add_argument(
+        "--batch-size", type=int, default=DEFAULT_BATCH, help=f"rows decoded together (default {DEFAULT_BATCH})"
+    )
     add_device(dist)
     dist.add_argument("--quiet", action="store_true", help="no progress bar")
     dist.set_defaults(run=run)

@@ -34,7 +34,7 @@ class RealModelPreset:
     curve_points: int = 6
     curve_prompts: int = 16
     curve_tokens: int = 64
-    distill_batch: int = 16
+    distill_batch: int = 64
     eval_batch: int = 16
     bench_prompts: int = 8  # decoding speed: prompts and new tokens per contender
     bench_tokens: int = 64
