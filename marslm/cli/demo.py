@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
         help="quick: a smoke run in minutes; default: the quoted numbers; plateau: an AR stage "
         "trained to its plateau; short: AR stopped half way up its learning curve; smollm2: MARS on "
         "SmolLM2-135M-Instruct, about 70 minutes on 2 cores (needs `make smollm2`'s packages); "
-        "smollm2-long: its learning curve on 4x the answers and steps, about 3.5 hours; "
+        "smollm2-long: its learning curve on 4x the answers and steps, about 3 hours; smollm2-fresh: "
+        "its steps on twice the answers, one pass instead of two; "
         "smollm2-quick: the same plumbing in a few minutes, no quality claims",
     )
     demo.add_argument(
