@@ -59,36 +59,29 @@ def training_config(preset: RealModelPreset, original: Path, data: Path, output:
     )
 
 
+# The CPU recipe, from scripts/ablate_smollm2.py (docs/results.md, section 7): exact mode, so the
+# original's outputs stay its own by construction.
+_RECIPE = RealModelPreset(
+    train_prompts="instructions:1200,toy:300",
+    heldout_instructions=48,
+    heldout_toy=32,
+    max_new_tokens=128,
+    train=dict(max_steps=300, exact=True, learning_rate=1e-3, lora_rank=32, random_phase=True),
+)
+
 SMOLLM2_PRESETS = {
-    # The CPU recipe, from scripts/ablate_smollm2.py (docs/results.md, section 7): exact mode, so
-    # the original's outputs stay its own by construction.
-    "smollm2": RealModelPreset(
-        train_prompts="instructions:1200,toy:300",
-        heldout_instructions=48,
-        heldout_toy=32,
-        max_new_tokens=128,
-        train=dict(max_steps=300, exact=True, learning_rate=1e-3, lora_rank=32, random_phase=True),
-    ),
+    "smollm2": _RECIPE,
     # The learning curve past the flat second pass: the same recipe on four times the fresh
     # answers, 9,600 examples (1.6 passes); about 3 hours on 2 cores, resumable at every stage.
-    "smollm2-long": RealModelPreset(
+    "smollm2-long": replace(
+        _RECIPE,
         train_prompts="instructions:4800,toy:1200",
-        heldout_instructions=48,
-        heldout_toy=32,
-        max_new_tokens=128,
-        train=dict(max_steps=1200, exact=True, learning_rate=1e-3, lora_rank=32, random_phase=True),
+        train={**_RECIPE.train, "max_steps": 1200},
         curve_points=12,
     ),
     # The preset's budget and schedule on twice the fresh answers: 2,400 examples in one pass
     # instead of two passes over 1,200, so the two curves differ only in whether answers repeat.
-    "smollm2-fresh": RealModelPreset(
-        train_prompts="instructions:2400,toy:600",
-        heldout_instructions=48,
-        heldout_toy=32,
-        max_new_tokens=128,
-        train=dict(max_steps=300, exact=True, learning_rate=1e-3, lora_rank=32, random_phase=True),
-        curve_points=12,
-    ),
+    "smollm2-fresh": replace(_RECIPE, train_prompts="instructions:2400,toy:600", curve_points=12),
     # The test suite's end-to-end run: a few prompts, two steps; it checks the plumbing, not quality.
     "smollm2-quick": RealModelPreset(
         train_prompts="instructions:6,toy:2",
