@@ -49,13 +49,14 @@ def probe_item(record: dict, tokenizer, where: str = "record", stop_ids: list[in
 def load_probe_items(
     path: str | Path, tokenizer, limit: int | None = None, context: int | None = None
 ) -> list[ProbeItem]:
-    """Items of a chat JSONL file (a distill output, or any shape data/jsonl.py reads), in file order,
-    then those of its ``.unfinished.jsonl`` companion where distill wrote one: an answer cut at
-    distill's token limit is still the original's greedy text, only shorter. An item longer than
+    """Items of a chat JSONL file (a distill output, or any shape data/jsonl.py reads) and of its
+    ``.unfinished.jsonl`` companion where distill wrote one (an answer cut at distill's token limit
+    is still the original's greedy text, only shorter), the first ``limit`` in the order of their
+    ids' hash (jsonl.in_id_order), whatever order the files hold them in. An item longer than
     ``context`` (the model's) is refused, naming its line."""
     from itertools import chain
 
-    from .data.jsonl import read_jsonl_records
+    from .data.jsonl import in_id_order, read_jsonl_records
     from .distill import unfinished_path
 
     if not Path(path).is_file():
@@ -64,8 +65,6 @@ def load_probe_items(
     files = [p for p in (Path(path), unfinished_path(path)) if p.is_file() and p.stat().st_size]
     items = []
     for where, record in chain(*map(read_jsonl_records, files)):
-        if limit is not None and len(items) >= limit:
-            break
         item = probe_item(record, tokenizer, where, stop_ids)
         if item is None:
             continue
@@ -75,4 +74,4 @@ def load_probe_items(
         items.append(item)
     if not items:
         raise UserError(f"{path}: no record has an answer token to score")
-    return items
+    return in_id_order(items, lambda item: item.id)[:limit]

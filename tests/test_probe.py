@@ -45,9 +45,11 @@ def data(tiny_tokenizer, make_tiny_model, tmp_path_factory):
 
 def test_items_are_the_training_encoding_with_the_reference_answer(tiny_tokenizer, data):
     _, items, _ = data
-    records = distill_records(tiny_tokenizer)
+    records = {r["id"]: r for r in distill_records(tiny_tokenizer)}
     eot = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    for item, record in zip(items, records):
+    assert len(items) == len(records)
+    for item in items:
+        record = records[item.id]
         enc = encode_conversation(tokenizer=tiny_tokenizer, messages=record["messages"])
         assert item.prompt_ids == enc.input_ids[: len(item.prompt_ids)]
         assert enc.labels[len(item.prompt_ids) - 1] == IGNORE != enc.labels[len(item.prompt_ids)]
@@ -56,6 +58,16 @@ def test_items_are_the_training_encoding_with_the_reference_answer(tiny_tokenize
         else:
             assert item.answer_ids == record["answer_ids"] + ([eot] if record["finished"] else [])
     assert len({len(it.prompt_ids) % B for it in items}) == B  # the first answer block starts at every offset
+
+
+def test_a_limit_takes_the_same_items_whatever_order_the_file_holds_them_in(tiny_tokenizer, data, tmp_path):
+    """A batched distill writes short answers first: the first N lines are not a sample."""
+    _, items, path = data
+    lines = path.read_text().splitlines(keepends=True)
+    backwards = tmp_path / "backwards.jsonl"
+    backwards.write_text("".join(reversed(lines)))
+    assert [it.id for it in load_probe_items(backwards, tiny_tokenizer)] == [it.id for it in items]
+    assert [it.id for it in load_probe_items(backwards, tiny_tokenizer, limit=3)] == [it.id for it in items[:3]]
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from .jsonl import read_jsonl_records, record_to_messages
+from .jsonl import in_id_order, read_jsonl_records, record_to_messages
 
 FAMILY = "answers"
 KEYS = ("messages",)
@@ -30,7 +30,8 @@ class RecordedAnswer:
 
 
 def load_answers(path: str | Path, n: int | None = None) -> list[RecordedAnswer]:
-    """The first ``n`` finished records of a chat JSONL file (all of them when n is None)."""
+    """``n`` finished records of a chat JSONL file (all of them when n is None), the first ``n`` in
+    the order of their ids' hash (jsonl.in_id_order), whatever order the file holds them in."""
     examples = []
     for where, record in read_jsonl_records(path):
         messages = record_to_messages(record, where)
@@ -47,11 +48,9 @@ def load_answers(path: str | Path, n: int | None = None) -> list[RecordedAnswer]
                 answer=messages[-1]["content"],
             )
         )
-        if n is not None and len(examples) >= n:
-            break
     if not examples:
         raise UserError(f"{path}: no finished answers to evaluate against")
-    return examples
+    return in_id_order(examples, lambda ex: ex.id)[:n]
 
 
 def score_many(examples: Sequence[RecordedAnswer], responses: Sequence[str]) -> list[bool]:

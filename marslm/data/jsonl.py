@@ -15,6 +15,7 @@ record is the usual case.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -72,6 +73,13 @@ def read_jsonl_records(path: str | Path) -> Iterator[tuple[str, dict]]:
         yield where, record
     if empty:
         raise UserError(f"{path}: no records (the file is empty)")
+
+
+def in_id_order(items: list, id_of) -> list:
+    """``items`` in the order of a hash of their ids: a fixed order that does not depend on the order
+    a file was written in. A batched ``marslm distill`` writes each answer as it finishes, short ones
+    first, so a file's first N records are its N shortest, not a sample."""
+    return sorted(items, key=lambda item: hashlib.sha256(str(id_of(item)).encode()).hexdigest())
 
 
 def jsonl_lines(text: str) -> list[str]:

@@ -206,11 +206,18 @@ def test_recorded_answers_eval_set(tmp_path):
     ]
     path = write_jsonl(tmp_path / "heldout.jsonl", records)
     eval_set = load_eval_set(path)
-    assert [(ex.id, ex.family) for ex in eval_set.examples] == [("a", "instructions"), ("c", "answers")]
-    assert eval_set.examples[0].messages == chat
-    assert eval_set.score_many(eval_set.examples, ["4.", "Four."]) == [True, True]
-    assert eval_set.score_many(eval_set.examples, ["4", "Four. And more."]) == [False, False]
-    assert [ex.id for ex in load_eval_set(f"answers:{path}", n=1).examples] == ["a"]
+    examples = {ex.id: ex for ex in eval_set.examples}
+    assert [(i, ex.family) for i, ex in sorted(examples.items())] == [("a", "instructions"), ("c", "answers")]
+    assert examples["a"].messages == chat
+    a_then_c = [examples["a"], examples["c"]]
+    assert eval_set.score_many(a_then_c, ["4.", "Four."]) == [True, True]
+    assert eval_set.score_many(a_then_c, ["4", "Four. And more."]) == [False, False]
+    # a subset is the same whatever order the file holds the records in (a batched distill writes
+    # short answers first)
+    backwards = write_jsonl(tmp_path / "backwards.jsonl", records[::-1])
+    first = [ex.id for ex in load_eval_set(f"answers:{path}", n=1).examples]
+    assert first == [ex.id for ex in load_eval_set(f"answers:{backwards}", n=1).examples]
+    assert first == [eval_set.examples[0].id]
     no_answer = write_jsonl(tmp_path / "open.jsonl", [{"messages": chat}])
     with pytest.raises(UserError, match="open.jsonl:1: .*assistant"):
         load_eval_set(no_answer)
