@@ -18,7 +18,6 @@ LONG_FUNCTIONS = {
     "experiments/demo.py:check_results",
 }
 LONG_MODULES = {
-    "experiments/demo.py",
     "serve/app.py",
     "serve/engine.py",
 }

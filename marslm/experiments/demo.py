@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -32,28 +32,41 @@ from .stages import Stages, at_steps, curve_steps, say
 _say = partial(say, "demo")
 
 
+# marslm train's settings every stage of a toy demo starts from (TrainConfig field names); a
+# preset's own ``train`` entries replace them.
+TRAIN_DEFAULTS = dict(
+    data="toy",
+    batch_size=32,
+    packing=True,  # pack sequences into rows: the padded batch's loss and gradients, fewer FLOPs
+    max_length=192,
+    logging_steps=25,
+    save_steps=10**9,  # no checkpoints on the way: a demo starts over instead of resuming
+    warmup_ratio=0.03,
+    weight_decay=0.0,
+)
+
+
 @dataclass(frozen=True)
 class DemoPreset:
+    """A toy demo: its suite and model, and each training stage as ``marslm train`` settings
+    (TrainConfig field names) over the ones every stage shares."""
+
     model: str  # toy_model preset
     vocab_size: int
-    train_examples: int
+    train_examples: int  # the suite's training items: the tokenizer's texts and every stage's data
     test_examples: int
-    ar_steps: int
-    mars_steps: int
-    batch_size: int
-    ar_lr: float
-    mars_lr: float
-    block_size: int = 4
-    mars_ar_weight: float = 1.0  # weight of MARS's clean-stream (SFT) loss term
-    ar_mix: tuple = ()  # (family, weight) pairs for the AR stage's training mixture; () = balanced
-    packing: bool = True  # pack sequences into rows: the padded batch's loss and gradients, fewer FLOPs
+    ar: dict  # the AR stage's steps, learning rate and family mixture
+    after_ar: dict  # the steps and schedule of the two stages that continue the AR checkpoint: MARS and its control
+    mars: dict  # MARS's own settings (block size, SFT-loss weight): all its control lacks
+    train: dict = field(default_factory=dict)  # every stage's, over TRAIN_DEFAULTS
     taus: tuple = (1.0, 0.95, 0.9)
     curve_points: int = 6  # AR learning-curve evaluations
     curve_items: int = 100
-    max_length: int = 192
-    seed: int = 0
+    seed: int = 0  # the suite's, the model's initialisation and every stage's
 
 
+# Only the AR stage has a family mixture (data_mix): it is there to bring the slowest family up to
+# the others, while MARS learns what to predict ahead from the suite as evaluated (balanced).
 DEMO_PRESETS = {
     # Smoke runs and the test suite: minutes, no quality claims (a mixture, to run that path too).
     "quick": DemoPreset(
@@ -61,14 +74,12 @@ DEMO_PRESETS = {
         vocab_size=512,
         train_examples=2000,
         test_examples=48,
-        ar_steps=60,
-        mars_steps=30,
-        batch_size=16,
-        ar_lr=3e-3,
-        mars_lr=1e-3,
+        train=dict(batch_size=16),
+        ar=dict(max_steps=60, learning_rate=3e-3, data_mix={"lists": 2.0}),
+        after_ar=dict(max_steps=30, learning_rate=1e-3),
+        mars=dict(block_size=4, ar_weight=1.0),
         curve_points=2,
         curve_items=16,
-        ar_mix=(("lists", 2.0),),
     ),
     # The numbers we quote. Most of the budget goes to the AR stage, to give MARS the strongest
     # baseline it allows; MARS weights the clean-stream (SFT) loss 2x, which on a model this small
@@ -78,12 +89,9 @@ DEMO_PRESETS = {
         vocab_size=1024,
         train_examples=20000,
         test_examples=500,
-        ar_steps=3000,
-        mars_steps=500,
-        batch_size=32,
-        ar_lr=3e-3,
-        mars_lr=1e-3,
-        mars_ar_weight=2.0,
+        ar=dict(max_steps=3000, learning_rate=3e-3),
+        after_ar=dict(max_steps=500, learning_rate=1e-3),
+        mars=dict(block_size=4, ar_weight=2.0),
     ),
     # An AR stage trained towards its plateau: its mixture draws format items 2x and list items 3x
     # as often as arithmetic and code (the two families learned last; their items are short).
@@ -92,13 +100,9 @@ DEMO_PRESETS = {
         vocab_size=1024,
         train_examples=35000,
         test_examples=500,
-        ar_steps=4000,
-        mars_steps=650,
-        batch_size=32,
-        ar_lr=3e-3,
-        mars_lr=1e-3,
-        mars_ar_weight=4.0,
-        ar_mix=(("format", 2.0), ("lists", 3.0)),
+        ar=dict(max_steps=4000, learning_rate=3e-3, data_mix={"format": 2.0, "lists": 3.0}),
+        after_ar=dict(max_steps=650, learning_rate=1e-3),
+        mars=dict(block_size=4, ar_weight=4.0),
         curve_points=8,
         curve_items=200,
     ),
@@ -108,11 +112,9 @@ DEMO_PRESETS = {
         vocab_size=1024,
         train_examples=20000,
         test_examples=500,
-        ar_steps=1600,
-        mars_steps=800,
-        batch_size=32,
-        ar_lr=3e-3,
-        mars_lr=1e-3,
+        ar=dict(max_steps=1600, learning_rate=3e-3),
+        after_ar=dict(max_steps=800, learning_rate=1e-3),
+        mars=dict(block_size=4, ar_weight=1.0),
     ),
 }
 
@@ -129,29 +131,33 @@ def resolve_preset(preset: str | DemoPreset, **overrides) -> DemoPreset:
     return replace(preset, **overrides)
 
 
-def train_arguments(preset: DemoPreset, progress: bool, stage: str) -> dict:
-    """TrainConfig arguments for a stage (shared with the ablation, so its rows compare).
+def stage_config(preset: DemoPreset, model: Path, output: Path, progress: bool, settings: dict):
+    """A stage as ``marslm train`` runs it: the settings every stage shares with the stage's own
+    ``settings`` over them (shared with the ablation, so its rows compare)."""
+    from ..training.config import TrainConfig
 
-    Only the AR stage uses the preset's family mixture: it is there to bring the slowest family up
-    to the others, while MARS learns what to predict ahead from the suite as evaluated (balanced).
-    """
-    data_mix = dict(preset.ar_mix) if stage == "ar" and preset.ar_mix else None
-    return dict(
-        stage=stage,
-        data="toy",
+    shared = TrainConfig(
+        stage="ar",
+        model=str(model),
+        output=str(output),
         data_n=preset.train_examples,
         data_seed=preset.seed,
-        data_mix=data_mix,
-        packing=preset.packing,
-        batch_size=preset.batch_size,
-        max_length=preset.max_length,
         seed=preset.seed,
         progress=progress,
-        logging_steps=25,
-        save_steps=10**9,
-        warmup_ratio=0.03,
-        weight_decay=0.0,
+        **{**TRAIN_DEFAULTS, **preset.train},
     )
+    return replace(shared, **settings)
+
+
+def stage_configs(preset: DemoPreset, out: Path, progress: bool) -> dict:
+    """The three stages a demo trains, by their directory in OUT: AR SFT from the base model, then
+    MARS and its compute-matched control, both from the AR checkpoint."""
+    mars = {"stage": "mars", **preset.after_ar, **preset.mars}
+    return {
+        "ar": stage_config(preset, out / "base", out / "ar", progress, preset.ar),
+        "mars": stage_config(preset, out / "ar", out / "mars", progress, mars),
+        "ar_control": stage_config(preset, out / "ar", out / "ar_control", progress, preset.after_ar),
+    }
 
 
 def build_base_model(out: Path, preset: DemoPreset) -> Path:
@@ -161,7 +167,8 @@ def build_base_model(out: Path, preset: DemoPreset) -> Path:
     from ..modeling import count_parameters
     from .toy_model import make_tiny_qwen2
 
-    examples = toy.make_split("train", preset.train_examples, seed=preset.seed, weights=dict(preset.ar_mix))
+    ar = stage_configs(preset, out, progress=False)["ar"]  # the tokenizer reads the AR stage's data
+    examples = toy.make_split("train", ar.data_n, seed=ar.data_seed, weights=ar.data_mix)
     texts = [m["content"] for ex in examples for m in toy.to_chat_record(ex)["messages"]]
     tokenizer = train_chat_tokenizer(texts, vocab_size=preset.vocab_size)
     model = make_tiny_qwen2(tokenizer, preset.model, seed=preset.seed)
@@ -172,7 +179,7 @@ def build_base_model(out: Path, preset: DemoPreset) -> Path:
     return base
 
 
-def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: list):
+def _learning_curve_callback(preset: DemoPreset, ar, tokenizer_dir: Path, curve: list):
     """Evaluates greedy accuracy on held-out items a few times during AR training."""
     from transformers import AutoTokenizer
 
@@ -184,7 +191,7 @@ def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: lis
 
     def measure(model, _, step):
         report = evaluate(
-            model, tokenizer, eval_set, taus=(1.0,), block_size=1, progress=False, max_new_tokens=preset.max_length
+            model, tokenizer, eval_set, taus=(1.0,), block_size=1, progress=False, max_new_tokens=ar.max_length
         )
         acc = report["results"][0]["accuracy"]
         curve.append(
@@ -196,7 +203,7 @@ def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: lis
         )
         _say(f"AR step {step}: held-out accuracy {100 * acc:.1f}%")
 
-    return at_steps(curve_steps(preset.ar_steps, preset.curve_points), measure)
+    return at_steps(curve_steps(ar.max_steps, preset.curve_points), measure)
 
 
 def _one_token_gap(mars: dict, baseline: dict) -> tuple[float, dict, str]:
@@ -343,11 +350,12 @@ def run_demo(
     preset = resolve_preset(preset, **overrides)
     out = prepare_output(out, overwrite)
     write_json_atomically(out / DEMO_MARKER, {"preset": asdict(preset)})
+    configs = stage_configs(preset, out, progress)
     stages = Stages("demo", 6)
-    curve = _train_stages(out, preset, progress, stages)
+    curve = _train_stages(out, preset, configs, stages)
     stages.stage(5, f"evaluating on {preset.test_examples} test items")
     with stages.timed("eval"):
-        reports = _evaluate_stages(out, preset, progress)
+        reports = _evaluate_stages(out, preset, configs["mars"], progress)
     timings = stages.timings()
     report = {
         **reports,
@@ -357,15 +365,15 @@ def run_demo(
     }
     report["checks"] = check_results(report)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    stages.stage(6, "results\n" + _results_table(reports, preset) + "\n" + format_checks(report["checks"]))
+    table = _results_table(reports, configs["mars"].block_size)
+    stages.stage(6, "results\n" + table + "\n" + format_checks(report["checks"]))
     stages.say(f"done in {timings['total'] / 60:.1f} min; report: {out / 'report.json'}")
     return report
 
 
-def _train_stages(out: Path, preset: DemoPreset, progress: bool, stages: Stages) -> list:
+def _train_stages(out: Path, preset: DemoPreset, configs: dict, stages: Stages) -> list:
     """Stages 1-4 into OUT: the base model, AR SFT, MARS and the AR control; returns the AR
     stage's learning curve."""
-    from ..training.config import TrainConfig
     from ..training.recipe import train
 
     stages.stage(1, f"suite + tokenizer ({preset.train_examples} train examples)")
@@ -373,55 +381,27 @@ def _train_stages(out: Path, preset: DemoPreset, progress: bool, stages: Stages)
         base = build_base_model(out, preset)
 
     curve: list = []
-    stages.stage(2, f"AR SFT: {preset.ar_steps} steps of {preset.batch_size}")
+    ar, mars = configs["ar"], configs["mars"]
+    stages.stage(2, f"AR SFT: {ar.max_steps} steps of {ar.batch_size}")
     with stages.timed("train_ar"):
-        train(
-            TrainConfig(
-                model=str(base),
-                output=str(out / "ar"),
-                max_steps=preset.ar_steps,
-                learning_rate=preset.ar_lr,
-                **train_arguments(preset, progress, "ar"),
-            ),
-            callbacks=[_learning_curve_callback(preset, base, curve)],
-        )
+        train(ar, callbacks=[_learning_curve_callback(preset, ar, base, curve)])
 
     stages.stage(
         3,
-        f"MARS (B={preset.block_size}, SFT-loss weight {preset.mars_ar_weight:g}): "
-        f"{preset.mars_steps} steps of {preset.batch_size}",
+        f"MARS (B={mars.block_size}, SFT-loss weight {mars.ar_weight:g}): {mars.max_steps} steps of {mars.batch_size}",
     )
     with stages.timed("train_mars"):
-        train(
-            TrainConfig(
-                model=str(out / "ar"),
-                output=str(out / "mars"),
-                max_steps=preset.mars_steps,
-                learning_rate=preset.mars_lr,
-                block_size=preset.block_size,
-                ar_weight=preset.mars_ar_weight,
-                **train_arguments(preset, progress, "mars"),
-            )
-        )
+        train(mars)
 
     stages.stage(4, "AR control: the AR checkpoint on the MARS stage's data, steps and schedule, plain AR loss")
     with stages.timed("train_control"):
-        control_args = {**train_arguments(preset, progress, "mars"), "stage": "ar"}
-        train(
-            TrainConfig(
-                model=str(out / "ar"),
-                output=str(out / "ar_control"),
-                max_steps=preset.mars_steps,
-                learning_rate=preset.mars_lr,
-                **control_args,
-            )
-        )
+        train(configs["ar_control"])
     return curve
 
 
-def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
+def _evaluate_stages(out: Path, preset: DemoPreset, mars, progress: bool) -> dict:
     """Each checkpoint's report on the test split, by stage name, and the MARS checkpoint's with
-    the paper's sampler."""
+    the paper's sampler; every model decodes at the MARS stage's block size and length."""
     from ..eval_sets import load_eval_set
     from ..evaluate import evaluate
     from ..modeling import load_model, resolve_device
@@ -435,8 +415,8 @@ def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
             tokenizer,
             eval_set,
             taus=taus,
-            block_size=preset.block_size,
-            max_new_tokens=preset.max_length,
+            block_size=mars.block_size,
+            max_new_tokens=mars.max_length,
             progress=progress,
             model_name=str(out / name),
         )
@@ -449,8 +429,8 @@ def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
             tokenizer,
             eval_set,
             taus=paper_taus,
-            block_size=preset.block_size,
-            max_new_tokens=preset.max_length,
+            block_size=mars.block_size,
+            max_new_tokens=mars.max_length,
             use_last_mask=False,
             adaptive_width=False,
             progress=progress,
@@ -459,10 +439,10 @@ def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
     return reports
 
 
-def _results_table(reports: dict, preset: DemoPreset) -> str:
+def _results_table(reports: dict, block_size: int) -> str:
     from ..eval_report import format_table
 
-    mars = f"MARS B={preset.block_size}"
+    mars = f"MARS B={block_size}"
     rows = {"AR SFT": reports["ar"], "AR control": reports["ar_control"], mars: reports["mars"]}
     if PAPER_SAMPLER in reports:
         rows[f"{mars}, the paper's sampler (B candidates)"] = reports[PAPER_SAMPLER]

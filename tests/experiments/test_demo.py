@@ -43,7 +43,7 @@ def test_quick_demo_writes_a_well_formed_report(tmp_path, capsys):
         assert (out / stage / "config.json").is_file()
         assert MarsConfig.load(out / stage).stage == stage.split("_")[0]
     control = MarsConfig.load(out / "ar_control").extra["train"]
-    assert control["steps"] == report["preset"]["mars_steps"]  # the MARS stage's budget, AR loss
+    assert control["steps"] == report["preset"]["after_ar"]["max_steps"]  # the MARS stage's budget, AR loss
     AutoModelForCausalLM.from_pretrained(out / "mars")
     AutoTokenizer.from_pretrained(out / "mars").apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
 
