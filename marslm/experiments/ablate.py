@@ -35,7 +35,8 @@ from ..eval_sets import load_eval_set
 from ..evaluate import evaluate
 from ..files import output_directory, read_json, write_json_atomically, write_text_atomically
 from ..training.recipe import train
-from .demo import DemoPreset, build_base_model, resolve_preset, stage_config, stage_configs
+from .demo import build_base_model
+from .demo_presets import DemoPreset, resolve_preset, stage_config, stage_configs
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)
 MARS_TAUS = (1.0, 0.95, 0.9, 0.8)

@@ -40,7 +40,7 @@ def test_jacobi_equals_hf_greedy(trained_checkpoints):
 
 def _tiny() -> dict:
     """Overrides of the quick preset small enough to finish in about a minute on a busy 2-core machine."""
-    from marslm.experiments.demo import DEMO_PRESETS
+    from marslm.experiments.demo_presets import DEMO_PRESETS
 
     quick = DEMO_PRESETS["quick"]
     return dict(
