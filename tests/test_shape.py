@@ -15,7 +15,6 @@ DATA_TABLES = {"data/toy.py", "data/instructions.py"}
 LONG_FUNCTIONS = {
     "data/tokenizer.py:train_chat_tokenizer",
     "distill.py:distill",
-    "experiments/demo.py:check_results",
 }
 LONG_MODULES = {
     "serve/app.py",

@@ -116,64 +116,74 @@ def check_results(report: dict) -> list[dict]:
     ar = report["ar"]["results"][0]
     control = report["ar_control"]["results"][0] if "ar_control" in report else None
     mars = {r["tau"]: r for r in report["mars"]["results"]}
-    checks = []
-
-    worst = min(ar["families"], key=lambda f: ar["families"][f]["accuracy"])
-    checks.append(
-        {
-            "result": 0,
-            "claim": "AR SFT >= 60% overall, no family below 30%",
-            "met": ar["accuracy"] >= 0.60 and ar["families"][worst]["accuracy"] >= 0.30,
-            "detail": f"AR {100 * ar['accuracy']:.1f}%, lowest family {worst} "
-            f"{100 * ar['families'][worst]['accuracy']:.1f}%",
-        }
-    )
-
+    checks = [_check_ar(ar)]
     if 1.0 in mars:
-        one = mars[1.0]
-        # gaps are rounded: a gap of exactly -2 points must not fail on float noise
-        for name, baseline, judged in (
-            ("the compute-matched AR control", control, True),
-            ("the AR parent (less training: reported, not judged)", ar, False),
-        ):
-            if baseline is None:
-                continue
-            overall, gaps, interval = _one_token_gap(one, baseline)
-            worst = min(gaps, key=gaps.get)
-            checks.append(
-                {
-                    "result": 1,
-                    "claim": f"MARS at tau 1 >= {name} overall, every family within 2 points",
-                    "met": (overall >= 0 and gaps[worst] >= -2.0) if judged else None,
-                    "detail": f"MARS {100 * one['accuracy']:.1f}% vs {100 * baseline['accuracy']:.1f}%, "
-                    f"{overall:+.1f}{interval}, worst family {worst} {gaps[worst]:+.1f}",
-                }
-            )
+        checks += _check_one_token(mars[1.0], control, ar)
         if 0.95 in mars:
-            fast = mars[0.95]
-            drop = round(100 * (fast["accuracy"] - one["accuracy"]), 6)
-            checks.append(
-                {
-                    "result": 2,
-                    "claim": "MARS at tau 0.95: >= 2.0 tokens per forward, within 2 points of tau 1",
-                    "met": fast["tokens_per_forward"] >= 2.0 and drop >= -2.0,
-                    "detail": f"{fast['tokens_per_forward']:.2f} tokens per forward, {drop:+.1f} points"
-                    f"{_interval(fast, one)}",
-                }
-            )
+            checks.append(_check_speed(mars[0.95], mars[1.0]))
     curve = report.get("ar_learning_curve") or []
     if len(curve) >= 2:
-        gain = 100 * (curve[-1]["accuracy"] - curve[-2]["accuracy"])
+        checks.append(_quote_plateau(curve))
+    return checks
+
+
+def _check_ar(ar: dict) -> dict:
+    """Result 0: the AR stage learned the suite."""
+    worst = min(ar["families"], key=lambda f: ar["families"][f]["accuracy"])
+    return {
+        "result": 0,
+        "claim": "AR SFT >= 60% overall, no family below 30%",
+        "met": ar["accuracy"] >= 0.60 and ar["families"][worst]["accuracy"] >= 0.30,
+        "detail": f"AR {100 * ar['accuracy']:.1f}%, lowest family {worst} "
+        f"{100 * ar['families'][worst]['accuracy']:.1f}%",
+    }
+
+
+def _check_one_token(one: dict, control: dict | None, ar: dict) -> list[dict]:
+    """Result 1: MARS at tau 1 against the control (judged) and the AR parent (reported)."""
+    checks = []
+    # gaps are rounded: a gap of exactly -2 points must not fail on float noise
+    for name, baseline, judged in (
+        ("the compute-matched AR control", control, True),
+        ("the AR parent (less training: reported, not judged)", ar, False),
+    ):
+        if baseline is None:
+            continue
+        overall, gaps, interval = _one_token_gap(one, baseline)
+        worst = min(gaps, key=gaps.get)
         checks.append(
             {
-                "result": 3,
-                "claim": "AR stage at its plateau (one run cannot tell; README)",
-                "met": None,
-                "detail": f"last {curve[-1]['step'] - curve[-2]['step']} steps: {gain:+.1f} "
-                f"points held-out, to {100 * curve[-1]['accuracy']:.1f}%",
+                "result": 1,
+                "claim": f"MARS at tau 1 >= {name} overall, every family within 2 points",
+                "met": (overall >= 0 and gaps[worst] >= -2.0) if judged else None,
+                "detail": f"MARS {100 * one['accuracy']:.1f}% vs {100 * baseline['accuracy']:.1f}%, "
+                f"{overall:+.1f}{interval}, worst family {worst} {gaps[worst]:+.1f}",
             }
         )
     return checks
+
+
+def _check_speed(fast: dict, one: dict) -> dict:
+    """Result 2: MARS at tau 0.95 is fast and loses little against tau 1."""
+    drop = round(100 * (fast["accuracy"] - one["accuracy"]), 6)
+    return {
+        "result": 2,
+        "claim": "MARS at tau 0.95: >= 2.0 tokens per forward, within 2 points of tau 1",
+        "met": fast["tokens_per_forward"] >= 2.0 and drop >= -2.0,
+        "detail": f"{fast['tokens_per_forward']:.2f} tokens per forward, {drop:+.1f} points{_interval(fast, one)}",
+    }
+
+
+def _quote_plateau(curve: list) -> dict:
+    """Result 3: the AR curve's last gain, quoted without a verdict."""
+    gain = 100 * (curve[-1]["accuracy"] - curve[-2]["accuracy"])
+    return {
+        "result": 3,
+        "claim": "AR stage at its plateau (one run cannot tell; README)",
+        "met": None,
+        "detail": f"last {curve[-1]['step'] - curve[-2]['step']} steps: {gain:+.1f} "
+        f"points held-out, to {100 * curve[-1]['accuracy']:.1f}%",
+    }
 
 
 def format_checks(checks: list[dict]) -> str:
