@@ -14,7 +14,6 @@ DATA_TABLES = {"data/toy.py", "data/instructions.py"}
 # never add one.
 LONG_FUNCTIONS = {
     "data/tokenizer.py:train_chat_tokenizer",
-    "distill.py:distill",
 }
 LONG_MODULES = {
     "serve/app.py",
