@@ -19,8 +19,8 @@ end-of-turn token, teaching the model to stop where it was only cut.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,40 +228,15 @@ def distill(
 
     from .decode import generate
 
-    if max_new_tokens < 1 or batch_size < 1:
-        raise UserError("--max-new-tokens and --batch-size must be >= 1")
-    output = check_output(output)
-    for path in (output, unfinished_path(output)):
-        if path.is_file():
-            _end_with_a_whole_line(path)
-    already = done_ids(output)
-    todo = [p for p in prompts if p.id not in already]
-    counts = {"done": len(prompts) - len(todo), "new": 0, "unfinished": 0}
+    output, todo, counts = _pending(prompts, output, max_new_tokens, batch_size)
     if not todo:
         return counts
 
     bar = tqdm(total=len(prompts), initial=counts["done"], desc="distill", unit="answer", disable=not progress)
-    # Opened at the first answer: a run that fails before one (a prompt the tokenizer refuses) creates no file.
-    with ExitStack() as stack:
-        files = {}
-
-        def append(path: Path, record: dict) -> None:
-            if path not in files:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                files[path] = stack.enter_context(path.open("a", encoding="utf-8"))
-            files[path].write(json.dumps(record) + "\n")
-            files[path].flush()
+    with _appending() as append:
 
         def write(row):
-            prompt = todo[row.request_id]
-            text = tokenizer.decode(row.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            record = {
-                "id": prompt.id,
-                "source": prompt.source,
-                "messages": prompt.messages + [{"role": "assistant", "content": text}],
-                "answer_ids": row.token_ids,
-                "finished": row.stopped,
-            }
+            record = _answer_record(todo[row.request_id], row, tokenizer)
             append(output if row.stopped else unfinished_path(output), record)
             counts["new"] += 1
             counts["unfinished"] += not row.stopped
@@ -283,3 +258,46 @@ def distill(
     output.touch(exist_ok=True)
     bar.close()
     return counts
+
+
+def _pending(prompts: list[Prompt], output: str | Path, max_new_tokens: int, batch_size: int):
+    """``(output, the prompts it lacks, the counts so far)``, the arguments checked and the last
+    line a killed run left in either file repaired first."""
+    if max_new_tokens < 1 or batch_size < 1:
+        raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    output = check_output(output)
+    for path in (output, unfinished_path(output)):
+        if path.is_file():
+            _end_with_a_whole_line(path)
+    already = done_ids(output)
+    todo = [p for p in prompts if p.id not in already]
+    return output, todo, {"done": len(prompts) - len(todo), "new": 0, "unfinished": 0}
+
+
+@contextmanager
+def _appending() -> Iterator[Callable[[Path, dict], None]]:
+    """``append(path, record)``: one JSON line, flushed at once. Each file is opened at its first
+    record, so a run that fails before one (a prompt the tokenizer refuses) creates no file."""
+    with ExitStack() as stack:
+        files = {}
+
+        def append(path: Path, record: dict) -> None:
+            if path not in files:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                files[path] = stack.enter_context(path.open("a", encoding="utf-8"))
+            files[path].write(json.dumps(record) + "\n")
+            files[path].flush()
+
+        yield append
+
+
+def _answer_record(prompt: Prompt, row, tokenizer) -> dict:
+    """The output line of a prompt's finished row."""
+    text = tokenizer.decode(row.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return {
+        "id": prompt.id,
+        "source": prompt.source,
+        "messages": prompt.messages + [{"role": "assistant", "content": text}],
+        "answer_ids": row.token_ids,
+        "finished": row.stopped,
+    }

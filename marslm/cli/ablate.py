@@ -11,7 +11,7 @@ COMMAND = "ablate"
 
 
 def add_parser(sub) -> None:
-    from ..experiments.demo import DEMO_PRESETS
+    from ..experiments.demo_presets import DEMO_PRESETS
 
     ablate = sub.add_parser(
         COMMAND,

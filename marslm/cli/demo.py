@@ -9,7 +9,7 @@ COMMAND = "demo"
 
 
 def add_parser(sub) -> None:
-    from ..experiments.demo import DEMO_PRESETS
+    from ..experiments.demo_presets import DEMO_PRESETS
     from ..experiments.smollm2_presets import SMOLLM2_PRESETS
 
     demo = sub.add_parser(

@@ -84,6 +84,12 @@ def train_chat_tokenizer(
     by Qwen2's pre-tokenizer, which transformers re-imposes on every load, so
     merged digits could not survive a save/load round trip.
     """
+    _check_arguments(vocab_size, split_digits)
+    learned = _learn_bpe(texts, vocab_size, min_frequency)
+    return _as_qwen2_tokenizer(learned, model_max_length)
+
+
+def _check_arguments(vocab_size: int, split_digits: bool) -> None:
     if not split_digits:
         raise ValueError(
             "split_digits=False is not supported: Qwen2's pre-tokenizer, which transformers "
@@ -93,6 +99,9 @@ def train_chat_tokenizer(
     if vocab_size < base:
         raise ValueError(f"vocab_size must be at least {base} (specials + byte alphabet), got {vocab_size}")
 
+
+def _learn_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int) -> dict:
+    """The learned BPE model (its ``vocab`` and ``merges``), under Qwen2's text splitting."""
     backend = _untrained_qwen2_backend()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -105,8 +114,11 @@ def train_chat_tokenizer(
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer=trainer)
-    learned = json.loads(backend.to_str())["model"]
+    return json.loads(backend.to_str())["model"]
 
+
+def _as_qwen2_tokenizer(learned: dict, model_max_length: int) -> PreTrainedTokenizerFast:
+    """A ``Qwen2Tokenizer`` of the learned vocabulary and merges, with the ChatML specials at ids 0..3."""
     tokenizer = Qwen2Tokenizer(
         vocab=learned["vocab"],
         merges=[tuple(merge) for merge in learned["merges"]],

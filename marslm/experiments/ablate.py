@@ -1,6 +1,6 @@
 """``marslm ablate``: the paper's comparison set (Tables 2-3), on the embedded toy suite.
 
-Configurations, in the order they run (N = the preset's ``ar_steps``):
+Configurations, in the order they run (N = the steps of the preset's AR stage):
 
     AR N                 stage 1, AR SFT for N steps: the control every other row starts from
     AR 2N                AR N trained N more steps (continued, as the paper's "continuing AR SFT
@@ -34,9 +34,9 @@ from ..eval_report import summarise_result
 from ..eval_sets import load_eval_set
 from ..evaluate import evaluate
 from ..files import output_directory, read_json, write_json_atomically, write_text_atomically
-from ..training.config import TrainConfig
 from ..training.recipe import train
-from .demo import DemoPreset, build_base_model, resolve_preset, train_arguments
+from .demo import build_base_model
+from .demo_presets import DemoPreset, resolve_preset, stage_config, stage_configs
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)
 MARS_TAUS = (1.0, 0.95, 0.9, 0.8)
@@ -55,9 +55,16 @@ class Configuration:
     ar_weight: float = 1.0
 
 
+def _demo_stages(preset: DemoPreset) -> dict:
+    """The demo's stages at ``preset``: AR N is its AR stage, and every MARS row trains as its MARS
+    stage does (steps, schedule, sequence length) but for the block size and loss weights."""
+    return stage_configs(preset, Path(), progress=False)
+
+
 def plan(preset: DemoPreset, block_sizes=DEFAULT_BLOCK_SIZES) -> list[Configuration]:
     """Every configuration, in an order where each one's starting checkpoint comes first."""
-    n = preset.ar_steps
+    demo = _demo_stages(preset)
+    n = demo["ar"].max_steps
     configs = [
         Configuration("AR N", "ar_n", "ar", "base", steps=n),
         Configuration("AR 2N", "ar_2n", "ar", "ar_n", steps=n),
@@ -70,7 +77,7 @@ def plan(preset: DemoPreset, block_sizes=DEFAULT_BLOCK_SIZES) -> list[Configurat
                     f"mars_b{block}_w{weight}",
                     "mars",
                     "ar_n",
-                    steps=preset.mars_steps,
+                    steps=demo["mars"].max_steps,
                     block_size=block,
                     ar_weight=float(weight),
                 )
@@ -88,27 +95,18 @@ def _is_finished_checkpoint(path: Path) -> bool:
 
 
 def _train_configuration(config: Configuration, out: Path, preset: DemoPreset, progress: bool) -> None:
-    common = train_arguments(preset, progress, config.kind)
     if config.kind == "ar":
-        cfg = TrainConfig(
-            model=str(out / config.start_from),
-            output=str(out / config.slug),
-            max_steps=config.steps,
-            learning_rate=preset.ar_lr,
-            **common,
-        )
+        settings = {**preset.ar, "max_steps": config.steps}
     else:
-        cfg = TrainConfig(
-            model=str(out / config.start_from),
-            output=str(out / config.slug),
-            max_steps=config.steps,
-            learning_rate=preset.mars_lr,
-            block_size=config.block_size,
-            ar_weight=config.ar_weight,
-            masked_weighting="inverse-t" if config.ar_weight == 0 else "uniform",
-            **common,
-        )
-    train(cfg)
+        settings = {
+            **preset.after_ar,
+            "stage": "mars",
+            "max_steps": config.steps,
+            "block_size": config.block_size,
+            "ar_weight": config.ar_weight,
+            "masked_weighting": "inverse-t" if config.ar_weight == 0 else "uniform",
+        }
+    train(stage_config(preset, out / config.start_from, out / config.slug, progress, settings))
 
 
 def jacobi_report(model, tokenizer, eval_set, window: int, max_new_tokens: int, model_name: str) -> dict:
@@ -131,8 +129,9 @@ def _evaluate_configuration(config: Configuration, out: Path, eval_set, preset: 
 
     path = out / config.slug
     model, tokenizer, _ = load_model(str(path))
+    max_new_tokens = _demo_stages(preset)["mars"].max_length
     if config.kind == "jacobi":
-        return jacobi_report(model, tokenizer, eval_set, config.block_size, preset.max_length, str(path))
+        return jacobi_report(model, tokenizer, eval_set, config.block_size, max_new_tokens, str(path))
     taus = (1.0,) if config.kind == "ar" else MARS_TAUS
     return evaluate(
         model,
@@ -140,7 +139,7 @@ def _evaluate_configuration(config: Configuration, out: Path, eval_set, preset: 
         eval_set,
         taus=taus,
         block_size=config.block_size,
-        max_new_tokens=preset.max_length,
+        max_new_tokens=max_new_tokens,
         progress=progress,
         model_name=str(path),
     )
@@ -175,10 +174,12 @@ def format_ablation_table(reports: dict[str, dict]) -> str:
 
 
 def _markdown(reports: dict[str, dict], preset: DemoPreset, n_test: int) -> str:
+    demo = _demo_stages(preset)
+    ar, mars = demo["ar"], demo["mars"]
     return (
         f"# MARS ablation on the toy suite\n\n"
-        f"N = {preset.ar_steps} AR SFT steps of {preset.batch_size}; every MARS row trains "
-        f"{preset.mars_steps} steps from AR N; AR 2N continues AR N for N more steps. "
+        f"N = {ar.max_steps} AR SFT steps of {ar.batch_size}; every MARS row trains "
+        f"{mars.max_steps} steps from AR N; AR 2N continues AR N for N more steps. "
         f"w = weight of the AR (clean-stream) loss term. Test items: {n_test}. Accuracy in percent; "
         f"tok/fwd = decoded tokens per forward pass. Jacobi (window {JACOBI_WINDOW}) decodes AR N "
         f"greedily, so its accuracy equals AR N's; its speed is its tok/fwd in the τ=1 columns.\n\n"
@@ -213,7 +214,7 @@ def run_ablation(
 ) -> dict:
     """Train and evaluate every configuration of :func:`plan`; returns ``{label: eval report}``.
 
-    ``overrides`` replace fields of the preset (e.g. ``ar_steps=10`` for a smoke run).
+    ``overrides`` replace fields of the preset (e.g. ``test_examples=8`` for a smoke run).
     """
     preset = resolve_preset(preset, **overrides)
     block_sizes = tuple(block_sizes)

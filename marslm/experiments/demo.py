@@ -21,137 +21,20 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
 from ..errors import UserError
 from ..files import make_directory, output_directory, write_json_atomically
+from .demo_presets import DemoPreset, resolve_preset, stage_configs
 from .stages import Stages, at_steps, curve_steps, say
 
 _say = partial(say, "demo")
 
 
-@dataclass(frozen=True)
-class DemoPreset:
-    model: str  # toy_model preset
-    vocab_size: int
-    train_examples: int
-    test_examples: int
-    ar_steps: int
-    mars_steps: int
-    batch_size: int
-    ar_lr: float
-    mars_lr: float
-    block_size: int = 4
-    mars_ar_weight: float = 1.0  # weight of MARS's clean-stream (SFT) loss term
-    ar_mix: tuple = ()  # (family, weight) pairs for the AR stage's training mixture; () = balanced
-    packing: bool = True  # pack sequences into rows: the padded batch's loss and gradients, fewer FLOPs
-    taus: tuple = (1.0, 0.95, 0.9)
-    curve_points: int = 6  # AR learning-curve evaluations
-    curve_items: int = 100
-    max_length: int = 192
-    seed: int = 0
-
-
-DEMO_PRESETS = {
-    # Smoke runs and the test suite: minutes, no quality claims (a mixture, to run that path too).
-    "quick": DemoPreset(
-        model="test",
-        vocab_size=512,
-        train_examples=2000,
-        test_examples=48,
-        ar_steps=60,
-        mars_steps=30,
-        batch_size=16,
-        ar_lr=3e-3,
-        mars_lr=1e-3,
-        curve_points=2,
-        curve_items=16,
-        ar_mix=(("lists", 2.0),),
-    ),
-    # The numbers we quote. Most of the budget goes to the AR stage, to give MARS the strongest
-    # baseline it allows; MARS weights the clean-stream (SFT) loss 2x, which on a model this small
-    # keeps one-token accuracy at no cost in tokens per forward (docs/results.md).
-    "default": DemoPreset(
-        model="quick",
-        vocab_size=1024,
-        train_examples=20000,
-        test_examples=500,
-        ar_steps=3000,
-        mars_steps=500,
-        batch_size=32,
-        ar_lr=3e-3,
-        mars_lr=1e-3,
-        mars_ar_weight=2.0,
-    ),
-    # An AR stage trained towards its plateau: its mixture draws format items 2x and list items 3x
-    # as often as arithmetic and code (the two families learned last; their items are short).
-    "plateau": DemoPreset(
-        model="quick",
-        vocab_size=1024,
-        train_examples=35000,
-        test_examples=500,
-        ar_steps=4000,
-        mars_steps=650,
-        batch_size=32,
-        ar_lr=3e-3,
-        mars_lr=1e-3,
-        mars_ar_weight=4.0,
-        ar_mix=(("format", 2.0), ("lists", 3.0)),
-        curve_points=8,
-        curve_items=200,
-    ),
-    # AR stopped half way up its learning curve, MARS twice as long: the ablation's setting.
-    "short": DemoPreset(
-        model="quick",
-        vocab_size=1024,
-        train_examples=20000,
-        test_examples=500,
-        ar_steps=1600,
-        mars_steps=800,
-        batch_size=32,
-        ar_lr=3e-3,
-        mars_lr=1e-3,
-    ),
-}
-
-
 # the MARS model decoded with the paper's sampler: its tokens per forward are the paper's metric
 PAPER_SAMPLER = "mars_paper_sampler"
-
-
-def resolve_preset(preset: str | DemoPreset, **overrides) -> DemoPreset:
-    if isinstance(preset, str):
-        if preset not in DEMO_PRESETS:
-            raise UserError(f"unknown preset {preset!r}; choose from {', '.join(DEMO_PRESETS)}")
-        preset = DEMO_PRESETS[preset]
-    return replace(preset, **overrides)
-
-
-def train_arguments(preset: DemoPreset, progress: bool, stage: str) -> dict:
-    """TrainConfig arguments for a stage (shared with the ablation, so its rows compare).
-
-    Only the AR stage uses the preset's family mixture: it is there to bring the slowest family up
-    to the others, while MARS learns what to predict ahead from the suite as evaluated (balanced).
-    """
-    data_mix = dict(preset.ar_mix) if stage == "ar" and preset.ar_mix else None
-    return dict(
-        stage=stage,
-        data="toy",
-        data_n=preset.train_examples,
-        data_seed=preset.seed,
-        data_mix=data_mix,
-        packing=preset.packing,
-        batch_size=preset.batch_size,
-        max_length=preset.max_length,
-        seed=preset.seed,
-        progress=progress,
-        logging_steps=25,
-        save_steps=10**9,
-        warmup_ratio=0.03,
-        weight_decay=0.0,
-    )
 
 
 def build_base_model(out: Path, preset: DemoPreset) -> Path:
@@ -161,7 +44,8 @@ def build_base_model(out: Path, preset: DemoPreset) -> Path:
     from ..modeling import count_parameters
     from .toy_model import make_tiny_qwen2
 
-    examples = toy.make_split("train", preset.train_examples, seed=preset.seed, weights=dict(preset.ar_mix))
+    ar = stage_configs(preset, out, progress=False)["ar"]  # the tokenizer reads the AR stage's data
+    examples = toy.make_split("train", ar.data_n, seed=ar.data_seed, weights=ar.data_mix)
     texts = [m["content"] for ex in examples for m in toy.to_chat_record(ex)["messages"]]
     tokenizer = train_chat_tokenizer(texts, vocab_size=preset.vocab_size)
     model = make_tiny_qwen2(tokenizer, preset.model, seed=preset.seed)
@@ -172,7 +56,7 @@ def build_base_model(out: Path, preset: DemoPreset) -> Path:
     return base
 
 
-def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: list):
+def _learning_curve_callback(preset: DemoPreset, ar, tokenizer_dir: Path, curve: list):
     """Evaluates greedy accuracy on held-out items a few times during AR training."""
     from transformers import AutoTokenizer
 
@@ -184,7 +68,7 @@ def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: lis
 
     def measure(model, _, step):
         report = evaluate(
-            model, tokenizer, eval_set, taus=(1.0,), block_size=1, progress=False, max_new_tokens=preset.max_length
+            model, tokenizer, eval_set, taus=(1.0,), block_size=1, progress=False, max_new_tokens=ar.max_length
         )
         acc = report["results"][0]["accuracy"]
         curve.append(
@@ -196,7 +80,7 @@ def _learning_curve_callback(preset: DemoPreset, tokenizer_dir: Path, curve: lis
         )
         _say(f"AR step {step}: held-out accuracy {100 * acc:.1f}%")
 
-    return at_steps(curve_steps(preset.ar_steps, preset.curve_points), measure)
+    return at_steps(curve_steps(ar.max_steps, preset.curve_points), measure)
 
 
 def _one_token_gap(mars: dict, baseline: dict) -> tuple[float, dict, str]:
@@ -232,64 +116,74 @@ def check_results(report: dict) -> list[dict]:
     ar = report["ar"]["results"][0]
     control = report["ar_control"]["results"][0] if "ar_control" in report else None
     mars = {r["tau"]: r for r in report["mars"]["results"]}
-    checks = []
-
-    worst = min(ar["families"], key=lambda f: ar["families"][f]["accuracy"])
-    checks.append(
-        {
-            "result": 0,
-            "claim": "AR SFT >= 60% overall, no family below 30%",
-            "met": ar["accuracy"] >= 0.60 and ar["families"][worst]["accuracy"] >= 0.30,
-            "detail": f"AR {100 * ar['accuracy']:.1f}%, lowest family {worst} "
-            f"{100 * ar['families'][worst]['accuracy']:.1f}%",
-        }
-    )
-
+    checks = [_check_ar(ar)]
     if 1.0 in mars:
-        one = mars[1.0]
-        # gaps are rounded: a gap of exactly -2 points must not fail on float noise
-        for name, baseline, judged in (
-            ("the compute-matched AR control", control, True),
-            ("the AR parent (less training: reported, not judged)", ar, False),
-        ):
-            if baseline is None:
-                continue
-            overall, gaps, interval = _one_token_gap(one, baseline)
-            worst = min(gaps, key=gaps.get)
-            checks.append(
-                {
-                    "result": 1,
-                    "claim": f"MARS at tau 1 >= {name} overall, every family within 2 points",
-                    "met": (overall >= 0 and gaps[worst] >= -2.0) if judged else None,
-                    "detail": f"MARS {100 * one['accuracy']:.1f}% vs {100 * baseline['accuracy']:.1f}%, "
-                    f"{overall:+.1f}{interval}, worst family {worst} {gaps[worst]:+.1f}",
-                }
-            )
+        checks += _check_one_token(mars[1.0], control, ar)
         if 0.95 in mars:
-            fast = mars[0.95]
-            drop = round(100 * (fast["accuracy"] - one["accuracy"]), 6)
-            checks.append(
-                {
-                    "result": 2,
-                    "claim": "MARS at tau 0.95: >= 2.0 tokens per forward, within 2 points of tau 1",
-                    "met": fast["tokens_per_forward"] >= 2.0 and drop >= -2.0,
-                    "detail": f"{fast['tokens_per_forward']:.2f} tokens per forward, {drop:+.1f} points"
-                    f"{_interval(fast, one)}",
-                }
-            )
+            checks.append(_check_speed(mars[0.95], mars[1.0]))
     curve = report.get("ar_learning_curve") or []
     if len(curve) >= 2:
-        gain = 100 * (curve[-1]["accuracy"] - curve[-2]["accuracy"])
+        checks.append(_quote_plateau(curve))
+    return checks
+
+
+def _check_ar(ar: dict) -> dict:
+    """Result 0: the AR stage learned the suite."""
+    worst = min(ar["families"], key=lambda f: ar["families"][f]["accuracy"])
+    return {
+        "result": 0,
+        "claim": "AR SFT >= 60% overall, no family below 30%",
+        "met": ar["accuracy"] >= 0.60 and ar["families"][worst]["accuracy"] >= 0.30,
+        "detail": f"AR {100 * ar['accuracy']:.1f}%, lowest family {worst} "
+        f"{100 * ar['families'][worst]['accuracy']:.1f}%",
+    }
+
+
+def _check_one_token(one: dict, control: dict | None, ar: dict) -> list[dict]:
+    """Result 1: MARS at tau 1 against the control (judged) and the AR parent (reported)."""
+    checks = []
+    # gaps are rounded: a gap of exactly -2 points must not fail on float noise
+    for name, baseline, judged in (
+        ("the compute-matched AR control", control, True),
+        ("the AR parent (less training: reported, not judged)", ar, False),
+    ):
+        if baseline is None:
+            continue
+        overall, gaps, interval = _one_token_gap(one, baseline)
+        worst = min(gaps, key=gaps.get)
         checks.append(
             {
-                "result": 3,
-                "claim": "AR stage at its plateau (one run cannot tell; README)",
-                "met": None,
-                "detail": f"last {curve[-1]['step'] - curve[-2]['step']} steps: {gain:+.1f} "
-                f"points held-out, to {100 * curve[-1]['accuracy']:.1f}%",
+                "result": 1,
+                "claim": f"MARS at tau 1 >= {name} overall, every family within 2 points",
+                "met": (overall >= 0 and gaps[worst] >= -2.0) if judged else None,
+                "detail": f"MARS {100 * one['accuracy']:.1f}% vs {100 * baseline['accuracy']:.1f}%, "
+                f"{overall:+.1f}{interval}, worst family {worst} {gaps[worst]:+.1f}",
             }
         )
     return checks
+
+
+def _check_speed(fast: dict, one: dict) -> dict:
+    """Result 2: MARS at tau 0.95 is fast and loses little against tau 1."""
+    drop = round(100 * (fast["accuracy"] - one["accuracy"]), 6)
+    return {
+        "result": 2,
+        "claim": "MARS at tau 0.95: >= 2.0 tokens per forward, within 2 points of tau 1",
+        "met": fast["tokens_per_forward"] >= 2.0 and drop >= -2.0,
+        "detail": f"{fast['tokens_per_forward']:.2f} tokens per forward, {drop:+.1f} points{_interval(fast, one)}",
+    }
+
+
+def _quote_plateau(curve: list) -> dict:
+    """Result 3: the AR curve's last gain, quoted without a verdict."""
+    gain = 100 * (curve[-1]["accuracy"] - curve[-2]["accuracy"])
+    return {
+        "result": 3,
+        "claim": "AR stage at its plateau (one run cannot tell; README)",
+        "met": None,
+        "detail": f"last {curve[-1]['step'] - curve[-2]['step']} steps: {gain:+.1f} "
+        f"points held-out, to {100 * curve[-1]['accuracy']:.1f}%",
+    }
 
 
 def format_checks(checks: list[dict]) -> str:
@@ -343,11 +237,12 @@ def run_demo(
     preset = resolve_preset(preset, **overrides)
     out = prepare_output(out, overwrite)
     write_json_atomically(out / DEMO_MARKER, {"preset": asdict(preset)})
+    configs = stage_configs(preset, out, progress)
     stages = Stages("demo", 6)
-    curve = _train_stages(out, preset, progress, stages)
+    curve = _train_stages(out, preset, configs, stages)
     stages.stage(5, f"evaluating on {preset.test_examples} test items")
     with stages.timed("eval"):
-        reports = _evaluate_stages(out, preset, progress)
+        reports = _evaluate_stages(out, preset, configs["mars"], progress)
     timings = stages.timings()
     report = {
         **reports,
@@ -357,15 +252,15 @@ def run_demo(
     }
     report["checks"] = check_results(report)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    stages.stage(6, "results\n" + _results_table(reports, preset) + "\n" + format_checks(report["checks"]))
+    table = _results_table(reports, configs["mars"].block_size)
+    stages.stage(6, "results\n" + table + "\n" + format_checks(report["checks"]))
     stages.say(f"done in {timings['total'] / 60:.1f} min; report: {out / 'report.json'}")
     return report
 
 
-def _train_stages(out: Path, preset: DemoPreset, progress: bool, stages: Stages) -> list:
+def _train_stages(out: Path, preset: DemoPreset, configs: dict, stages: Stages) -> list:
     """Stages 1-4 into OUT: the base model, AR SFT, MARS and the AR control; returns the AR
     stage's learning curve."""
-    from ..training.config import TrainConfig
     from ..training.recipe import train
 
     stages.stage(1, f"suite + tokenizer ({preset.train_examples} train examples)")
@@ -373,55 +268,27 @@ def _train_stages(out: Path, preset: DemoPreset, progress: bool, stages: Stages)
         base = build_base_model(out, preset)
 
     curve: list = []
-    stages.stage(2, f"AR SFT: {preset.ar_steps} steps of {preset.batch_size}")
+    ar, mars = configs["ar"], configs["mars"]
+    stages.stage(2, f"AR SFT: {ar.max_steps} steps of {ar.batch_size}")
     with stages.timed("train_ar"):
-        train(
-            TrainConfig(
-                model=str(base),
-                output=str(out / "ar"),
-                max_steps=preset.ar_steps,
-                learning_rate=preset.ar_lr,
-                **train_arguments(preset, progress, "ar"),
-            ),
-            callbacks=[_learning_curve_callback(preset, base, curve)],
-        )
+        train(ar, callbacks=[_learning_curve_callback(preset, ar, base, curve)])
 
     stages.stage(
         3,
-        f"MARS (B={preset.block_size}, SFT-loss weight {preset.mars_ar_weight:g}): "
-        f"{preset.mars_steps} steps of {preset.batch_size}",
+        f"MARS (B={mars.block_size}, SFT-loss weight {mars.ar_weight:g}): {mars.max_steps} steps of {mars.batch_size}",
     )
     with stages.timed("train_mars"):
-        train(
-            TrainConfig(
-                model=str(out / "ar"),
-                output=str(out / "mars"),
-                max_steps=preset.mars_steps,
-                learning_rate=preset.mars_lr,
-                block_size=preset.block_size,
-                ar_weight=preset.mars_ar_weight,
-                **train_arguments(preset, progress, "mars"),
-            )
-        )
+        train(mars)
 
     stages.stage(4, "AR control: the AR checkpoint on the MARS stage's data, steps and schedule, plain AR loss")
     with stages.timed("train_control"):
-        control_args = {**train_arguments(preset, progress, "mars"), "stage": "ar"}
-        train(
-            TrainConfig(
-                model=str(out / "ar"),
-                output=str(out / "ar_control"),
-                max_steps=preset.mars_steps,
-                learning_rate=preset.mars_lr,
-                **control_args,
-            )
-        )
+        train(configs["ar_control"])
     return curve
 
 
-def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
+def _evaluate_stages(out: Path, preset: DemoPreset, mars, progress: bool) -> dict:
     """Each checkpoint's report on the test split, by stage name, and the MARS checkpoint's with
-    the paper's sampler."""
+    the paper's sampler; every model decodes at the MARS stage's block size and length."""
     from ..eval_sets import load_eval_set
     from ..evaluate import evaluate
     from ..modeling import load_model, resolve_device
@@ -435,8 +302,8 @@ def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
             tokenizer,
             eval_set,
             taus=taus,
-            block_size=preset.block_size,
-            max_new_tokens=preset.max_length,
+            block_size=mars.block_size,
+            max_new_tokens=mars.max_length,
             progress=progress,
             model_name=str(out / name),
         )
@@ -449,8 +316,8 @@ def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
             tokenizer,
             eval_set,
             taus=paper_taus,
-            block_size=preset.block_size,
-            max_new_tokens=preset.max_length,
+            block_size=mars.block_size,
+            max_new_tokens=mars.max_length,
             use_last_mask=False,
             adaptive_width=False,
             progress=progress,
@@ -459,10 +326,10 @@ def _evaluate_stages(out: Path, preset: DemoPreset, progress: bool) -> dict:
     return reports
 
 
-def _results_table(reports: dict, preset: DemoPreset) -> str:
+def _results_table(reports: dict, block_size: int) -> str:
     from ..eval_report import format_table
 
-    mars = f"MARS B={preset.block_size}"
+    mars = f"MARS B={block_size}"
     rows = {"AR SFT": reports["ar"], "AR control": reports["ar_control"], mars: reports["mars"]}
     if PAPER_SAMPLER in reports:
         rows[f"{mars}, the paper's sampler (B candidates)"] = reports[PAPER_SAMPLER]

@@ -38,8 +38,18 @@ def test_jacobi_equals_hf_greedy(trained_checkpoints):
             assert ids == expected
 
 
-# Small enough to finish in about a minute on a busy 2-core machine.
-TINY = dict(train_examples=200, test_examples=8, ar_steps=6, mars_steps=3, batch_size=8, max_length=64)
+def _tiny() -> dict:
+    """Overrides of the quick preset small enough to finish in about a minute on a busy 2-core machine."""
+    from marslm.experiments.demo_presets import DEMO_PRESETS
+
+    quick = DEMO_PRESETS["quick"]
+    return dict(
+        train_examples=200,
+        test_examples=8,
+        train={**quick.train, "batch_size": 8, "max_length": 64},
+        ar={**quick.ar, "max_steps": 6},
+        after_ar={**quick.after_ar, "max_steps": 3},
+    )
 
 
 @pytest.mark.slow
@@ -47,7 +57,7 @@ def test_ablation_writes_every_configuration_and_resumes(tmp_path, monkeypatch, 
     import marslm.experiments.ablate as ablate
 
     out = tmp_path / "ablate"
-    reports = ablate.run_ablation(out, preset="quick", block_sizes=(2, 4), progress=False, **TINY)
+    reports = ablate.run_ablation(out, preset="quick", block_sizes=(2, 4), progress=False, **_tiny())
     labels = ["AR N", "AR 2N", "MARS B=2 w=1", "MARS B=2 w=0", "MARS B=4 w=1", "MARS B=4 w=0", "Jacobi (AR N)"]
     assert list(reports) == labels
     assert "[ablate] 4/7 MARS B=2 w=0: training" in capsys.readouterr().out
@@ -78,7 +88,7 @@ def test_ablation_writes_every_configuration_and_resumes(tmp_path, monkeypatch, 
     monkeypatch.setattr(ablate, "train", refuse)
     monkeypatch.setattr(ablate, "evaluate", refuse)
     monkeypatch.setattr(ablate, "jacobi_report", refuse)
-    again = ablate.run_ablation(out, preset="quick", block_sizes=(2, 4), progress=False, **TINY)
+    again = ablate.run_ablation(out, preset="quick", block_sizes=(2, 4), progress=False, **_tiny())
     assert again == reports
     assert capsys.readouterr().out.count("done earlier, skipped") == len(labels)
 

@@ -43,7 +43,7 @@ def test_quick_demo_writes_a_well_formed_report(tmp_path, capsys):
         assert (out / stage / "config.json").is_file()
         assert MarsConfig.load(out / stage).stage == stage.split("_")[0]
     control = MarsConfig.load(out / "ar_control").extra["train"]
-    assert control["steps"] == report["preset"]["mars_steps"]  # the MARS stage's budget, AR loss
+    assert control["steps"] == report["preset"]["after_ar"]["max_steps"]  # the MARS stage's budget, AR loss
     AutoModelForCausalLM.from_pretrained(out / "mars")
     AutoTokenizer.from_pretrained(out / "mars").apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
 
@@ -146,3 +146,56 @@ def test_demo_deletes_only_its_own_output_and_only_with_overwrite(tmp_path, monk
     assert "stopped before training" in demo_cli("--out", ".", "--overwrite")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*users, demo.DEMO_MARKER])
     assert (tmp_path / "notes.txt").read_text() == (tmp_path / "src" / "main.py").read_text() == "mine"
+
+
+def _trained_configs(tmp_path, monkeypatch, preset: str) -> list:
+    """The TrainConfig of each stage a demo at ``preset`` trains, in order, with training and
+    evaluation replaced by stand-ins."""
+    import marslm.experiments.demo as demo
+    import marslm.training.recipe as recipe
+
+    class Trained(Exception):
+        pass
+
+    def stop_after_training(*args, **kwargs):
+        raise Trained
+
+    trained = []
+    monkeypatch.setattr(demo, "build_base_model", lambda out, preset: out / "base")
+    monkeypatch.setattr(demo, "_learning_curve_callback", lambda *args, **kwargs: None)
+    monkeypatch.setattr(recipe, "train", lambda cfg, callbacks=None: trained.append(cfg))
+    monkeypatch.setattr(demo, "_evaluate_stages", stop_after_training)
+    with pytest.raises(Trained):
+        demo.run_demo(tmp_path, preset, progress=False)
+    return trained
+
+
+def test_quick_preset_trains_each_stage_with_these_settings(tmp_path, monkeypatch, capsys):
+    from dataclasses import asdict
+
+    from marslm.training.config import TrainConfig
+
+    shared = dict(
+        data="toy",
+        data_n=2000,
+        data_seed=0,
+        seed=0,
+        packing=True,
+        batch_size=16,
+        max_length=192,
+        progress=False,
+        logging_steps=25,
+        save_steps=10**9,
+        warmup_ratio=0.03,
+        weight_decay=0.0,
+    )
+    stages = [
+        dict(stage="ar", model="base", output="ar", max_steps=60, learning_rate=3e-3, data_mix={"lists": 2.0}),
+        dict(stage="mars", model="ar", output="mars", max_steps=30, learning_rate=1e-3, block_size=4, ar_weight=1.0),
+        # the control: the MARS stage's data, steps and schedule, with the AR loss
+        dict(stage="ar", model="ar", output="ar_control", max_steps=30, learning_rate=1e-3),
+    ]
+    paths = ("model", "output")
+    expected = [TrainConfig(**shared, **{**stage, **{k: str(tmp_path / stage[k]) for k in paths}}) for stage in stages]
+    trained = _trained_configs(tmp_path, monkeypatch, "quick")
+    assert [asdict(cfg) for cfg in trained] == [asdict(cfg) for cfg in expected]
