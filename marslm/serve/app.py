@@ -43,7 +43,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..decode import ParamError, TextStream
+from ..decode import TextStream
+from ..decode.params import ParamError, describe, read_field
 from ..errors import UserError
 from .config import ServeConfig, served_names
 from .engine import Engine
@@ -55,12 +56,10 @@ from .openai import (
     Endpoint,
     completion_echo,
     cut_off,
-    describe,
     error_body,
     max_token_chars,
     parse_json,
     parse_options,
-    read_field,
     usage,
 )
 from .requests import EngineError, EngineStopped, QueueFull, Result
@@ -207,19 +206,19 @@ class _Service:
         """Both completion endpoints: parse, submit, then stream chunks or answer once."""
         body = await self.json_body(request)
         self.check_model(body)
-        options, stream_mode, include_usage = parse_options(body, chat=api.chat)
+        params, stream_mode, include_usage = parse_options(body, chat=api.chat)
         echo = not api.chat and read_field(body, "echo", "bool", False)
         context = self.engine.limits.context
         prompt_ids = await self.off_loop(api.prompt_ids, self.tokenizer, body, self.max_chars, context)
         echoed = await self.off_loop(completion_echo, self.tokenizer, body) if echo else ""
-        stream = self.engine.submit(prompt_ids, options)
+        stream = self.engine.submit(prompt_ids, params)
         rid, now = api.id_prefix + secrets.token_hex(12), int(time.time())
         chunk = partial(api.chunk, rid, now, self.model_name)
         if stream_mode:
             # OpenAI's first chat chunk names the role; an echoed prompt comes before the completion
             opening = chunk("", None, role="assistant") if api.chat else chunk(echoed, None) if echoed else None
             return StreamingResponse(
-                self.events(stream, chunk, include_usage, options.stop, opening), media_type="text/event-stream"
+                self.events(stream, chunk, include_usage, params.stop, opening), media_type="text/event-stream"
             )
         result, text = await self.collect(request, stream)
         return api.response(rid, now, self.model_name, echoed + text, result)

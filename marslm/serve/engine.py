@@ -53,7 +53,6 @@ from .requests import (
     EngineStopped,
     QueueFull,
     RequestLimits,
-    RequestOptions,
     RequestStream,
     Result,
 )
@@ -68,7 +67,7 @@ IDLE_TICK_S = 0.05  # how often an idle engine lets the tau controller restore t
 class _Request:
     id: str
     prompt_ids: list[int]
-    settings: DecodingParams
+    settings: DecodingParams  # checked; tau None until it joins the batch when it follows the default
     follows_default: bool  # named no tau: the default tau reaches it, live
     text: TextStream | None  # watches for stop strings
     stream: RequestStream
@@ -136,7 +135,6 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._cancel: set[str] = set()
         self._running: dict[str, _Request] = {}  # engine thread only
-        self._applied_tau = self.controller.tau  # the default the running rows were last given
         self._active = 0
         self._ids = itertools.count()
         self._accepting = False
@@ -192,20 +190,21 @@ class Engine:
             self._thread.join(10.0)
 
     # ------------------------------------------------------------------------ submitting
-    def resolve(self, prompt_ids: list[int], options: RequestOptions) -> DecodingParams:
-        """Resolve defaults and check a request against the model; raises ``ParamError`` naming the field."""
-        return self.limits.resolve(prompt_ids, options, self.controller.tau)
+    def resolve(self, prompt_ids: list[int], params: DecodingParams) -> DecodingParams:
+        """Check a request (:func:`~marslm.serve.requests.request_params`) against the model, with
+        its defaults filled in (tau None: it follows the default); raises ``ParamError`` naming the field."""
+        return self.limits.resolve(prompt_ids, params, self.controller.tau)
 
     def submit(
-        self, prompt_ids: list[int], options: RequestOptions, loop: asyncio.AbstractEventLoop | None = None
+        self, prompt_ids: list[int], params: DecodingParams, loop: asyncio.AbstractEventLoop | None = None
     ) -> RequestStream:
-        """Queue a request; call from the event loop (or pass ``loop``). Raises ParamError,
-        QueueFull or EngineStopped; never blocks."""
-        settings = self.resolve(prompt_ids, options)
+        """Queue a request (:func:`~marslm.serve.requests.request_params`); call from the event
+        loop (or pass ``loop``). Raises ParamError, QueueFull or EngineStopped; never blocks."""
+        settings = self.resolve(prompt_ids, params)
         loop = loop or asyncio.get_running_loop()
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, len(prompt_ids), loop)
-        follows = options.tau is None and options.mode in TAU_MODES
+        follows = settings.tau is None
         text = TextStream(self.tokenizer, settings.stop) if settings.stop else None
         request = _Request(request_id, list(prompt_ids), settings, follows, text, stream, time.perf_counter())
         with self._lock:
@@ -264,7 +263,7 @@ class Engine:
     def _turn(self) -> None:
         self._apply_cancellations()
         self._admit()
-        self._apply_default_tau()
+        self._follow_default(self._running.values())
         if not self._running:
             self.controller.observe(time.perf_counter(), len(self._waiting), None)
             return
@@ -302,10 +301,8 @@ class Engine:
         if not joining:
             return
         now = time.perf_counter()
-        tau = self.controller.tau
+        self._follow_default(joining)
         for r in joining:
-            if r.follows_default:  # the default may have moved while it waited
-                r.settings.tau = tau
             r.admitted = now
         try:
             self._batch.add([r.prompt_ids for r in joining], [r.settings for r in joining], [r.id for r in joining])
@@ -326,16 +323,16 @@ class Engine:
             for r in joining:
                 self.metrics.histograms["queue_wait_seconds"].observe(now - r.arrived)
 
-    def _apply_default_tau(self) -> None:
+    def _follow_default(self, requests) -> None:
+        """The one place a request that named no tau gets the server's default tau, as it is now:
+        as it joins the batch (the default may have moved while it waited) and at every step after
+        the default moves (the adaptive policy, an admin). Rows not in the batch yet take it as they join."""
         tau = self.controller.tau
-        if tau == self._applied_tau:
-            return
-        self._applied_tau = tau
-        following = [r.id for r in self._running.values() if r.follows_default]
-        if following:
-            self._batch.set_tau(following, tau)
-            for rid in following:
-                self._running[rid].settings.tau = tau
+        moved = [r for r in requests if r.follows_default and r.settings.tau != tau]
+        for r in moved:
+            r.settings.tau = tau
+        if moved:
+            self._batch.set_tau([r.id for r in moved], tau)
 
     def _apply_cancellations(self) -> None:
         with self._lock:
