@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from marslm.decode.params import metric_code
+from marslm.decode.params import ParamError, metric_code
 from marslm.vllm import engine_args, middleware
 from marslm.vllm.engine_args import (
     GIB,
@@ -25,7 +25,6 @@ from marslm.vllm.request_settings import (
     LOSSLESS,
     OFF,
     THRESHOLD,
-    FieldError,
     PluginConfig,
     RowSettings,
     check_request,
@@ -66,7 +65,7 @@ def test_check_request_accepts(fields):
     ],
 )
 def test_check_request_refuses(fields, greedy, param):
-    with pytest.raises(FieldError) as info:
+    with pytest.raises(ParamError) as info:
         check_request(fields, greedy=greedy)
     assert info.value.param == param
 
@@ -134,9 +133,9 @@ def test_rewrite_request_moves_fields():
     untouched = b'{"messages": [], "temperature": 0.7}'
     assert middleware.rewrite_request(untouched) == untouched
     assert middleware.rewrite_request(b"not json") == b"not json"
-    with pytest.raises(FieldError, match="block_size"):
+    with pytest.raises(ParamError, match="block_size"):
         middleware.rewrite_request(b'{"block_size": 2}')
-    with pytest.raises(FieldError, match="greedy"):
+    with pytest.raises(ParamError, match="greedy"):
         middleware.rewrite_request(b'{"tau": 0.9, "temperature": 1.0}')
 
 
