@@ -19,8 +19,6 @@ LONG_FUNCTIONS = {
 }
 LONG_MODULES = {
     "experiments/demo.py",
-    "serve/app.py",
-    "serve/engine.py",
 }
 
 

@@ -1,13 +1,18 @@
 """What a request to the serving engine is: its settings (a ``DecodingParams``), the limits they are checked
-against, the stream a handler reads and the result it ends with, and the ways it can be refused.
+against, the engine's record of it, the stream a handler reads (fed from the engine's thread) and
+the result it ends with, and the ways it can be refused.
 The engine (engine.py) runs requests; the API layer (openai.py, app.py) builds and answers them."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from ..decode.params import DecodingParams, ParamError, check_default_tau
+from ..decode.params import TAU_MODES, DecodingParams, ParamError, check_default_tau
+
+if TYPE_CHECKING:
+    from ..decode import FinishedRow, TextStream
 
 
 class QueueFull(Exception):
@@ -81,6 +86,54 @@ class RequestStream:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+
+@dataclass(eq=False)
+class RequestState:
+    """The engine's record of one request, waiting or running: its checked settings, the stream
+    its handler reads, its timings and the tokens it has been sent so far."""
+
+    id: str
+    prompt_ids: list[int]
+    settings: DecodingParams  # checked; tau None until it joins the batch when it follows the default
+    follows_default: bool  # named no tau: the default tau reaches it, live
+    text: TextStream | None  # watches for stop strings
+    stream: RequestStream
+    arrived: float
+    admitted: float | None = None
+    first_token: float | None = None
+    tokens: list[int] = field(default_factory=list)  # tokens already published
+
+    @property
+    def tau(self) -> float | None:
+        """The tau its result reports: its row's (None in lossless mode, which reads none)."""
+        return self.settings.tau if self.settings.mode in TAU_MODES else None
+
+    def cancelled(self) -> Result:
+        """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
+        return Result(list(self.tokens), "cancelled", len(self.prompt_ids), [], self.tau)
+
+    def finished(self, row: FinishedRow) -> Result:
+        """What its row ended with; a stop string ends the text (and the tokens) just before it."""
+        token_ids, reason, text = row.token_ids, "stop" if row.stopped else "length", None
+        if self.text is not None:
+            token_ids = self.text.close(row.token_ids)
+            if self.text.stopped:
+                reason, text = "stop", self.text.text
+        return Result(token_ids, reason, len(self.prompt_ids), row.accepted_per_step, self.tau, text)
+
+
+def send_to_loop(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """Put each ``(queue, item)`` on its asyncio queue from the engine thread, in one wake-up of ``loop``."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the loop is closed (shutdown): nobody is listening any more
+        pass
+
+
+def _put_all(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 @dataclass(frozen=True)
