@@ -70,6 +70,27 @@ def test_check_request_refuses(fields, greedy, param):
     assert info.value.param == param
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [{"tau": "high"}, {"tau": True}, {"tau": 1.5}, {"metric": "nope"}, {"metric": 3}, {"mode": "fast"}]
+    + [{"metric": "entropy"}],
+)
+def test_the_vllm_front_door_refuses_a_field_as_marslm_serve_does(fields):
+    from marslm.serve.openai import parse_options
+    from marslm.serve.requests import RequestLimits
+
+    with pytest.raises(ParamError) as vllm:
+        check_request(fields)
+    with pytest.raises(ParamError) as serve:
+        params, _, _ = parse_options(fields, chat=True)
+        RequestLimits(None, 16, 16, 4).resolve([1], params, 0.95)
+    assert (str(vllm.value), vllm.value.param, vllm.value.code) == (
+        str(serve.value),
+        serve.value.param,
+        serve.value.code,
+    )
+
+
 def test_row_settings():
     prob, margin = metric_code("prob"), metric_code("margin")
     assert row_settings(None, True, MARS) == RowSettings(THRESHOLD, 0.95, prob)  # the server's default tau
