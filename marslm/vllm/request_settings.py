@@ -1,9 +1,10 @@
 """What a request asks of MARS under vLLM, and what the server defaults to: checked in one place.
 
-A request names its settings as marslm serve's do (``tau``, ``metric``, ``mode``); inside vLLM
-they travel in ``SamplingParams.extra_args`` (the OpenAI API's ``vllm_xargs``). The server's
-defaults and the checkpoint's facts (mask token, block size) travel in vLLM's
-``additional_config["marslm"]``, so every engine process sees the same ones.
+A request names its settings as marslm serve's do (``tau``, ``metric``, ``mode``), and marslm
+serve's own checks (decode/params.py) check them, so both servers refuse a field in the same
+words. Inside vLLM they travel in ``SamplingParams.extra_args`` (the OpenAI API's
+``vllm_xargs``). The server's defaults and the checkpoint's facts (mask token, block size)
+travel in vLLM's ``additional_config["marslm"]``, so every engine process sees the same ones.
 
 Each request decodes in one of three row modes:
 
