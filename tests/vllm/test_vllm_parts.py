@@ -225,7 +225,7 @@ def test_middleware_refuses_with_an_openai_error():
             "message": "'tau' must be a number, got \"high\"",
             "type": "invalid_request_error",
             "param": "tau",
-            "code": None,
+            "code": "invalid_type",  # as marslm serve answers it
         }
     }
 
