@@ -17,7 +17,7 @@ from marslm.decode import ParamError
 from marslm.errors import UserError
 from marslm.serve.config import ServeConfig
 from marslm.serve.engine import Engine
-from marslm.serve.requests import EngineError, QueueFull, RequestOptions
+from marslm.serve.requests import EngineError, QueueFull, request_params
 from marslm.serve.tau import TauController
 from tests.trained import TRAIN_N, find_long_prompt
 
@@ -50,7 +50,7 @@ def test_engine_equals_generate_with_staggered_arrivals(mars64):
     settings = [
         dict(
             tau=[1.0, 0.9, 0.7][i % 3],
-            max_tokens=[16, 40][i % 2],
+            max_new_tokens=[16, 40][i % 2],
             block_size=[None, 2, 3, 4][i % 4],
             mode="lossless" if i % 5 == 4 else "threshold",
         )
@@ -62,7 +62,7 @@ def test_engine_equals_generate_with_staggered_arrivals(mars64):
         async def main():
             tasks = []
             for ex, s in zip(examples, settings):
-                stream = engine.submit(encode_prompt(tokenizer, ex.messages), RequestOptions(**s))
+                stream = engine.submit(encode_prompt(tokenizer, ex.messages), request_params(**s))
                 tasks.append(asyncio.ensure_future(_drain(stream)))
                 await asyncio.sleep(0.003)  # arrivals spread over the run
             return await asyncio.gather(*tasks)
@@ -76,7 +76,7 @@ def test_engine_equals_generate_with_staggered_arrivals(mars64):
             tokenizer,
             [ex.messages],
             tau=s["tau"],
-            max_new_tokens=s["max_tokens"],
+            max_new_tokens=s["max_new_tokens"],
             block_size=s["block_size"],
             mode=s["mode"],
         )
@@ -105,10 +105,10 @@ def test_a_request_that_fails_after_admission_fails_alone(mars64, long_prompt, p
     try:
 
         async def main():
-            streams = [engine.submit(prompt, RequestOptions(max_tokens=40, **s)) for s in healthy]
+            streams = [engine.submit(prompt, request_params(max_new_tokens=40, **s)) for s in healthy]
             for stream in streams:  # running, so the poisoned request joins their batch
                 await stream.__aiter__().__anext__()
-            poisoned = engine.submit(prompt, RequestOptions(max_tokens=40, seed=13))
+            poisoned = engine.submit(prompt, request_params(max_new_tokens=40, seed=13))
             with pytest.raises(EngineError, match="decoding failed"):
                 await _drain(poisoned)
             return [(await _drain(s))[1] for s in streams]
@@ -130,13 +130,13 @@ def test_default_tau_changes_live_only_for_rows_that_follow_it(mars64, long_prom
     try:
 
         async def main():
-            follows = engine.submit(prompt, RequestOptions(max_tokens=300))
-            own = engine.submit(prompt, RequestOptions(max_tokens=300, tau=0.9))
+            follows = engine.submit(prompt, request_params(max_new_tokens=300))
+            own = engine.submit(prompt, request_params(max_new_tokens=300, tau=0.9))
             it_follows, it_own = follows.__aiter__(), own.__aiter__()
             await it_follows.__anext__()  # both rows are running now
             await it_own.__anext__()
             engine.set_policy(tau=0.85)  # takes effect at the next step, no restart
-            later = engine.submit(prompt, RequestOptions(max_tokens=4))
+            later = engine.submit(prompt, request_params(max_new_tokens=4))
             return [await _drain(s) for s in (follows, own, later)]
 
         (_, follows), (_, own), (_, later) = asyncio.run(main())
@@ -155,7 +155,7 @@ def test_cancel_frees_the_row_before_the_next_step(mars64, long_prompt):
     try:
 
         async def main():
-            stream = engine.submit(prompt, RequestOptions(max_tokens=300, tau=1.0))
+            stream = engine.submit(prompt, request_params(max_new_tokens=300, tau=1.0))
             first = await stream.__aiter__().__anext__()
             engine.cancel(stream.request_id)
             chunks, result = await _drain(stream)
@@ -176,11 +176,11 @@ def test_full_queue_refuses_and_stop_cancels_what_is_left(mars64, long_prompt):
     engine = make_engine(mars64, max_batch=1, max_queue=1)
 
     async def main():
-        running = engine.submit(prompt, RequestOptions(max_tokens=300, tau=1.0))
+        running = engine.submit(prompt, request_params(max_new_tokens=300, tau=1.0))
         await running.__aiter__().__anext__()  # it holds the one row now
-        streams = [running, engine.submit(prompt, RequestOptions(max_tokens=300, tau=1.0))]  # queued
+        streams = [running, engine.submit(prompt, request_params(max_new_tokens=300, tau=1.0))]  # queued
         with pytest.raises(QueueFull) as refused:
-            engine.submit(prompt, RequestOptions(max_tokens=300, tau=1.0))
+            engine.submit(prompt, request_params(max_new_tokens=300, tau=1.0))
         assert refused.value.retry_after >= 1
         await asyncio.to_thread(engine.stop, 0.05)  # shutdown: no patience, cancel the rest
         return [await _drain(s) for s in streams]
@@ -196,32 +196,33 @@ def test_validation(mars64):
     engine = Engine(model, tokenizer, ServeConfig(max_tokens=256, max_tokens_limit=512))  # not started
     ids = [5] * 10
     bad = [
-        (RequestOptions(tau=1.5), "tau"),
-        (RequestOptions(tau=0.0), "tau"),
-        (RequestOptions(tau=-1.0, metric="entropy"), "tau"),
-        (RequestOptions(metric="entropy"), "tau"),
-        (RequestOptions(metric="nope"), "metric"),
-        (RequestOptions(block_size=5), "block_size"),
-        (RequestOptions(block_size=0), "block_size"),
-        (RequestOptions(mode="fast"), "mode"),
-        (RequestOptions(mode="lossless", block_size=1), "block_size"),
-        (RequestOptions(max_tokens=0), "max_tokens"),
-        (RequestOptions(max_tokens=513), "max_tokens"),
-        (RequestOptions(temperature=-1.0), "temperature"),
+        (request_params(tau=1.5), "tau"),
+        (request_params(tau=0.0), "tau"),
+        (request_params(tau=-1.0, metric="entropy"), "tau"),
+        (request_params(metric="entropy"), "tau"),
+        (request_params(metric="nope"), "metric"),
+        (request_params(block_size=5), "block_size"),
+        (request_params(block_size=0), "block_size"),
+        (request_params(mode="fast"), "mode"),
+        (request_params(mode="lossless", block_size=1), "block_size"),
+        (request_params(max_new_tokens=0), "max_tokens"),
+        (request_params(max_new_tokens=513), "max_tokens"),
+        (request_params(temperature=-1.0), "temperature"),
     ]
     for params, field in bad:
         with pytest.raises(ParamError) as err:
             engine.resolve(ids, params)
         assert err.value.param == field, params
     with pytest.raises(ParamError) as err:
-        engine.resolve([5] * 1000, RequestOptions(max_tokens=100))
+        engine.resolve([5] * 1000, request_params(max_new_tokens=100))
     assert err.value.code == "context_length_exceeded"
     with pytest.raises(ParamError):
-        engine.resolve([], RequestOptions())
-    # defaults: the trained block size, the default tau, max_tokens capped by what the context has left
-    row = engine.resolve([5] * 1000, RequestOptions())
-    assert (row.block_size, row.tau, row.max_new_tokens) == (4, 0.95, 24)
-    assert engine.resolve(ids, RequestOptions(tau=0.3, metric="entropy")).tau == 0.3
+        engine.resolve([], request_params())
+    # defaults: the trained block size, max_tokens capped by what the context has left; a request that
+    # names no tau keeps None, and takes the server's default as it joins the batch (the live test below)
+    row = engine.resolve([5] * 1000, request_params())
+    assert (row.block_size, row.tau, row.max_new_tokens) == (4, None, 24)
+    assert engine.resolve(ids, request_params(tau=0.3, metric="entropy")).tau == 0.3
 
 
 def test_tau_controller_fixed_and_adaptive():

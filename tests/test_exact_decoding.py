@@ -99,7 +99,7 @@ def test_threshold_decoding_accepts_several_tokens(exact64, prompts):
 def test_the_server_engine_gives_the_original_greedy(exact64, original64, prompts):
     from marslm.serve.config import ServeConfig
     from marslm.serve.engine import Engine
-    from marslm.serve.requests import RequestOptions
+    from marslm.serve.requests import request_params
 
     expected = hf_greedy(*original64, prompts[:4], 32)
     engine = Engine(*exact64, ServeConfig(max_batch=2))
@@ -108,7 +108,9 @@ def test_the_server_engine_gives_the_original_greedy(exact64, original64, prompt
 
         async def main():
             streams = [
-                engine.submit(ids, RequestOptions(tau=1.0, max_tokens=32, mode="lossless" if i % 2 else "threshold"))
+                engine.submit(
+                    ids, request_params(tau=1.0, max_new_tokens=32, mode="lossless" if i % 2 else "threshold")
+                )
                 for i, ids in enumerate(prompts[:4])
             ]
             results = []

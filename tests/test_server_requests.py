@@ -180,3 +180,18 @@ def test_a_hybrid_request_decodes_as_generate_does_and_its_refusals_are_named(ap
         response = post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "mode": "hybrid", **fields})
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
+
+
+def test_a_body_becomes_the_decoding_params_it_names():
+    from marslm.decode import DecodingParams
+    from marslm.serve.openai import parse_options
+
+    params, stream, include_usage = parse_options(
+        {"tau": 0.8, "max_completion_tokens": 7, "mode": "lossless", "top_k": 3, "stop": ["x", ""], "stream": True},
+        chat=True,
+    )
+    assert params == DecodingParams(tau=0.8, max_new_tokens=7, mode="lossless", top_k=3, stop=("x",))
+    assert (stream, include_usage) == (True, False)
+    # a field it names not: DecodingParams' default, but tau and max_tokens are the server's (None)
+    params = parse_options({"max_tokens": 5}, chat=False)[0]
+    assert params == DecodingParams(tau=None, max_new_tokens=5)

@@ -4,11 +4,14 @@
 every surface that decodes (``marslm.generate``, the CLI, evaluation, the server, the lm-eval
 adapter) builds one and calls :meth:`DecodingParams.validate`. :class:`DecoderOptions` is how the
 decoder runs for every request of a call (cache policy, which masks a step reads), checked when
-it is made. None of the surfaces checks a decoding setting itself.
+it is made. None of the surfaces checks a decoding setting itself; the servers read a request's
+fields from its JSON body with :func:`read_field` and check those that are not ``DecodingParams``
+fields (a server's default tau, :func:`check_default_tau`) here too.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 
@@ -21,6 +24,9 @@ METRICS = ("prob", "entropy", "margin")
 # (the paper's section 4.6 with the model as its own drafter): a composition of the other two
 MODES = ("threshold", "lossless", "hybrid")
 TAU_MODES = ("threshold", "hybrid")  # the modes whose acceptance reads tau (lossless ignores it)
+# The metrics whose tau lives in (0, 1] with "higher = stricter": a server's default tau applies to
+# them. Entropy runs the other way (accept while H <= tau), so an entropy request names its tau.
+DEFAULT_TAU_METRICS = ("prob", "margin")
 CACHE_MODES = ("none", "block", "cursor")  # none: recompute; block: the paper's; cursor: ours (batch.py)
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
 # A temperature below this samples the argmax in all but rounding, and dividing logits by it can
@@ -52,9 +58,11 @@ class ParamError(UserError):
 
 @dataclass
 class DecodingParams:
-    """One request's decoding settings; the decoding options of the CLI are these fields."""
+    """One request's decoding settings; the decoding options of the CLI are these fields. A
+    server's request leaves ``tau`` and ``max_new_tokens`` None where it names none: the server's
+    defaults (``marslm.serve.requests.request_params``); :meth:`validate` takes numbers."""
 
-    tau: float = setting(
+    tau: float | None = setting(
         1.0,
         "confidence threshold: accept mask predictions while they pass it; 1 (prob, "
         "margin) or 0 (entropy) is one token per forward, plain greedy AR",
@@ -67,7 +75,7 @@ class DecodingParams:
     block_size: int | None = setting(
         None, "masks per step + 1, at most the block size the checkpoint was trained with (default: that one)"
     )
-    max_new_tokens: int = setting(256, "longest answer, in tokens")
+    max_new_tokens: int | None = setting(256, "longest answer, in tokens")
     mode: str = setting(
         "threshold",
         "threshold: accept while confident (tau); lossless: the masks draft, the "
@@ -88,8 +96,7 @@ class DecodingParams:
         ``context``: the model's (``max_position_embeddings``), which an answer must fit beside a
         prompt of at least one token."""
         check_tau(self.tau, self.metric)
-        if self.mode not in MODES:
-            raise ParamError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", "mode")
+        check_mode(self.mode)
         block_size = self.block_size if self.block_size is not None else (trained_block_size or DEFAULT_BLOCK_SIZE)
         if not isinstance(block_size, int) or block_size < 1:
             raise ParamError(f"block size must be an integer >= 1, got {block_size!r}", "block_size")
@@ -230,10 +237,19 @@ def one_token_rows(tau, metric):
     return ((metric == ENTROPY) & (tau <= 0)) | ((metric != ENTROPY) & (tau >= 1))
 
 
-def check_tau(tau: float, metric: str) -> None:
-    """The metric must be known; tau finite, in (0, 1] for prob and margin, and >= 0 for entropy."""
+def check_metric(metric: str) -> None:
     if metric not in METRICS:
         raise ParamError(f"unknown confidence metric {metric!r}; choose from {', '.join(METRICS)}", "metric")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ParamError(f"mode must be one of {', '.join(MODES)}, got {mode!r}", "mode")
+
+
+def check_tau(tau: float, metric: str) -> None:
+    """The metric must be known; tau finite, in (0, 1] for prob and margin, and >= 0 for entropy."""
+    check_metric(metric)
     if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not math.isfinite(tau):
         raise ParamError(f"tau must be a finite number, got {tau!r}", "tau", "invalid_tau")
     if metric == "entropy":
@@ -241,6 +257,16 @@ def check_tau(tau: float, metric: str) -> None:
             raise ParamError(f"tau for the entropy metric must be >= 0, got {tau}", "tau", "invalid_tau")
     elif not 0 < tau <= 1:
         raise ParamError(f"tau for the {metric} metric must be in (0, 1], got {tau}", "tau", "invalid_tau")
+
+
+def check_default_tau(metric: str, mode: str) -> None:
+    """A request that names no tau follows its server's default tau, a probability: refused where
+    its metric reads tau on another scale and its mode reads tau at all."""
+    if metric in METRICS and metric not in DEFAULT_TAU_METRICS and mode in TAU_MODES:
+        raise ParamError(
+            f"the server's default tau is a probability; a request with metric {metric!r} must set its own tau",
+            "tau",
+        )
 
 
 def check_seed(seed, name: str) -> None:
@@ -258,3 +284,44 @@ def check_mask_batch_limit(limit, name: str, auto: bool = False) -> None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         also = ", auto" if auto else ""
         raise UserError(f"{name} must be an integer >= 1{also} (or unset: no limit), got {limit!r}")
+
+
+# ------------------------------------------------------------------- a request's fields, as JSON
+# A server reads a request's fields with these: marslm serve's OpenAI API and the vLLM plugin's
+# front door alike, so a field is refused in the same words wherever it is sent.
+_MISSING = object()
+
+
+def read_field(body: dict, name: str, kind: str, default=None, *, required: bool = False):
+    """``body[name]`` checked against ``kind`` (int, number, str, bool, list, dict); None counts as absent."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if required:
+            raise ParamError(f"missing required parameter '{name}'", param=name, code="missing_required_parameter")
+        return default
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+        "list": isinstance(value, list),
+        "dict": isinstance(value, dict),
+    }[kind]
+    if not ok:
+        kind_name = {
+            "int": "an integer",
+            "number": "a number",
+            "str": "a string",
+            "bool": "a boolean",
+            "list": "an array",
+            "dict": "an object",
+        }[kind]
+        raise ParamError(f"'{name}' must be {kind_name}, got {describe(value)}", param=name, code="invalid_type")
+    return float(value) if kind == "number" else value
+
+
+def describe(value) -> str:
+    """A value for an error message: short, and safe for any nesting depth."""
+    if isinstance(value, (list, dict)):
+        return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
+    return json.dumps(value)[:80]

@@ -14,24 +14,20 @@ engine does not have (penalties, ...) are ignored; ones that would change the an
 
 The routes only translate: they read the body, let openai.py parse and check it and turn text
 into token ids, hand the ids to the engine and turn the engine's tokens back into OpenAI objects
-(openai.py again). Every refusal is an OpenAI error object
-``{"error": {"message", "type", "param", "code"}}`` with a 4xx status (503 at shutdown).
+(openai.py again), whole or as server-sent events. What a client may send, and how each refusal
+is answered, is guard.py's.
 
-What a client may take is bounded (``ServeConfig``): the body's size (checked as it arrives: 413
-and the connection closed, the rest never read), the time to send a request's head and its
-body, the number of open connections. JSON parsing and tokenization run on worker
-threads, never on the event loop, so a big request delays no other request's stream, and a
-prompt that cannot fit the model's context is refused before it is tokenized. No error closes
-a keep-alive connection except those that must (413, 408); a client that hangs up is one line
-in the log.
+What a client may take is bounded (``ServeConfig``): the body's size and the time it takes to
+arrive (guard.py), the time to send a request's head, the number of open connections (http.py).
+JSON parsing and tokenization run on worker threads, never on the event loop, so a big request
+delays no other request's stream, and a prompt that cannot fit the model's context is refused
+before it is tokenized.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
-import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,14 +35,14 @@ from contextlib import asynccontextmanager
 from functools import partial
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..decode import ParamError, TextStream
+from ..decode import TextStream
+from ..decode.params import describe, read_field
 from ..errors import UserError
-from .config import ServeConfig, served_names
+from .config import served_names
 from .engine import Engine
+from .guard import ClientGone, Guard, add_error_handlers, authorizer, read_body
 from .metrics import render_metrics
 from .openai import (
     CHAT,
@@ -55,30 +51,26 @@ from .openai import (
     Endpoint,
     completion_echo,
     cut_off,
-    describe,
     error_body,
     max_token_chars,
     parse_json,
     parse_options,
-    read_field,
     usage,
 )
-from .requests import EngineError, EngineStopped, QueueFull, Result
-
-log = logging.getLogger("marslm.server")
+from .requests import EngineError, Result
 
 PARSE_WORKERS = 4  # threads that parse and tokenize requests
 
 
 def create_app(engine: Engine, model: str):
     """The ASGI app serving ``engine``, which runs ``model`` (a path or hub id: the names it answers
-    to are :func:`~marslm.serve.config.served_names`): FastAPI inside :class:`_Guard`. Its
+    to are :func:`~marslm.serve.config.served_names`): FastAPI inside :class:`~marslm.serve.guard.Guard`. Its
     lifespan starts the engine (if not yet running) and stops it."""
     service = _Service(engine, model)
     app = FastAPI(title="marslm", lifespan=service.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    _add_error_handlers(app)
+    add_error_handlers(app)
     _add_routes(app, service, [Depends(authorizer(service.config.api_key))])
-    return _Guard(app)
+    return Guard(app)
 
 
 def _add_routes(app: FastAPI, service: _Service, auth: list) -> None:
@@ -207,19 +199,19 @@ class _Service:
         """Both completion endpoints: parse, submit, then stream chunks or answer once."""
         body = await self.json_body(request)
         self.check_model(body)
-        options, stream_mode, include_usage = parse_options(body, chat=api.chat)
+        params, stream_mode, include_usage = parse_options(body, chat=api.chat)
         echo = not api.chat and read_field(body, "echo", "bool", False)
         context = self.engine.limits.context
         prompt_ids = await self.off_loop(api.prompt_ids, self.tokenizer, body, self.max_chars, context)
         echoed = await self.off_loop(completion_echo, self.tokenizer, body) if echo else ""
-        stream = self.engine.submit(prompt_ids, options)
+        stream = self.engine.submit(prompt_ids, params)
         rid, now = api.id_prefix + secrets.token_hex(12), int(time.time())
         chunk = partial(api.chunk, rid, now, self.model_name)
         if stream_mode:
             # OpenAI's first chat chunk names the role; an echoed prompt comes before the completion
             opening = chunk("", None, role="assistant") if api.chat else chunk(echoed, None) if echoed else None
             return StreamingResponse(
-                self.events(stream, chunk, include_usage, options.stop, opening), media_type="text/event-stream"
+                self.events(stream, chunk, include_usage, params.stop, opening), media_type="text/event-stream"
             )
         result, text = await self.collect(request, stream)
         return api.response(rid, now, self.model_name, echoed + text, result)
@@ -277,180 +269,6 @@ class _Service:
             if stream.result is None:
                 self.engine.cancel(stream.request_id)
         yield "data: [DONE]\n\n"
-
-
-# ------------------------------------------------------------------------------ requests and errors
-class ClientGone(Exception):
-    """The client hung up; the message says when."""
-
-
-def authorizer(api_key: str | None):
-    """The dependency that checks ``Authorization: Bearer KEY`` (none without an API key)."""
-
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(
-                401,
-                "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
-
-    return authorize
-
-
-async def read_body(request: Request, limits: ServeConfig) -> bytes:
-    """The body, read as it arrives against the size limit and the body deadline."""
-    limit = limits.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and not declared.isdigit():
-        raise APIError(400, f"invalid Content-Length {declared[:40]!r}", headers={"Connection": "close"})
-    if declared is not None and int(declared) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    deadline = time.monotonic() + limits.body_timeout
-    while True:
-        try:
-            message = await asyncio.wait_for(request.receive(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            log.info("%s sent no complete body within %g s: 408", _client(request), limits.body_timeout)
-            raise APIError(
-                408,
-                f"the request body did not arrive within {limits.body_timeout:g} s",
-                code="request_timeout",
-                headers={"Connection": "close"},
-            ) from None
-        if message["type"] == "http.disconnect":
-            raise ClientGone("while sending its request")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _too_large(limit: int) -> APIError:
-    # Connection: close: the rest of the body is never read, so the connection cannot carry on.
-    return APIError(
-        413,
-        f"the request body is larger than {limit} bytes (--max-request-bytes)",
-        code="request_too_large",
-        headers={"Connection": "close"},
-    )
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    """Each error type answered once, as an OpenAI error object with its status."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(_request, exc: APIError):
-        return _error(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
-
-    @app.exception_handler(ParamError)
-    async def _refused(request, exc: ParamError):
-        # The engine calls a prompt it refuses "prompt"; a chat request sent it as "messages".
-        param = exc.param
-        if param == "prompt" and request.url.path == CHAT.path:
-            param = CHAT.prompt_param
-        return _error(400, str(exc), param=param, code=exc.code)
-
-    @app.exception_handler(QueueFull)
-    async def _queue_full(_request, exc: QueueFull):
-        headers = {"Retry-After": str(exc.retry_after)}
-        return _error(429, str(exc), "rate_limit_error", code="queue_full", headers=headers)
-
-    @app.exception_handler(EngineStopped)
-    async def _stopped(_request, exc: EngineStopped):
-        return _error(503, str(exc), "server_error", code="shutting_down")
-
-    @app.exception_handler(EngineError)
-    async def _failed(_request, exc: EngineError):
-        return _error(500, str(exc), "server_error")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, exc):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request, exc):
-        return _error(400, str(exc))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request, exc):  # starlette re-raises it afterwards: _Guard logs it
-        return _error(500, "internal server error", "server_error")
-
-    @app.exception_handler(ClientGone)
-    async def _client_gone(request, exc):  # nobody reads this answer
-        log.info("%s went away %s", _client(request), exc)
-        return Response(status_code=499)
-
-
-def _error(
-    status: int,
-    message: str,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict | None = None,
-) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
-
-
-def _client(request) -> str:
-    host, port = request.client or ("?", 0)
-    return f"client {host}:{port}"
-
-
-# ----------------------------------------------------------------------------------------- ASGI
-class _Guard:
-    """The outermost ASGI layer. An exception that escapes the app is answered (a 500 OpenAI error
-    object, or 503 when shutdown cancels the request) and logged once, then swallowed: uvicorn
-    would close the keep-alive connection and log its own traceback."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def send_tracked(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_tracked)
-        except asyncio.CancelledError:
-            log.warning("%s %s cancelled by the shutdown", scope.get("method"), scope.get("path"))
-            if not started:
-                await _send_json(
-                    send, 503, error_body("the server is shutting down", "server_error", code="shutting_down")
-                )
-        except Exception:  # noqa: BLE001 - a bug: log it with its traceback, keep serving
-            log.exception("error answering %s %s", scope.get("method"), scope.get("path"))
-            if not started:
-                await _send_json(send, 500, error_body("internal server error", "server_error"))
-
-
-async def _send_json(send, status: int, body: dict) -> None:
-    data = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
 
 
 def _sse(obj: dict) -> str:

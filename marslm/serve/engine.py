@@ -3,20 +3,24 @@
 vLLM's design, small:
 
     submit()  (event loop)     -> waiting queue (FIFO, bounded: a full queue is refused, not grown)
-    engine thread, each turn:     apply cancellations and default-tau changes
+    engine thread, each turn:     apply cancellations
                                   admit waiting requests while the batch has free rows
+                                  give rows that follow the default tau its current value
                                   DecodeBatch.step(): ONE forward for every running row
                                   publish accepted tokens and finished requests
-    publish                    -> loop.call_soon_threadsafe -> each request's asyncio.Queue
+    publish                    -> requests.send_to_loop -> each request's asyncio.Queue
 
 Why one thread owns the model: a model, its KV cache and the DecodeBatch are not thread-safe,
 and one owner needs no locks around torch. Running it off the event loop keeps HTTP responsive
 while a forward runs. Rows advance independently on the cursor cache, so admitting requests
 between steps *is* continuous batching: nobody waits for a batch to drain.
 
-Each row keeps its own tau. Requests that name no tau follow the server's *default* tau, which
-the ``TauController`` (tau.py) may move with load (adaptive policy) or an admin may set; a change
-reaches running rows through ``DecodeBatch.set_tau`` before the next step.
+Each row keeps its own tau. Requests that name no tau (tau None) follow the server's *default*
+tau, which the ``TauController`` (tau.py) may move with load (adaptive policy) or an admin may
+set. One method gives it to them (``_follow_default``): as they join the batch, and to running
+rows through ``DecodeBatch.set_tau`` before the next step after a change.
+
+What a request is, as the engine holds it (its settings, stream, timings, result), is requests.py's.
 
 One request's numbers never fail another's: a row that cannot join the batch, or whose sample
 cannot be drawn, fails its own request and the batch goes on. Only a step that fails as a whole
@@ -37,14 +41,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from ..chat import stop_token_ids
 from ..decode import DecodeBatch, DecoderOptions, DecodingParams, TextStream
 from ..decode.costs import MaskBatchLimit, masked_step_costs
-from ..decode.params import TAU_MODES
 from ..errors import UserError
 from .config import ServeConfig
 from .metrics import EngineMetrics
@@ -53,39 +55,16 @@ from .requests import (
     EngineStopped,
     QueueFull,
     RequestLimits,
-    RequestOptions,
+    RequestState,
     RequestStream,
     Result,
+    send_to_loop,
 )
 from .tau import TauController
 
 log = logging.getLogger("marslm.engine")
 
 IDLE_TICK_S = 0.05  # how often an idle engine lets the tau controller restore the default
-
-
-@dataclass(eq=False)
-class _Request:
-    id: str
-    prompt_ids: list[int]
-    settings: DecodingParams
-    follows_default: bool  # named no tau: the default tau reaches it, live
-    text: TextStream | None  # watches for stop strings
-    stream: RequestStream
-    arrived: float
-    admitted: float | None = None
-    first_token: float | None = None
-    tokens: list[int] = field(default_factory=list)  # tokens already published
-
-    def cancelled(self) -> Result:
-        """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
-        return Result(
-            list(self.tokens),
-            "cancelled",
-            len(self.prompt_ids),
-            [],
-            self.settings.tau if self.settings.mode in TAU_MODES else None,
-        )
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -133,10 +112,9 @@ class Engine:
         self.mask_limit: MaskBatchLimit | None = None  # set at start() when auto
         self._lock = threading.Lock()  # guards the waiting queue, cancellations, metrics
         self._wake = threading.Condition(self._lock)
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[RequestState] = deque()
         self._cancel: set[str] = set()
-        self._running: dict[str, _Request] = {}  # engine thread only
-        self._applied_tau = self.controller.tau  # the default the running rows were last given
+        self._running: dict[str, RequestState] = {}  # engine thread only
         self._active = 0
         self._ids = itertools.count()
         self._accepting = False
@@ -192,22 +170,23 @@ class Engine:
             self._thread.join(10.0)
 
     # ------------------------------------------------------------------------ submitting
-    def resolve(self, prompt_ids: list[int], options: RequestOptions) -> DecodingParams:
-        """Resolve defaults and check a request against the model; raises ``ParamError`` naming the field."""
-        return self.limits.resolve(prompt_ids, options, self.controller.tau)
+    def resolve(self, prompt_ids: list[int], params: DecodingParams) -> DecodingParams:
+        """Check a request (:func:`~marslm.serve.requests.request_params`) against the model, with
+        its defaults filled in (tau None: it follows the default); raises ``ParamError`` naming the field."""
+        return self.limits.resolve(prompt_ids, params, self.controller.tau)
 
     def submit(
-        self, prompt_ids: list[int], options: RequestOptions, loop: asyncio.AbstractEventLoop | None = None
+        self, prompt_ids: list[int], params: DecodingParams, loop: asyncio.AbstractEventLoop | None = None
     ) -> RequestStream:
-        """Queue a request; call from the event loop (or pass ``loop``). Raises ParamError,
-        QueueFull or EngineStopped; never blocks."""
-        settings = self.resolve(prompt_ids, options)
+        """Queue a request (:func:`~marslm.serve.requests.request_params`); call from the event
+        loop (or pass ``loop``). Raises ParamError, QueueFull or EngineStopped; never blocks."""
+        settings = self.resolve(prompt_ids, params)
         loop = loop or asyncio.get_running_loop()
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, len(prompt_ids), loop)
-        follows = options.tau is None and options.mode in TAU_MODES
+        follows = settings.tau is None
         text = TextStream(self.tokenizer, settings.stop) if settings.stop else None
-        request = _Request(request_id, list(prompt_ids), settings, follows, text, stream, time.perf_counter())
+        request = RequestState(request_id, list(prompt_ids), settings, follows, text, stream, time.perf_counter())
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down")
@@ -264,7 +243,7 @@ class Engine:
     def _turn(self) -> None:
         self._apply_cancellations()
         self._admit()
-        self._apply_default_tau()
+        self._follow_default(self._running.values())
         if not self._running:
             self.controller.observe(time.perf_counter(), len(self._waiting), None)
             return
@@ -302,10 +281,8 @@ class Engine:
         if not joining:
             return
         now = time.perf_counter()
-        tau = self.controller.tau
+        self._follow_default(joining)
         for r in joining:
-            if r.follows_default:  # the default may have moved while it waited
-                r.settings.tau = tau
             r.admitted = now
         try:
             self._batch.add([r.prompt_ids for r in joining], [r.settings for r in joining], [r.id for r in joining])
@@ -326,16 +303,16 @@ class Engine:
             for r in joining:
                 self.metrics.histograms["queue_wait_seconds"].observe(now - r.arrived)
 
-    def _apply_default_tau(self) -> None:
+    def _follow_default(self, requests) -> None:
+        """The one place a request that named no tau gets the server's default tau, as it is now:
+        as it joins the batch (the default may have moved while it waited) and at every step after
+        the default moves (the adaptive policy, an admin). Rows not in the batch yet take it as they join."""
         tau = self.controller.tau
-        if tau == self._applied_tau:
-            return
-        self._applied_tau = tau
-        following = [r.id for r in self._running.values() if r.follows_default]
-        if following:
-            self._batch.set_tau(following, tau)
-            for rid in following:
-                self._running[rid].settings.tau = tau
+        moved = [r for r in requests if r.follows_default and r.settings.tau != tau]
+        for r in moved:
+            r.settings.tau = tau
+        if moved:
+            self._batch.set_tau([r.id for r in moved], tau)
 
     def _apply_cancellations(self) -> None:
         with self._lock:
@@ -372,28 +349,16 @@ class Engine:
                 by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, rest))
             if r.first_token is None:
                 r.first_token = now
-            token_ids, reason, text = row.token_ids, "stop" if row.stopped else "length", None
-            if r.text is not None:
-                token_ids = r.text.close(row.token_ids)
-                if r.text.stopped:
-                    reason, text = "stop", r.text.text
-            result = Result(
-                token_ids,
-                reason,
-                len(r.prompt_ids),
-                row.accepted_per_step,
-                r.settings.tau if r.settings.mode in TAU_MODES else None,
-                text,
-            )
+            result = r.finished(row)
             by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, result))
             done.append((r, result))
         with self._lock:
             for r, result in done:
                 self._count_finished(r, result, now)
         for loop, items in by_loop.items():  # one wake-up of each event loop per step
-            _call_soon(loop, _put_all, items)
+            send_to_loop(loop, items)
 
-    def _deliver(self, r: _Request, item) -> None:
+    def _deliver(self, r: RequestState, item) -> None:
         """End a request outside the normal finish path: cancelled (a Result) or failed (an exception)."""
         with self._lock:
             if isinstance(item, Result):
@@ -401,12 +366,12 @@ class Engine:
                 self.metrics.generation_tokens += len(r.tokens)
             elif isinstance(item, BaseException):
                 self.metrics.requests["error"] += 1
-        _call_soon(r.stream.loop, _put_all, [(r.stream.queue, item)])
+        send_to_loop(r.stream.loop, [(r.stream.queue, item)])
 
-    def _count_finished(self, r: _Request, result: Result, now: float) -> None:
+    def _count_finished(self, r: RequestState, result: Result, now: float) -> None:
         self.metrics.count_finished(result, latency=now - r.arrived, first_token=r.first_token - r.arrived)
 
-    def _fail_alone(self, r: _Request, reason) -> None:
+    def _fail_alone(self, r: RequestState, reason) -> None:
         """One request's decoding failed on its own numbers; the rest of the batch goes on."""
         log.warning("request %s failed alone: %s", r.id, reason)
         self._deliver(r, EngineError(f"decoding failed: {reason}"))
@@ -453,15 +418,3 @@ def _measure_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimi
         limit.limit,
     )
     return limit
-
-
-def _put_all(items) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed (shutdown): nobody is listening any more
-        pass

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..chat import encode_prompt
-from ..decode import ParamError
+from ..decode.params import DecodingParams, ParamError, describe, read_field
 from ..errors import UserError
-from .requests import RequestOptions, Result
+from .requests import Result, request_params
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -46,46 +46,24 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 # ------------------------------------------------------------------------------- request fields
-_MISSING = object()
+# The request fields that are DecodingParams fields of the same name, and their JSON kinds; an
+# absent one keeps DecodingParams' default (tau: the server's; max_tokens and stop are read apart).
+DECODING_FIELDS = {
+    "tau": "number",
+    "metric": "str",
+    "block_size": "int",
+    "mode": "str",
+    "temperature": "number",
+    "top_p": "number",
+    "top_k": "int",
+    "seed": "int",
+}
 
 
-def read_field(body: dict, name: str, kind: str, default=None, *, required: bool = False):
-    """``body[name]`` checked against ``kind`` (int, number, str, bool, list, dict); None counts as absent."""
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        if required:
-            raise ParamError(f"missing required parameter '{name}'", param=name, code="missing_required_parameter")
-        return default
-    ok = {
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-        "bool": isinstance(value, bool),
-        "list": isinstance(value, list),
-        "dict": isinstance(value, dict),
-    }[kind]
-    if not ok:
-        kind_name = {
-            "int": "an integer",
-            "number": "a number",
-            "str": "a string",
-            "bool": "a boolean",
-            "list": "an array",
-            "dict": "an object",
-        }[kind]
-        raise ParamError(f"'{name}' must be {kind_name}, got {describe(value)}", param=name, code="invalid_type")
-    return float(value) if kind == "number" else value
-
-
-def describe(value) -> str:
-    """A value for an error message: short, and safe for any nesting depth."""
-    if isinstance(value, (list, dict)):
-        return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
-    return json.dumps(value)[:80]
-
-
-def parse_options(body: dict, chat: bool) -> tuple[RequestOptions, bool, bool]:
-    """``(options, stream, include_usage)`` from a request body; range checks are the engine's."""
+def parse_options(body: dict, chat: bool) -> tuple[DecodingParams, bool, bool]:
+    """``(params, stream, include_usage)`` from a request body: the request's settings as
+    :func:`~marslm.serve.requests.request_params` (None: the server's default); range checks are
+    the engine's."""
     max_tokens = read_field(body, "max_completion_tokens", "int") if chat else None
     if max_tokens is None:
         max_tokens = read_field(body, "max_tokens", "int")
@@ -103,19 +81,13 @@ def parse_options(body: dict, chat: bool) -> tuple[RequestOptions, bool, bool]:
     include_usage = read_field(body, "stream_options", "dict", {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ParamError("'stream_options.include_usage' must be a boolean", param="stream_options")
-    options = RequestOptions(
-        max_tokens=max_tokens,
-        tau=read_field(body, "tau", "number"),
-        metric=read_field(body, "metric", "str", "prob"),
-        block_size=read_field(body, "block_size", "int"),
-        mode=read_field(body, "mode", "str", "threshold"),
-        temperature=read_field(body, "temperature", "number", 0.0),
-        top_p=read_field(body, "top_p", "number", 1.0),
-        top_k=read_field(body, "top_k", "int", 0),
-        seed=read_field(body, "seed", "int"),
+    named = {name: read_field(body, name, kind) for name, kind in DECODING_FIELDS.items()}
+    params = request_params(
+        max_new_tokens=max_tokens,
         stop=tuple(s for s in stop if s),
+        **{name: value for name, value in named.items() if value is not None},
     )
-    return options, stream, include_usage
+    return params, stream, include_usage
 
 
 def _content_text(content, where: str) -> str:

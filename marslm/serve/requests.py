@@ -1,18 +1,18 @@
-"""What a request to the serving engine is: the options it asks for, the limits they are checked
-against, the stream a handler reads and the result it ends with, and the ways it can be refused.
+"""What a request to the serving engine is: its settings (a ``DecodingParams``), the limits they are checked
+against, the engine's record of it, the stream a handler reads (fed from the engine's thread) and
+the result it ends with, and the ways it can be refused.
 The engine (engine.py) runs requests; the API layer (openai.py, app.py) builds and answers them."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from ..decode import METRICS, DecodingParams, ParamError
-from ..decode.params import TAU_MODES
+from ..decode.params import TAU_MODES, DecodingParams, ParamError, check_default_tau
 
-# The metrics whose tau lives in (0, 1] with "higher = stricter": the server's default tau applies
-# to them. Entropy runs the other way (accept while H <= tau), so an entropy request names its tau.
-DEFAULT_TAU_METRICS = ("prob", "margin")
+if TYPE_CHECKING:
+    from ..decode import FinishedRow, TextStream
 
 
 class QueueFull(Exception):
@@ -31,22 +31,12 @@ class EngineError(Exception):
     """Decoding failed for a request (the engine itself keeps serving)."""
 
 
-@dataclass
-class RequestOptions:
-    """What a request asks for, as the API's fields name it; ``None`` means the server's default.
-    :meth:`Engine.validate` resolves the defaults and turns it into the ``DecodingParams`` a row
-    runs with."""
-
-    max_tokens: int | None = None
-    tau: float | None = None  # None: follow the server's (possibly adaptive) default tau
-    metric: str = "prob"
-    block_size: int | None = None  # masks per step + 1; at most the block size the model was trained with
-    mode: str = "threshold"  # or "lossless" (the masks draft, the next forward verifies) or "hybrid"
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+def request_params(**fields) -> DecodingParams:
+    """One request's settings as the server reads them: ``tau`` and ``max_new_tokens`` are None
+    (the server's defaults) unless the request names them. The engine fills ``max_new_tokens`` in
+    when it checks the request (:meth:`RequestLimits.resolve`), and gives a request that names no
+    tau the server's default tau, live, while it decodes."""
+    return DecodingParams(**{"tau": None, "max_new_tokens": None, **fields})
 
 
 @dataclass
@@ -98,6 +88,54 @@ class RequestStream:
             yield item
 
 
+@dataclass(eq=False)
+class RequestState:
+    """The engine's record of one request, waiting or running: its checked settings, the stream
+    its handler reads, its timings and the tokens it has been sent so far."""
+
+    id: str
+    prompt_ids: list[int]
+    settings: DecodingParams  # checked; tau None until it joins the batch when it follows the default
+    follows_default: bool  # named no tau: the default tau reaches it, live
+    text: TextStream | None  # watches for stop strings
+    stream: RequestStream
+    arrived: float
+    admitted: float | None = None
+    first_token: float | None = None
+    tokens: list[int] = field(default_factory=list)  # tokens already published
+
+    @property
+    def tau(self) -> float | None:
+        """The tau its result reports: its row's (None in lossless mode, which reads none)."""
+        return self.settings.tau if self.settings.mode in TAU_MODES else None
+
+    def cancelled(self) -> Result:
+        """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
+        return Result(list(self.tokens), "cancelled", len(self.prompt_ids), [], self.tau)
+
+    def finished(self, row: FinishedRow) -> Result:
+        """What its row ended with; a stop string ends the text (and the tokens) just before it."""
+        token_ids, reason, text = row.token_ids, "stop" if row.stopped else "length", None
+        if self.text is not None:
+            token_ids = self.text.close(row.token_ids)
+            if self.text.stopped:
+                reason, text = "stop", self.text.text
+        return Result(token_ids, reason, len(self.prompt_ids), row.accepted_per_step, self.tau, text)
+
+
+def send_to_loop(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """Put each ``(queue, item)`` on its asyncio queue from the engine thread, in one wake-up of ``loop``."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the loop is closed (shutdown): nobody is listening any more
+        pass
+
+
+def _put_all(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What a request may ask of one model on one server: its context, and ``max_tokens``'s
@@ -108,30 +146,30 @@ class RequestLimits:
     max_tokens_limit: int
     trained_block_size: int | None
 
-    def resolve(self, prompt_ids: list[int], options: RequestOptions, default_tau: float) -> DecodingParams:
-        """The settings a row runs with: defaults filled in, every field checked; raises
-        ``ParamError`` naming the refused field."""
+    def resolve(self, prompt_ids: list[int], params: DecodingParams, default_tau: float) -> DecodingParams:
+        """The settings a row runs with (:func:`request_params`): ``max_new_tokens`` filled in and
+        every field checked, a request that names no tau as it would run at ``default_tau``; raises
+        ``ParamError`` naming the refused field. Such a request keeps ``tau`` None: the engine
+        gives it the default as it is when the request joins the batch, and keeps it current."""
         if not prompt_ids:
             raise ParamError("the prompt is empty", "prompt", "empty_prompt")
-        if (
-            options.tau is None
-            and options.metric in METRICS
-            and options.metric not in DEFAULT_TAU_METRICS
-            and options.mode in TAU_MODES
-        ):
-            raise ParamError(
-                f"the server's default tau is a probability; a request with metric "
-                f"{options.metric!r} must set its own tau",
-                "tau",
-            )
-        room = None if self.context is None else self.context - len(prompt_ids)
+        if params.tau is None:
+            check_default_tau(params.metric, params.mode)
+        max_tokens = self._max_tokens(len(prompt_ids), params.max_new_tokens)
+        tau = default_tau if params.tau is None else params.tau
+        settings = replace(params, tau=tau, max_new_tokens=max_tokens).validate(self.trained_block_size)
+        return settings if params.tau is not None else replace(settings, tau=None)
+
+    def _max_tokens(self, prompt_tokens: int, asked: int | None) -> int:
+        """``max_tokens``: as asked, or the server's default capped by what the context has left."""
+        room = None if self.context is None else self.context - prompt_tokens
         if room is not None and room < 1:
             raise ParamError(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.context}",
+                f"the prompt has {prompt_tokens} tokens; the model's context is {self.context}",
                 "prompt",
                 "context_length_exceeded",
             )
-        max_tokens = options.max_tokens
+        max_tokens = asked
         if max_tokens is None:
             max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
         if not 1 <= max_tokens <= self.max_tokens_limit:
@@ -142,21 +180,9 @@ class RequestLimits:
             )
         if room is not None and max_tokens > room:
             raise ParamError(
-                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
                 f"the model's context of {self.context} tokens",
                 "max_tokens",
                 "context_length_exceeded",
             )
-        tau = options.tau if options.tau is not None else default_tau
-        return DecodingParams(
-            tau=tau,
-            metric=options.metric,
-            block_size=options.block_size,
-            max_new_tokens=max_tokens,
-            mode=options.mode,
-            temperature=options.temperature,
-            top_p=options.top_p,
-            top_k=options.top_k,
-            seed=options.seed,
-            stop=options.stop,
-        ).validate(self.trained_block_size)
+        return max_tokens

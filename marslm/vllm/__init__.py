@@ -16,6 +16,7 @@ Install it into vLLM's own environment (``make vllm-env``) and serve a MARS chec
 marslm's own side (finding that environment and starting servers there) is
 ``marslm/serve/vllm_launch.py``; the load test against vLLM is ``marslm/experiments/vllm_loadtest.py``.
 
-The plugin imports, of marslm, only modules that need no transformers (config, errors and the
-pure-torch acceptance rule), so it runs with the transformers release vLLM pins.
+The plugin imports, of marslm, only modules that need no transformers (config, errors, the
+request checks of decode/params.py and the pure-torch acceptance rule), so it runs with the
+transformers release vLLM pins.
 """

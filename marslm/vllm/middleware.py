@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 
-from .request_settings import FIELDS, FieldError, check_request, is_greedy
+from ..decode.params import ParamError
+from .request_settings import FIELDS, check_request, is_greedy
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -31,11 +32,11 @@ class MarsMiddleware:
         body = await _read_body(receive)
         try:
             body = rewrite_request(body)
-        except FieldError as exc:
+        except ParamError as exc:
             await _send_json(
                 send,
                 400,
-                {"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}},
+                {"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": exc.code}},
             )
             return
         scope = dict(scope, headers=_with_length(scope["headers"], len(body)))
@@ -61,7 +62,7 @@ def rewrite_request(raw: bytes) -> bytes:
     if not isinstance(body, dict):
         return raw
     if body.get("block_size") is not None:
-        raise FieldError(
+        raise ParamError(
             "'block_size' is not supported by the vLLM engine: each step reads the checkpoint's block size of masks",
             "block_size",
         )

@@ -1,9 +1,10 @@
 """What a request asks of MARS under vLLM, and what the server defaults to: checked in one place.
 
-A request names its settings as marslm serve's do (``tau``, ``metric``, ``mode``); inside vLLM
-they travel in ``SamplingParams.extra_args`` (the OpenAI API's ``vllm_xargs``). The server's
-defaults and the checkpoint's facts (mask token, block size) travel in vLLM's
-``additional_config["marslm"]``, so every engine process sees the same ones.
+A request names its settings as marslm serve's do (``tau``, ``metric``, ``mode``), and marslm
+serve's own checks (decode/params.py) check them, so both servers refuse a field in the same
+words. Inside vLLM they travel in ``SamplingParams.extra_args`` (the OpenAI API's
+``vllm_xargs``). The server's defaults and the checkpoint's facts (mask token, block size)
+travel in vLLM's ``additional_config["marslm"]``, so every engine process sees the same ones.
 
 Each request decodes in one of three row modes:
 
@@ -19,10 +20,18 @@ This module imports nothing of vLLM, so the CLI and the HTTP middleware can use 
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 
-from ..decode.params import METRICS, MODES, ParamError, check_tau, metric_code, one_token
+from ..decode.params import (
+    ParamError,
+    check_default_tau,
+    check_metric,
+    check_mode,
+    check_tau,
+    metric_code,
+    one_token,
+    read_field,
+)
 
 OFF, THRESHOLD, LOSSLESS = range(3)
 # vLLM's sampler emits at most the drafts it verified and one token after them, and the plugin's
@@ -68,30 +77,25 @@ class RowSettings:
     metric: int  # acceptance.py's metric code
 
 
-class FieldError(ParamError):
-    """A refused request field; ``param`` names it (the OpenAI error object's ``param``)."""
-
-
 def check_request(fields: dict, greedy: bool = True) -> None:
-    """Raise ``FieldError`` for MARS fields a server must refuse (with a 400); ``fields`` may hold others."""
-    tau, metric, mode = (fields.get(name) for name in FIELDS)
-    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
-        raise FieldError(f"'tau' must be a number, got {json.dumps(tau)}", "tau")
-    if metric is not None and metric not in METRICS:
-        raise FieldError(f"'metric' must be one of {', '.join(METRICS)}, got {json.dumps(metric)}", "metric")
-    if mode is not None and mode not in MODES:
-        raise FieldError(f"'mode' must be one of {', '.join(MODES)}, got {json.dumps(mode)}", "mode")
+    """Raise ``ParamError`` for MARS fields a server must refuse (with a 400); ``fields`` may hold
+    others. Each field goes through marslm serve's own checks (decode/params.py), then what only
+    this plugin refuses: hybrid mode, and sampling with MARS."""
+    tau = read_field(fields, "tau", "number")
+    metric = read_field(fields, "metric", "str")
+    mode = read_field(fields, "mode", "str")
+    if metric is not None:
+        check_metric(metric)
+    if mode is not None:
+        check_mode(mode)
     if mode == "hybrid":
-        raise FieldError(HYBRID_REFUSED, "mode")
+        raise ParamError(HYBRID_REFUSED, "mode")
     if tau is not None:
-        try:
-            check_tau(float(tau), metric or "prob")
-        except ParamError as exc:
-            raise FieldError(str(exc), "tau") from None
-    elif metric == "entropy":
-        raise FieldError("the entropy metric runs on another scale (nats, lower = stricter): name its tau", "tau")
+        check_tau(tau, metric or "prob")
+    else:  # a request that names no mode runs in the server's default mode, which may read tau
+        check_default_tau(metric or "prob", mode or "threshold")
     if not greedy and any(fields.get(name) is not None for name in FIELDS):
-        raise FieldError("MARS decoding is greedy: send temperature 0 with tau, metric or mode", "temperature")
+        raise ParamError("MARS decoding is greedy: send temperature 0 with tau, metric or mode", "temperature")
 
 
 def is_greedy(temperature) -> bool:

@@ -159,8 +159,8 @@ def test_the_block_cache_refuses_hybrid(trained_checkpoints, prompts):
 
 
 def test_the_vllm_plugin_refuses_hybrid():
-    from marslm.vllm.request_settings import FieldError, check_request
+    from marslm.vllm.request_settings import check_request
 
-    with pytest.raises(FieldError, match="not served by the vLLM plugin") as info:
+    with pytest.raises(ParamError, match="not served by the vLLM plugin") as info:
         check_request({"mode": "hybrid", "tau": 0.9})
     assert info.value.param == "mode"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from marslm.decode.params import metric_code
+from marslm.decode.params import ParamError, metric_code
 from marslm.vllm import engine_args, middleware
 from marslm.vllm.engine_args import (
     GIB,
@@ -25,7 +25,6 @@ from marslm.vllm.request_settings import (
     LOSSLESS,
     OFF,
     THRESHOLD,
-    FieldError,
     PluginConfig,
     RowSettings,
     check_request,
@@ -66,9 +65,30 @@ def test_check_request_accepts(fields):
     ],
 )
 def test_check_request_refuses(fields, greedy, param):
-    with pytest.raises(FieldError) as info:
+    with pytest.raises(ParamError) as info:
         check_request(fields, greedy=greedy)
     assert info.value.param == param
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"tau": "high"}, {"tau": True}, {"tau": 1.5}, {"metric": "nope"}, {"metric": 3}, {"mode": "fast"}]
+    + [{"metric": "entropy"}],
+)
+def test_the_vllm_front_door_refuses_a_field_as_marslm_serve_does(fields):
+    from marslm.serve.openai import parse_options
+    from marslm.serve.requests import RequestLimits
+
+    with pytest.raises(ParamError) as vllm:
+        check_request(fields)
+    with pytest.raises(ParamError) as serve:
+        params, _, _ = parse_options(fields, chat=True)
+        RequestLimits(None, 16, 16, 4).resolve([1], params, 0.95)
+    assert (str(vllm.value), vllm.value.param, vllm.value.code) == (
+        str(serve.value),
+        serve.value.param,
+        serve.value.code,
+    )
 
 
 def test_row_settings():
@@ -134,9 +154,9 @@ def test_rewrite_request_moves_fields():
     untouched = b'{"messages": [], "temperature": 0.7}'
     assert middleware.rewrite_request(untouched) == untouched
     assert middleware.rewrite_request(b"not json") == b"not json"
-    with pytest.raises(FieldError, match="block_size"):
+    with pytest.raises(ParamError, match="block_size"):
         middleware.rewrite_request(b'{"block_size": 2}')
-    with pytest.raises(FieldError, match="greedy"):
+    with pytest.raises(ParamError, match="greedy"):
         middleware.rewrite_request(b'{"tau": 0.9, "temperature": 1.0}')
 
 
@@ -205,7 +225,7 @@ def test_middleware_refuses_with_an_openai_error():
             "message": "'tau' must be a number, got \"high\"",
             "type": "invalid_request_error",
             "param": "tau",
-            "code": None,
+            "code": "invalid_type",  # as marslm serve answers it
         }
     }
 
