@@ -41,8 +41,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..eval_sets import load_eval_set
-    from ..experiments.bench import format_bench_table, load_bench_models, run_bench
+    from ..experiments.bench import load_bench_models, run_bench
     from ..experiments.bench_config import BenchConfig
+    from ..experiments.bench_report import format_bench_table
     from ..settings import from_args
 
     code_execution(args)
@@ -64,7 +65,7 @@ def run(args) -> int:
 
 def _cost_curve(config: BenchConfig) -> int:
     from ..decode.costs import cost_curve
-    from ..experiments.bench import format_cost_curve
+    from ..experiments.bench_report import format_cost_curve
     from ..modeling import check_model_source, checkpoint_block_size, load_model, model_context, resolve_device
 
     check_model_source(config.model)
