@@ -43,36 +43,42 @@ def check_targets(report: dict) -> list[str]:
 
 def format_bench_table(report: dict) -> str:
     head = ["contender", "batch", "tok/s (median, min-max)", "tok/fwd", "vs AR", "accuracy", "= greedy", "peak KV MiB"]
+    drafted = any("drafter_forwards" in r for r in report["rows"])
+    head += ["drafter fwd"] if drafted else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["rows"]:
+        cells = [r["contender"], str(r["batch_size"])]
         if "refused" in r:
-            lines.append(f"| {r['contender']} | {r['batch_size']} | refused: {r['refused']} |  |  |  |  |  |")
-            continue
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["contender"],
-                    str(r["batch_size"]),
-                    f"{r['tokens_per_second']:.0f} ({r['tokens_per_second_min']:.0f}-{r['tokens_per_second_max']:.0f})",
-                    f"{r['tokens_per_forward']:.2f}",
-                    f"{r.get('speedup', float('nan')):.2f}x",
-                    f"{100 * r['accuracy']:.1f}",
-                    {True: "yes", False: "no"}.get(r.get("same_as_greedy"), "-"),
-                    f"{r['peak_kv_mib']:.2f}",
-                ]
-            )
-            + " |"
-        )
+            cells.append(f"refused: {r['refused']}")
+        else:
+            cells += _measured(r) + ([str(r.get("drafter_forwards", "-"))] if drafted else [])
+        lines.append("| " + " | ".join(cells + [""] * (len(head) - len(cells))) + " |")
     lines.append("")
     lines += [f"- {line}" for line in check_targets(report)]
     lines.append("")
+    if drafted:
+        lines.append(
+            f"Drafter {report.get('draft_model')}: tok/fwd counts the target's forwards; drafter fwd, the "
+            "drafter's over one pass; both models' time is in tok/s."
+        )
     lines.append(
         f"n={report['n']} prompts, {report['repeats']} repeats, max {report['max_new_tokens']} new tokens, "
         f"device {report['device']}, {report.get('dtype', 'float32')}, {report['threads']} threads. "
         f"Reference: {report['paper_reference']}"
     )
     return "\n".join(lines)
+
+
+def _measured(r: dict) -> list[str]:
+    """A measured row's cells from tok/s to peak KV."""
+    return [
+        f"{r['tokens_per_second']:.0f} ({r['tokens_per_second_min']:.0f}-{r['tokens_per_second_max']:.0f})",
+        f"{r['tokens_per_forward']:.2f}",
+        f"{r.get('speedup', float('nan')):.2f}x",
+        f"{100 * r['accuracy']:.1f}",
+        {True: "yes", False: "no"}.get(r.get("same_as_greedy"), "-"),
+        f"{r['peak_kv_mib']:.2f}",
+    ]
 
 
 def format_cost_curve(report: dict) -> str:
