@@ -25,7 +25,7 @@ class DraftOptions:
     def validate(self) -> None:
         if self.draft_model is None:
             return
-        from .generation import MAX_DRAFT_TOKENS
+        from .generation import MAX_DRAFT_TOKENS  # loads torch, which a drafter needs anyway
 
         check_count(flag_of(DraftOptions, "num_draft_tokens"), self.num_draft_tokens, MAX_DRAFT_TOKENS)
 
