@@ -57,13 +57,15 @@ def paired_bootstrap(
 def format_table(reports: dict[str, dict]) -> str:
     """A markdown table: one row per (model, setting), accuracy per family, tokens per forward.
 
-    Block size, metric, mode and adaptive width get columns only when they vary; a failed cell
-    shows its reason.
+    Block size, metric, mode and adaptive width get columns only when they vary, the drafter and
+    its K whenever a cell has one (tokens per forward are then the target's); a failed cell shows
+    its reason.
     """
     cells = [r for rep in reports.values() for r in rep["results"]]
     families = sorted({f for r in cells for f in r.get("families", {})})
     varying = [k for k in ("block_size", "metric", "mode", "adaptive_width") if len({r.get(k) for r in cells}) > 1]
-    names = {"block_size": "B", "adaptive_width": "adaptive width"}
+    varying += [k for k in ("draft_model", "num_draft_tokens") if any(r.get(k) for r in cells)]
+    names = {"block_size": "B", "adaptive_width": "adaptive width", "draft_model": "drafter", "num_draft_tokens": "K"}
     head = [
         "model",
         *[names.get(k, k) for k in varying],
@@ -76,7 +78,7 @@ def format_table(reports: dict[str, dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, rep in reports.items():
         for r in rep["results"]:
-            cells_out = [label, *[str(r.get(k)) for k in varying], f"{r['tau']:g}"]
+            cells_out = [label, *["-" if r.get(k) is None else str(r[k]) for k in varying], f"{r['tau']:g}"]
             if "failed" in r:
                 cells_out += [f"failed: {r['failed']}"] + ["-"] * (len(head) - len(cells_out) - 1)
             else:

@@ -17,9 +17,10 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from .decode.draft_options import DraftOptions
 from .decode.params import ADAPTIVE_WIDTH, CACHE_MODES, METRICS, MODES, DecoderOptions, DecodingParams, check_tau
 from .errors import UserError
 from .eval_report import format_table, labelled, summarise_result
@@ -68,6 +69,7 @@ class EvalConfig:
         choices=MODES,
     )
     adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)  # the CLI's --[no-]adaptive-width
+    drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
     batch_size: int = setting(32, "rows decoded together")
     max_new_tokens: int = setting(EVAL_MAX_NEW_TOKENS, "longest answer, in tokens")
     device: str | None = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
@@ -124,13 +126,14 @@ def evaluate(
     batch_size: int = 32,
     progress: bool = True,
     model_name: str | None = None,
+    drafting: dict | None = None,
     **overrides,
 ) -> dict:
     """``{"model", "data", "results": [one entry per tau]}``; see :func:`summarise_result` for an entry.
 
     ``params`` and ``decoder`` are how to decode (as :func:`marslm.generate` takes them, answers
     of at most ``EVAL_MAX_NEW_TOKENS`` by default); keywords override their fields, and ``taus``
-    their tau.
+    their tau. ``drafting``: ``generate``'s drafter keywords (``DraftOptions.load``).
     """
     from tqdm.auto import tqdm
 
@@ -152,6 +155,7 @@ def evaluate(
             decoder,
             batch_size=batch_size,
             on_finish=lambda _row, bar=bar: bar.update(1),
+            **(drafting or {}),
         )
         seconds = time.perf_counter() - started
         bar.close()
@@ -166,6 +170,8 @@ def evaluate(
             use_last_mask=decoder.use_last_mask,
             adaptive_width=decoder.adaptive_width,
         )
+        if drafting:  # tokens per forward count the target's forwards; these are the drafter's
+            entry["drafter_forwards"] = out.stats.drafter_forwards
         results.append(entry)
     return {"model": model_name or getattr(model, "name_or_path", ""), "data": eval_set.name, "results": results}
 
@@ -191,15 +197,17 @@ def plan_cells(
     cache: str,
     mode: str,
     adaptive_width: bool = ADAPTIVE_WIDTH,
+    drafting: DraftOptions | None = None,
 ) -> list[dict]:
     """The decoding settings a sweep runs for one model, in order.
 
     An AR SFT checkpoint (stage "ar") gets one cell, one-token mode: it has no trained masks to
     read, and it is the baseline the MARS curves are measured against. Lossless mode ignores tau,
     so it gets one cell per block size. A MARS checkpoint gets every (block size, metric, tau);
-    the entropy metric takes its taus from ``entropy_taus``, the others from ``taus``.
+    the entropy metric takes its taus from ``entropy_taus``, the others from ``taus``. With a
+    drafter every cell names it.
     """
-    common = {"cache": cache, "adaptive_width": adaptive_width}
+    common = {"cache": cache, "adaptive_width": adaptive_width, **(drafting.recorded() if drafting else {})}
     if stage == "ar":
         return [{"tau": 1.0, "metric": "prob", "block_size": 1, "mode": "threshold", **common}]
     cells = []
@@ -214,11 +222,12 @@ def plan_cells(
 
 
 SETTING_KEYS = ("tau", "metric", "block_size", "cache", "mode", "adaptive_width")
+DRAFT_KEYS = tuple(f.name for f in fields(DraftOptions))  # a drafted cell's (DraftOptions.recorded)
 DATA_KEYS = ("model", "data", "data_n", "data_seed")
 
 
 def _setting_key(cell: dict) -> tuple:
-    return tuple(cell.get(k) for k in SETTING_KEYS)
+    return tuple(cell.get(k) for k in SETTING_KEYS + DRAFT_KEYS)
 
 
 def data_key(model_report: dict) -> tuple:
@@ -265,8 +274,8 @@ def sweep(config: EvalConfig) -> dict:
 
     With ``config.json_path`` the report is rewritten (atomically) after every cell, and a rerun
     skips the cells already there: a cell is identified by (model, data, n, seed, tau, metric,
-    block_size, cache, mode, adaptive_width). A cell that raises (out of memory, say) is recorded as
-    ``{..setting.., "failed": "<reason>"}`` and the sweep goes on; a rerun tries it again.
+    block_size, cache, mode, adaptive_width, drafter). A cell that raises (out of memory, say) is
+    recorded as ``{..setting.., "failed": "<reason>"}`` and the sweep goes on; a rerun tries it again.
     One-token cells of a model are decoded once and shared: whatever the block size or metric,
     their output is greedy AR decoding.
     """
@@ -276,7 +285,7 @@ def sweep(config: EvalConfig) -> dict:
     eval_set = load_eval_set(config.data, config.n, seed=config.seed)
     reports = _load_previous(config.json_path) if config.resume else []
     plans = _plan(config, reports)
-    total, done_count = sum(len(cells) for _, cells in plans), 0
+    total, done_count, drafting = sum(len(cells) for _, cells in plans), 0, None
     for report, cells in plans:
         finished = {_setting_key(c): c for c in report["results"] if "failed" not in c}
         loaded = None
@@ -288,7 +297,8 @@ def sweep(config: EvalConfig) -> dict:
             if entry is None:
                 if loaded is None:
                     loaded = load_model(report["model"], device=device)[:2]
-                entry = _run_cell(loaded, eval_set, cell, report["model"], config)
+                    drafting = config.drafting.load(device) if drafting is None else drafting
+                entry = _run_cell(loaded, eval_set, cell, report["model"], config, drafting)
             if "failed" not in entry:
                 finished[_setting_key(cell)] = entry
             _store(report, entry)
@@ -310,7 +320,8 @@ def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict
     from .decode import ParamError
     from .modeling import check_model_source, model_context, saved_config, saved_mask_token, trained_block_size
 
-    for model in config.models:
+    drafter = config.drafting.draft_model
+    for model in config.models + ([drafter] if drafter else []):
         check_model_source(model)
     by_key = {data_key(rep): rep for rep in reports}
     plans = []
@@ -331,6 +342,7 @@ def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict
             cache=config.cache,
             mode=config.mode,
             adaptive_width=config.adaptive_width,
+            drafting=config.drafting,
         )
         context, has_mask = model_context(model), None
         for cell in cells:
@@ -348,16 +360,19 @@ def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict
 
 
 def _shared_entry(cell: dict, finished: dict) -> dict | None:
-    """A one-token cell's entry from a finished one-token cell of the same model and cache, if any."""
+    """A one-token cell's entry from a finished one-token cell of the same model, cache and drafter, if any."""
     if not is_one_token(cell):
         return None
-    shared = next((c for c in finished.values() if is_one_token(c) and c["cache"] == cell["cache"]), None)
+    same = ("cache", *DRAFT_KEYS)
+    shared = next(
+        (c for c in finished.values() if is_one_token(c) and all(c.get(k) == cell.get(k) for k in same)), None
+    )
     if shared is None:
         return None
     return {**shared, **cell, "shared_with": shared.get("shared_with") or {k: shared[k] for k in SETTING_KEYS}}
 
 
-def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, config: EvalConfig) -> dict:
+def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, config: EvalConfig, drafting: dict) -> dict:
     model, tokenizer = loaded
     settings = {k: cell[k] for k in ("metric", "block_size", "mode")}
     try:
@@ -371,6 +386,7 @@ def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, config: Ev
             batch_size=config.batch_size,
             progress=config.progress,
             model_name=model_name,
+            drafting=drafting,
         )
     except UserError:  # an input the model cannot take (a prompt past its context) fails every cell alike
         raise

@@ -341,7 +341,7 @@ def decode_stage(c: Campaign) -> dict:
 def tables(report: dict) -> str:
     """The campaign's numbers for people (docs/results.md): per arm its training, the probe and
     decoding speed, in the formats `marslm probe` and `marslm bench` print."""
-    from marslm.experiments.bench import format_bench_table
+    from marslm.experiments.bench_report import format_bench_table
     from marslm.probe_report import format_probe
 
     sections = report["sections"]

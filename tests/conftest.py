@@ -9,6 +9,8 @@ Everything here is small enough to build in well under a second, so tests stay f
     save_model              fixture: save_model(model, tokenizer, path=None) -> Path (save_pretrained dir)
     write_chat_jsonl        fixture: write_chat_jsonl(path, n, seed=0) -> Path ({"messages": [...]} per line)
     tiny_model_dir          session-wide saved random Qwen2 dir (with tokenizer); treat as read-only
+    drafter_dirs            {"target": tiny_model_dir, "drafter": other random weights, same tokenizer,
+                            "other": the same rows with another tokenizer} for separate-drafter tests
     outside_dir             a world-writable directory of the machine the code sandbox must not reach
     trained_dirs, trained_checkpoints   re-exported from tests/trained.py (toy-trained checkpoint pair)
 
@@ -87,6 +89,20 @@ def tiny_model_dir(tiny_tokenizer, make_tiny_model, tmp_path_factory) -> Path:
     return save_model_dir(
         make_tiny_model("qwen2", "sdpa", seed=0), tiny_tokenizer, tmp_path_factory.mktemp("tiny_qwen2")
     )
+
+
+@pytest.fixture(scope="session")
+def drafter_dirs(tiny_model_dir, make_tiny_model, tiny_tokenizer, tmp_path_factory) -> dict:
+    """A target and drafters for it, saved: ``drafter`` (drafts mostly rejected: other random
+    weights) and ``other`` (refused: the same rows, another tokenizer)."""
+    from marslm.data.tokenizer import train_chat_tokenizer
+
+    other_tokenizer = train_chat_tokenizer(corpus_texts(100), vocab_size=300)
+    return {
+        "target": tiny_model_dir,
+        "drafter": save_model_dir(make_tiny_model(seed=1), tiny_tokenizer, tmp_path_factory.mktemp("drafter")),
+        "other": save_model_dir(make_tiny_model(seed=2), other_tokenizer, tmp_path_factory.mktemp("other")),
+    }
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from .common import add_device, add_unsafe_exec, allocation_errors, code_execution, write_json
+from .common import add_device, add_drafter, add_unsafe_exec, allocation_errors, code_execution, write_json
 
 if TYPE_CHECKING:
     from ..experiments.bench_config import BenchConfig
@@ -25,7 +25,10 @@ def add_parser(sub) -> None:
         description="Decode the same test prompts with HF generate (AR and MARS checkpoints), "
         "HF prompt-lookup decoding and each MARS mode, after a warm-up and over several "
         "repeats taken in turn; report tokens/s, tokens/forward, speed-up over AR, accuracy, "
-        "peak KV. With --cost-curve: instead, the time of one cached forward of the --model "
+        "peak KV. With --draft-model, also a separate AR drafter verified by each checkpoint "
+        "(marslm's; on the MARS one with its masks under tau, the paper's section 4.6) and HF assisted "
+        "generation with it; their tokens/forward count the target's forwards, and the drafter's are "
+        "counted beside them. With --cost-curve: instead, the time of one cached forward of the --model "
         "against the number of tokens it feeds (w = 1 .. 2B + 2), as ratios to w = 1, which "
         "tells whether MARS can pay on this machine. With --train-step: instead, the time and "
         "peak memory of a MARS training step against an AR (SFT) step, per sequence length.",
@@ -35,18 +38,21 @@ def add_parser(sub) -> None:
     others = tuple(f.name for f in fields(BenchConfig) if f.name not in TRAIN_STEP_FIELDS)
     add_options(train_step, BenchConfig, skip=others)
     add_device(bench)
+    add_drafter(bench.add_argument_group("a separate drafter: the draft, draft-ar and assisted contender groups"))
     add_unsafe_exec(bench)
     bench.set_defaults(run=run)
 
 
 def run(args) -> int:
+    from ..decode.draft_options import DraftOptions
     from ..eval_sets import load_eval_set
-    from ..experiments.bench import format_bench_table, load_bench_models, run_bench
+    from ..experiments.bench import load_bench_models, run_bench
     from ..experiments.bench_config import BenchConfig
+    from ..experiments.bench_report import format_bench_table
     from ..settings import from_args
 
     code_execution(args)
-    config = from_args(BenchConfig, args)
+    config = from_args(BenchConfig, args, drafting=from_args(DraftOptions, args))
     if config.train_step:
         return _train_step(config)
     if config.cost_curve:
@@ -64,7 +70,7 @@ def run(args) -> int:
 
 def _cost_curve(config: BenchConfig) -> int:
     from ..decode.costs import cost_curve
-    from ..experiments.bench import format_cost_curve
+    from ..experiments.bench_report import format_cost_curve
     from ..modeling import check_model_source, checkpoint_block_size, load_model, model_context, resolve_device
 
     check_model_source(config.model)

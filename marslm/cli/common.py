@@ -30,6 +30,23 @@ def add_adaptive_width(parser) -> None:
     )
 
 
+def add_drafter(parser) -> None:
+    """``--draft-model`` and ``--num-draft-tokens``, from ``DraftOptions``' fields."""
+    from ..decode.draft_options import DraftOptions
+    from ..settings import add_options
+
+    add_options(parser, DraftOptions)
+
+
+def load_drafter(args) -> dict:
+    """``generate``'s drafting keywords from the parsed ``--draft-model`` / ``--num-draft-tokens``
+    (checked before anything loads; none without a drafter)."""
+    from ..decode.draft_options import DraftOptions
+    from ..settings import from_args
+
+    return from_args(DraftOptions, args).load(args.device)
+
+
 def add_unsafe_exec(parser) -> None:
     parser.add_argument(
         "--unsafe-exec",

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..settings import strings
-from .common import EXIT_FAILED_CELLS, add_adaptive_width, add_device, add_unsafe_exec, code_execution
+from .common import EXIT_FAILED_CELLS, add_adaptive_width, add_device, add_drafter, add_unsafe_exec, code_execution
 
 COMMAND = "eval"
 
@@ -27,9 +27,12 @@ def add_parser(sub) -> None:
         "  * An AR SFT checkpoint (marslm.json stage 'ar') is evaluated once, at tau=1: it is the baseline.\n"
         "  * One-token cells of a model are decoded once and shared by every block size and metric.\n"
         "  * With --json FILE every finished cell is saved at once; rerunning the same command skips them\n"
-        "    (key: model, data, n, seed, tau, metric, block size, cache, mode, adaptive width). A cell that\n"
-        '    fails (out of memory, say) is recorded as {"failed": reason}, the sweep goes on, and a rerun\n'
-        "    retries it; the exit status is then 1.\n"
+        "    (key: model, data, n, seed, tau, metric, block size, cache, mode, adaptive width, drafter).\n"
+        '    A cell that fails (out of memory, say) is recorded as {"failed": reason}, the sweep goes on,\n'
+        "    and a rerun retries it; the exit status is then 1.\n"
+        "  * --draft-model: a separate AR drafter proposes K tokens per step and each model verifies them\n"
+        "    (then, at tau < 1, adds its confident masks); rows decode one at a time, and tokens per forward\n"
+        "    count the model's forwards (drafter_forwards: the drafter's).\n"
         '  * Report shape: one model gives {"model", "data", "results": [...]}; several give\n'
         '    {"models": [one such report per model]}.',
     )
@@ -44,12 +47,14 @@ def add_parser(sub) -> None:
     add_options(ev, EvalConfig)
     add_adaptive_width(ev)
     add_device(ev)
+    add_drafter(ev)
     ev.add_argument("--markdown", metavar="FILE", help="also write the table as a markdown document")
     add_unsafe_exec(ev)
     ev.set_defaults(run=run)
 
 
 def run(args) -> int:
+    from ..decode.draft_options import DraftOptions
     from ..eval_report import format_table, labelled
     from ..evaluate import EvalConfig, data_key, format_markdown, model_reports, sweep
     from ..files import output_file, write_text_atomically
@@ -58,7 +63,8 @@ def run(args) -> int:
     if args.markdown:
         output_file(args.markdown, "--markdown")
     code_execution(args)
-    config = from_args(EvalConfig, args, models=[m for group in args.model for m in group])
+    models = [m for group in args.model for m in group]
+    config = from_args(EvalConfig, args, models=models, drafting=from_args(DraftOptions, args))
     payload = sweep(config)
     reports = model_reports(payload)
     print(format_table(labelled(reports)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .common import add_adaptive_width, add_device
+from .common import add_adaptive_width, add_device, add_drafter
 
 COMMAND = "generate"
 
@@ -26,8 +26,7 @@ def add_parser(sub) -> None:
     add_options(decoder, DecoderOptions, skip=("adaptive_width", "mask_batch_limit"))
     add_adaptive_width(decoder)
     add_device(decoder)
-    decoder.add_argument("--draft-model", metavar="PATH", help="an AR model of the same vocabulary drafting for MODEL")
-    decoder.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="drafts per step (default 4)")
+    add_drafter(decoder)
     parser.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     parser.set_defaults(run=run)
@@ -37,7 +36,7 @@ def run(args) -> int:
     from ..decode import generate
     from ..decode.params import DecoderOptions, DecodingParams
     from ..settings import from_args
-    from .common import load_for_decoding
+    from .common import load_drafter, load_for_decoding
 
     decoder = from_args(DecoderOptions, args)
     drafting = load_drafter(args)
@@ -59,16 +58,3 @@ def run(args) -> int:
     else:
         print(result.texts[0])
     return 0
-
-
-def load_drafter(args) -> dict:
-    """``generate``'s drafting keywords from ``--draft-model`` / ``--num-draft-tokens`` (none without a drafter)."""
-    if args.draft_model is None:
-        return {}
-    from ..decode.generation import MAX_DRAFT_TOKENS
-    from ..modeling import load_model, resolve_device
-    from ..settings import check_count
-
-    check_count("--num-draft-tokens", args.num_draft_tokens, MAX_DRAFT_TOKENS)
-    draft_model, draft_tokenizer, _ = load_model(args.draft_model, device=resolve_device(args.device))
-    return dict(draft_model=draft_model, draft_tokenizer=draft_tokenizer, num_draft_tokens=args.num_draft_tokens)

@@ -7,7 +7,9 @@ speed-up over the AR baseline (HF ``generate`` with KV cache on the AR checkpoin
 the answers, and the peak KV-cache size.
 
 Tokens are new tokens without the stop token. Tokens per forward for HF contenders counts model
-calls with a forward hook: every row of a batch takes part in every call.
+calls with a forward hook: every row of a batch takes part in every call. With a separate drafter
+(``--draft-model``), tokens per forward count the target's forwards and ``drafter_forwards`` the
+drafter's; the drafter's time is inside the measured time.
 
 The settings of a run, also those of ``--cost-curve`` and ``--train-step``, are a
 :class:`BenchConfig` (bench_config.py), checked when it is made; the CLI builds it from its options.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,12 +27,8 @@ from ..chat import encode_prompt
 from ..decode import generate
 from ..decode.generation import with_overrides
 from ..decode.params import DecoderOptions, DecodingParams
-from .bench_config import BenchConfig
-
-PAPER_REFERENCE = (
-    "paper (Qwen2.5-7B, GPU, block cache, tau 0.95): 1.71x at batch 4, 1.60x at 8, 1.34x at 16; "
-    "without a cache 0.90x / 0.49x / 0.23x"
-)
+from .bench_config import DRAFTER_GROUPS, BenchConfig
+from .bench_report import PAPER_REFERENCE, check_targets
 
 BLOCK_CACHE_SIZES = (16, 32)  # the block contenders' --block-cache-size values
 
@@ -38,7 +36,7 @@ BLOCK_CACHE_SIZES = (16, 32)  # the block contenders' --block-cache-size values
 @dataclass
 class Contender:
     name: str
-    kind: str  # "hf" | "hf-lookup" | "mars"
+    kind: str  # "hf" | "hf-lookup" | "hf-assisted" | "mars" | "draft" (marslm's drafter, then the target)
     checkpoint: str  # "ar" | "mars"
     options: dict = field(default_factory=dict)  # as the report shows them: HF generate's keywords, or MARS settings
     params: DecodingParams | None = None  # MARS: ``options`` put into generate's settings, once
@@ -86,7 +84,33 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
         contenders.append(_mars("MARS lossless", length, mode="lossless", cache="cursor"))
     if "lossless-groups" in groups:
         contenders.append(_mars("MARS lossless +groups", length, mode="lossless", cache="cursor", draft_groups=True))
+    return contenders + _drafter_contenders(config)
+
+
+def _drafter_contenders(config: BenchConfig) -> list[Contender]:
+    """The separate drafter's contenders: marslm's on the MARS checkpoint at each tau (tau 1: plain
+    verification), on the AR checkpoint (plain speculative decoding), and HF assisted generation
+    with the same K, drafting exactly K tokens every step as marslm's drafter does."""
+    groups, length, k = config.contenders, config.max_new_tokens, config.drafting.num_draft_tokens
+    contenders = []
+    for tau in config.taus if "draft" in groups else ():
+        contenders.append(_drafted(f"draft K={k} -> MARS tau={tau}", length, k, "mars", tau=tau))
+    if "draft-ar" in groups:
+        contenders.append(_drafted(f"draft K={k} -> AR", length, k, "ar"))
+    if "assisted" in groups:
+        # HF reads these from the assistant's generation config (:func:`_hf_keywords`); its default
+        # confidence cut-off would end a draft early
+        assisted = dict(
+            num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0
+        )
+        contenders.append(Contender(f"HF assisted K={k} (AR ckpt)", "hf-assisted", "ar", assisted))
     return contenders
+
+
+def _drafted(name: str, max_new_tokens: int, k: int, checkpoint: str, **options) -> Contender:
+    """A contender decoded by marslm's drafter (``k`` drafts per step) and ``checkpoint`` verifying."""
+    c = _mars(name, max_new_tokens, **options)
+    return replace(c, kind="draft", checkpoint=checkpoint, options={**options, "num_draft_tokens": k})
 
 
 class _ForwardCounter:
@@ -108,10 +132,12 @@ def _kv_bytes_per_slot(model) -> int:
 
 
 def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options: dict) -> dict:
-    if options.get("prompt_lookup_num_tokens") and batch_size > 1:
+    assistant = options.get("assistant_model")
+    if (options.get("prompt_lookup_num_tokens") or assistant is not None) and batch_size > 1:
         return {"refused": "HF assisted/prompt-lookup decoding supports batch size 1 only"}
     pad = tokenizer.pad_token_id
     counter = _ForwardCounter(model)
+    drafter = _ForwardCounter(assistant) if assistant is not None else None
     token_ids, row_forwards, peak_slots = [], 0, 0
     try:
         for start in range(0, len(prompt_ids), batch_size):
@@ -139,25 +165,28 @@ def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options: d
                 token_ids.append(row[: stop[0]] if stop else row)
     finally:
         counter.close()
+        if drafter is not None:
+            drafter.close()
     tokens = sum(map(len, token_ids))
     return {
         "token_ids": token_ids,
         "tokens": tokens,
         "tokens_per_forward": (tokens + len(token_ids)) / row_forwards,
         "kv_slots": peak_slots * batch_size,
+        **({"drafter_forwards": drafter.calls} if drafter is not None else {}),
     }
 
 
-def _run_mars(model, tokenizer, prompt_ids, batch_size, c: Contender) -> dict:
-    token_ids, accepted, peak_slots = [], [], 0
+def _run_mars(model, tokenizer, prompt_ids, batch_size, c: Contender, drafting: dict) -> dict:
+    """``drafting``: generate's drafter keywords, for a drafted contender."""
+    token_ids, accepted, peak_slots, drafter_forwards = [], [], 0, 0
     for start in range(0, len(prompt_ids), batch_size):
-        out = generate(model, tokenizer, prompt_ids[start : start + batch_size], params=c.params, decoder=c.decoder)
+        chunk = prompt_ids[start : start + batch_size]
+        out = generate(model, tokenizer, chunk, params=c.params, decoder=c.decoder, **drafting)
         token_ids += out.token_ids
         accepted += out.accepted_per_step
-        width = (
-            out.stats.peak_cache_slots
-            or max(map(len, prompt_ids[start : start + batch_size])) + c.params.max_new_tokens
-        )
+        drafter_forwards += out.stats.drafter_forwards
+        width = out.stats.peak_cache_slots or max(map(len, chunk)) + c.params.max_new_tokens
         peak_slots = max(peak_slots, width)
     tokens = sum(map(len, token_ids))
     return {
@@ -165,6 +194,7 @@ def _run_mars(model, tokenizer, prompt_ids, batch_size, c: Contender) -> dict:
         "tokens": tokens,
         "tokens_per_forward": sum(map(sum, accepted)) / sum(map(len, accepted)),
         "kv_slots": peak_slots * batch_size if c.decoder.cache != "none" else 0,
+        **({"drafter_forwards": drafter_forwards} if drafting else {}),
     }
 
 
@@ -177,9 +207,13 @@ def run_bench(models: dict, eval_set, config: BenchConfig) -> dict:
     from tqdm.auto import tqdm
 
     contenders = [c for c in default_contenders(config) if c.checkpoint in models]
+    if "drafter" not in models:
+        contenders = [c for c in contenders if c.kind not in ("draft", "hf-assisted")]
     examples = eval_set.examples[: config.n]
     prompts = {
-        name: [encode_prompt(tokenizer, ex.messages) for ex in examples] for name, (_, tokenizer) in models.items()
+        name: [encode_prompt(models[name][1], ex.messages) for ex in examples]
+        for name in ("ar", "mars")
+        if name in models
     }
     rows = []
     rounds = len(config.batch_sizes) * len(contenders) * (config.repeats + 1)
@@ -204,6 +238,8 @@ def run_bench(models: dict, eval_set, config: BenchConfig) -> dict:
         "paper_reference": PAPER_REFERENCE,
         "rows": rows,
     }
+    if "drafter" in models:
+        report["draft_model"] = config.drafting.draft_model
     report["targets"] = check_targets(report)
     return report
 
@@ -221,15 +257,35 @@ def _timed_rounds(models, prompts, contenders, batch_size, config: BenchConfig, 
                 continue
             prompt_ids = prompts[c.checkpoint][:batch_size] if round_ == 0 else prompts[c.checkpoint]
             started = time.perf_counter()
-            if c.kind == "mars":
-                result = _run_mars(model, tokenizer, prompt_ids, batch_size, c)
+            if c.kind in ("mars", "draft"):
+                result = _run_mars(model, tokenizer, prompt_ids, batch_size, c, _drafting(c, models))
             else:
-                result = _run_hf(model, tokenizer, prompt_ids, batch_size, config.max_new_tokens, c.options)
+                result = _run_hf(
+                    model, tokenizer, prompt_ids, batch_size, config.max_new_tokens, _hf_keywords(c, models)
+                )
             if round_ or "refused" in result:
                 seconds[c.name].append(time.perf_counter() - started)
                 results[c.name] = result
             bar.update(1)
     return results, seconds
+
+
+def _drafting(c: Contender, models: dict) -> dict:
+    """generate's drafter keywords for a drafted contender (none for the others). The drafter's
+    tokenizer was checked once when it loaded, so no call spends timed work on it."""
+    if c.kind != "draft":
+        return {}
+    return {"draft_model": models["drafter"][0], "num_draft_tokens": c.options["num_draft_tokens"]}
+
+
+def _hf_keywords(c: Contender, models: dict) -> dict:
+    """HF generate's keywords. Assisted generation reads K, its schedule and its confidence cut-off
+    from the assistant's generation config, so they go there."""
+    if c.kind != "hf-assisted":
+        return c.options
+    drafter = models["drafter"][0]
+    drafter.generation_config.update(**c.options)
+    return {"assistant_model": drafter}
 
 
 def _row(c: Contender, batch_size: int, result: dict, seconds: list[float], models, eval_set, examples) -> dict:
@@ -238,6 +294,10 @@ def _row(c: Contender, batch_size: int, result: dict, seconds: list[float], mode
     row = {"contender": c.name, "batch_size": batch_size, "options": c.options, "checkpoint": c.checkpoint}
     if "refused" in result:
         return {**row, "refused": result["refused"]}
+    if "drafter_forwards" in result:  # per pass over the prompts, as tokens_per_forward's forwards
+        row["drafter_forwards"] = result["drafter_forwards"]
+    if c.kind == "draft" and batch_size > 1:
+        row["note"] = "marslm's drafter decodes the rows of a batch one after another"
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in result["token_ids"]]
     correct = eval_set.score_many(examples, texts)
     rates = [result["tokens"] / s for s in seconds]
@@ -288,74 +348,9 @@ def _mark_identical_outputs(rows) -> None:
             row["same_as_greedy"] = row["token_ids"] == ref["token_ids"]
 
 
-# The project's speed targets on this benchmark: (data, contender, batch size, least speed-up over
-# HF generate on the AR checkpoint). Off the training distribution MARS must not be slower than AR.
-TARGETS = (
-    ("toy", "MARS cursor tau=0.95", 1, 1.6),
-    ("toy", "MARS cursor tau=0.95", 8, 1.4),
-    ("toy", "MARS lossless", 1, 1.5),
-    ("reworded", "MARS cursor tau=0.95", 1, 0.95),
-    ("reworded", "MARS cursor tau=0.95", 8, 0.95),
-)
-
-
-def check_targets(report: dict) -> list[str]:
-    """One line per target that this report's data has: met or missed, and by how much."""
-    rows = {(r["contender"], r["batch_size"]): r for r in report["rows"] if "speedup" in r}
-    lines = []
-    for data, name, batch, want in TARGETS:
-        row = rows.get((name, batch))
-        if row is not None and report.get("data") == data:
-            got = row["speedup"]
-            verdict = "met" if got >= want else f"MISSED by {want - got:.2f}x"
-            lines.append(f"{name} at batch {batch} ({data}): {got:.2f}x vs target {want:.2f}x -- {verdict}")
-    lookup = rows.get(("HF prompt lookup (MARS ckpt)", 1))
-    mars = rows.get(("MARS cursor tau=0.95", 1))
-    if lookup and mars:
-        verdict = "met" if mars["speedup"] > lookup["speedup"] else "MISSED"
-        lines.append(
-            f"MARS tau=0.95 vs HF prompt lookup at batch 1: {mars['speedup']:.2f}x vs "
-            f"{lookup['speedup']:.2f}x -- {verdict}"
-        )
-    return lines
-
-
-def format_bench_table(report: dict) -> str:
-    head = ["contender", "batch", "tok/s (median, min-max)", "tok/fwd", "vs AR", "accuracy", "= greedy", "peak KV MiB"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in report["rows"]:
-        if "refused" in r:
-            lines.append(f"| {r['contender']} | {r['batch_size']} | refused: {r['refused']} |  |  |  |  |  |")
-            continue
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["contender"],
-                    str(r["batch_size"]),
-                    f"{r['tokens_per_second']:.0f} ({r['tokens_per_second_min']:.0f}-{r['tokens_per_second_max']:.0f})",
-                    f"{r['tokens_per_forward']:.2f}",
-                    f"{r.get('speedup', float('nan')):.2f}x",
-                    f"{100 * r['accuracy']:.1f}",
-                    {True: "yes", False: "no"}.get(r.get("same_as_greedy"), "-"),
-                    f"{r['peak_kv_mib']:.2f}",
-                ]
-            )
-            + " |"
-        )
-    lines.append("")
-    lines += [f"- {line}" for line in check_targets(report)]
-    lines.append("")
-    lines.append(
-        f"n={report['n']} prompts, {report['repeats']} repeats, max {report['max_new_tokens']} new tokens, "
-        f"device {report['device']}, {report.get('dtype', 'float32')}, {report['threads']} threads. "
-        f"Reference: {report['paper_reference']}"
-    )
-    return "\n".join(lines)
-
-
 def load_bench_models(config: BenchConfig) -> dict:
-    """``{"mars": (model, tokenizer), "ar": (model, tokenizer)}`` from ``config.model`` and ``config.ar_model``."""
+    """``{"mars": (model, tokenizer), "ar": (model, tokenizer)}`` from ``config.model`` and
+    ``config.ar_model``, and ``"drafter"`` from ``--draft-model`` where a contender group uses it."""
     from ..modeling import (
         check_model_source,
         load_model,
@@ -365,9 +360,12 @@ def load_bench_models(config: BenchConfig) -> dict:
         warn_untrained_masks,
     )
 
+    drafter = config.drafting.draft_model if set(config.contenders) & set(DRAFTER_GROUPS) else None
     for path in (config.model, config.ar_model):  # every refusal before the first model loads
         check_model_source(path)
         DecodingParams(max_new_tokens=config.max_new_tokens).validate(context=model_context(path))
+    if drafter is not None:
+        check_model_source(drafter)
     saved = saved_config(config.model)
     if saved is not None and saved.stage == "ar":
         warn_untrained_masks(config.model, "every MARS contender at tau < 1")
@@ -375,26 +373,18 @@ def load_bench_models(config: BenchConfig) -> dict:
     for name, path in (("mars", config.model), ("ar", config.ar_model)):
         model, tokenizer, _ = load_model(path, dtype=config.dtype, device=resolve_device(config.device))
         models[name] = (model, tokenizer)
+    if drafter is not None:
+        models["drafter"] = _load_drafter(config, models)
     return models
 
 
-def format_cost_curve(report: dict) -> str:
-    widths = report["widths"]
-    head = ["batch", "context"] + [f"w={w}" for w in widths]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    keys = sorted({(r["batch_size"], r["context"]) for r in report["rows"]})
-    for batch, context in keys:
-        cells = {r["width"]: r for r in report["rows"] if (r["batch_size"], r["context"]) == (batch, context)}
-        lines.append(
-            "| " + " | ".join([str(batch), str(context)] + [f"{cells[w]['ratio']:.2f}" for w in widths]) + " |"
-        )
-    base = {(r["batch_size"], r["context"]): r["ms"] for r in report["rows"] if r["width"] == widths[0]}
-    lines.append("")
-    lines.append(
-        "Forward time as a ratio to feeding one token (w=1: "
-        + ", ".join(f"batch {b} context {c}: {ms:.1f} ms" for (b, c), ms in sorted(base.items()))
-        + f"); {report['repeats']} repeats, device {report['device']}, {report['threads']} threads. "
-        "A MARS step at block size B feeds up to B + 1 columns (2B + 2 with draft groups): it pays when "
-        "tokens per forward exceed the ratio at that width."
-    )
-    return "\n".join(lines)
+def _load_drafter(config: BenchConfig, models: dict) -> tuple:
+    """The drafter and its tokenizer, refused (generate's line) unless it shares each target's vocabulary."""
+    from ..decode.draft_model import check_drafter_vocabulary
+    from ..modeling import checkpoint_facts
+
+    loaded = config.drafting.load(config.device, config.dtype)
+    drafter = (loaded["draft_model"], loaded["draft_tokenizer"])
+    for target in models.values():
+        check_drafter_vocabulary(target, drafter, checkpoint_facts(*target).mask_token_id)
+    return drafter

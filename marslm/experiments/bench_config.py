@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..decode.draft_options import DraftOptions
 from ..decode.params import check_tau
 from ..errors import UserError
 from ..files import output_file
@@ -24,7 +25,12 @@ CONTENDER_GROUPS = (
     "lossless-groups",
     "hybrid",
     "hybrid-groups",
+    "draft",
+    "draft-ar",
+    "assisted",
 )
+# The groups a separate drafter (--draft-model) runs in: the paper's section 4.6 and its baselines.
+DRAFTER_GROUPS = ("draft", "draft-ar", "assisted")
 TRAIN_STEP_FIELDS = (  # BenchConfig's fields that only --train-step reads (an option group of their own)
     "train_step",
     "shape",
@@ -112,9 +118,10 @@ class BenchConfig:
     repeats: int = setting(3, "timed repeats, after a warm-up")
     max_new_tokens: int = setting(128, "longest answer, in tokens")
     taus: list = setting([0.95, 0.9], "comma-separated taus of the MARS threshold and hybrid contenders", parse=floats)
-    contenders: list = setting(
-        list(CONTENDER_GROUPS),
-        "comma-separated contender groups besides HF generate on --ar-model, which always runs; all by default",
+    contenders: list | None = setting(
+        None,
+        "comma-separated contender groups besides HF generate on --ar-model, which always runs; all by "
+        f"default ({', '.join(DRAFTER_GROUPS)} only with --draft-model)",
         parse=strings,
     )
     cost_curve: bool = setting(False, "measure forward time against fed width instead of decoding")
@@ -141,10 +148,14 @@ class BenchConfig:
         "auto", "weights dtype of the decoded models (auto: as saved; on a CPU bfloat16 may pay)", choices=DTYPE_NAMES
     )
     device: str = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
+    drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
     json_path: str | None = setting(None, "write the report as JSON to FILE", flag="--json", metavar="FILE")
     progress: bool = setting(True, "no progress bars", negative="--quiet")
 
     def __post_init__(self) -> None:
+        if self.contenders is None:
+            drafter = self.drafting.draft_model is not None
+            self.contenders = [g for g in CONTENDER_GROUPS if drafter or g not in DRAFTER_GROUPS]
         self.validate()
 
     def validate(self) -> None:
@@ -178,6 +189,9 @@ class BenchConfig:
             raise UserError(
                 f"unknown contender group(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONTENDER_GROUPS)}"
             )
+        drafted = [g for g in self.contenders if g in DRAFTER_GROUPS]
+        if drafted and self.drafting.draft_model is None:
+            raise UserError(f"contender group(s) {', '.join(drafted)} need --draft-model")
 
     def _check_train_step(self) -> None:
         if self.dtype != "auto":

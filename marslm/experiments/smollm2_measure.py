@@ -314,7 +314,7 @@ def format_report(report: dict) -> str:
             "probe (teacher-forced on the original's answers, marslm probe): " + format_probe(report["probe"]),
         ]
     for dtype, bench in (report.get("bench") or {}).items():
-        from .bench import format_bench_table
+        from .bench_report import format_bench_table
 
         lines += ["", f"decoding speed, {dtype} (marslm bench, interleaved):", format_bench_table(bench)]
     curve = [p for p in report.get("learning_curve") or [] if "fidelity" in p]

@@ -1,0 +1,45 @@
+"""A separate drafter's two settings (the paper's section 4.6), declared once for every command
+that takes one: ``marslm generate``, ``eval`` and ``bench``. Torch-free, so parsers can read it;
+the decoding is draft_model.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..settings import check_count, flag_of, setting
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """A draft model and how many tokens it proposes per step; checked when made."""
+
+    draft_model: str | None = setting(
+        None, "an AR model of the same vocabulary drafting for the model (checkpoint directory)", metavar="PATH"
+    )
+    num_draft_tokens: int = setting(4, "drafts per step, with --draft-model", metavar="K")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.draft_model is None:
+            return
+        from .generation import MAX_DRAFT_TOKENS  # loads torch, which a drafter needs anyway
+
+        check_count(flag_of(DraftOptions, "num_draft_tokens"), self.num_draft_tokens, MAX_DRAFT_TOKENS)
+
+    def recorded(self) -> dict:
+        """The settings as a report records them: none without a drafter, so undrafted records
+        keep the keys they had before drafters."""
+        return {} if self.draft_model is None else asdict(self)
+
+    def load(self, device: str | None = "auto", dtype: str | None = None) -> dict:
+        """``generate``'s drafting keywords (none without a drafter): the draft model and its
+        tokenizer, which ``generate`` checks against the target's, and the drafts per step."""
+        if self.draft_model is None:
+            return {}
+        from ..modeling import load_model, resolve_device
+
+        model, tokenizer, _ = load_model(self.draft_model, dtype=dtype, device=resolve_device(device))
+        return dict(draft_model=model, draft_tokenizer=tokenizer, num_draft_tokens=self.num_draft_tokens)

@@ -1,0 +1,103 @@
+"""``marslm bench``'s report for people: the speed targets checked on a report, and its tables
+(decoding speed; with ``--cost-curve``, forward time against fed width). The runs are bench.py's.
+"""
+
+from __future__ import annotations
+
+PAPER_REFERENCE = (
+    "paper (Qwen2.5-7B, GPU, block cache, tau 0.95): 1.71x at batch 4, 1.60x at 8, 1.34x at 16; "
+    "without a cache 0.90x / 0.49x / 0.23x"
+)
+
+# The project's speed targets on this benchmark: (data, contender, batch size, least speed-up over
+# HF generate on the AR checkpoint). Off the training distribution MARS must not be slower than AR.
+TARGETS = (
+    ("toy", "MARS cursor tau=0.95", 1, 1.6),
+    ("toy", "MARS cursor tau=0.95", 8, 1.4),
+    ("toy", "MARS lossless", 1, 1.5),
+    ("reworded", "MARS cursor tau=0.95", 1, 0.95),
+    ("reworded", "MARS cursor tau=0.95", 8, 0.95),
+)
+
+
+def check_targets(report: dict) -> list[str]:
+    """One line per target that this report's data has: met or missed, and by how much."""
+    rows = {(r["contender"], r["batch_size"]): r for r in report["rows"] if "speedup" in r}
+    lines = []
+    for data, name, batch, want in TARGETS:
+        row = rows.get((name, batch))
+        if row is not None and report.get("data") == data:
+            got = row["speedup"]
+            verdict = "met" if got >= want else f"MISSED by {want - got:.2f}x"
+            lines.append(f"{name} at batch {batch} ({data}): {got:.2f}x vs target {want:.2f}x -- {verdict}")
+    lookup = rows.get(("HF prompt lookup (MARS ckpt)", 1))
+    mars = rows.get(("MARS cursor tau=0.95", 1))
+    if lookup and mars:
+        verdict = "met" if mars["speedup"] > lookup["speedup"] else "MISSED"
+        lines.append(
+            f"MARS tau=0.95 vs HF prompt lookup at batch 1: {mars['speedup']:.2f}x vs "
+            f"{lookup['speedup']:.2f}x -- {verdict}"
+        )
+    return lines
+
+
+def format_bench_table(report: dict) -> str:
+    head = ["contender", "batch", "tok/s (median, min-max)", "tok/fwd", "vs AR", "accuracy", "= greedy", "peak KV MiB"]
+    drafted = any("drafter_forwards" in r for r in report["rows"])
+    head += ["drafter fwd"] if drafted else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["rows"]:
+        cells = [r["contender"], str(r["batch_size"])]
+        if "refused" in r:
+            cells.append(f"refused: {r['refused']}")
+        else:
+            cells += _measured(r) + ([str(r.get("drafter_forwards", "-"))] if drafted else [])
+        lines.append("| " + " | ".join(cells + [""] * (len(head) - len(cells))) + " |")
+    lines.append("")
+    lines += [f"- {line}" for line in check_targets(report)]
+    lines.append("")
+    if drafted:
+        lines.append(
+            f"Drafter {report.get('draft_model')}: tok/fwd counts the target's forwards; drafter fwd, the "
+            "drafter's over one pass; both models' time is in tok/s."
+        )
+    lines.append(
+        f"n={report['n']} prompts, {report['repeats']} repeats, max {report['max_new_tokens']} new tokens, "
+        f"device {report['device']}, {report.get('dtype', 'float32')}, {report['threads']} threads. "
+        f"Reference: {report['paper_reference']}"
+    )
+    return "\n".join(lines)
+
+
+def _measured(r: dict) -> list[str]:
+    """A measured row's cells from tok/s to peak KV."""
+    return [
+        f"{r['tokens_per_second']:.0f} ({r['tokens_per_second_min']:.0f}-{r['tokens_per_second_max']:.0f})",
+        f"{r['tokens_per_forward']:.2f}",
+        f"{r.get('speedup', float('nan')):.2f}x",
+        f"{100 * r['accuracy']:.1f}",
+        {True: "yes", False: "no"}.get(r.get("same_as_greedy"), "-"),
+        f"{r['peak_kv_mib']:.2f}",
+    ]
+
+
+def format_cost_curve(report: dict) -> str:
+    widths = report["widths"]
+    head = ["batch", "context"] + [f"w={w}" for w in widths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = sorted({(r["batch_size"], r["context"]) for r in report["rows"]})
+    for batch, context in keys:
+        cells = {r["width"]: r for r in report["rows"] if (r["batch_size"], r["context"]) == (batch, context)}
+        lines.append(
+            "| " + " | ".join([str(batch), str(context)] + [f"{cells[w]['ratio']:.2f}" for w in widths]) + " |"
+        )
+    base = {(r["batch_size"], r["context"]): r["ms"] for r in report["rows"] if r["width"] == widths[0]}
+    lines.append("")
+    lines.append(
+        "Forward time as a ratio to feeding one token (w=1: "
+        + ", ".join(f"batch {b} context {c}: {ms:.1f} ms" for (b, c), ms in sorted(base.items()))
+        + f"); {report['repeats']} repeats, device {report['device']}, {report['threads']} threads. "
+        "A MARS step at block size B feeds up to B + 1 columns (2B + 2 with draft groups): it pays when "
+        "tokens per forward exceed the ratio at that width."
+    )
+    return "\n".join(lines)
