@@ -24,12 +24,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from marslm.errors import UserError
-from marslm.experiments.demo import DEMO_MARKER, DemoPreset, train_arguments
+from marslm.experiments.demo import DEMO_MARKER
+from marslm.experiments.demo_presets import DemoPreset, stage_configs
 from marslm.experiments.stages import Stages
 from marslm.experiments.toy_model import MODEL_SIZES, TinyModelSpec
 
 # --quick: enough to run every stage, nothing to learn from
-QUICK = dict(train_examples=64, ar_steps=12, mars_steps=6, batch_size=8)
+QUICK = dict(train_examples=64, batch_size=8, ar_steps=12, mars_steps=6)
 WIDTH_SHARE = 4  # the drafter's width: the target's over this
 
 
@@ -71,29 +72,28 @@ def build_drafter(demo: Path, out: Path, preset: DemoPreset) -> Path:
     return base
 
 
+def quick(preset: DemoPreset) -> DemoPreset:
+    """``preset`` cut to QUICK's sizes."""
+    return replace(
+        preset,
+        train_examples=QUICK["train_examples"],
+        train={**preset.train, "batch_size": QUICK["batch_size"]},
+        ar={**preset.ar, "max_steps": QUICK["ar_steps"]},
+        after_ar={**preset.after_ar, "max_steps": QUICK["mars_steps"]},
+    )
+
+
 def train_drafters(base: Path, out: Path, preset: DemoPreset, progress: bool, stages: Stages) -> None:
-    """The demo's two stages on the drafter: AR SFT, then MARS from it."""
-    from marslm.training.config import TrainConfig
+    """The demo's AR and MARS stages on the drafter: its configs, another model and output."""
     from marslm.training.recipe import train
 
-    stages.stage(2, f"AR SFT: {preset.ar_steps} steps of {preset.batch_size}")
-    ar = dict(max_steps=preset.ar_steps, learning_rate=preset.ar_lr)
-    train(TrainConfig(model=str(base), output=str(out / "drafter-ar"), **ar, **train_arguments(preset, progress, "ar")))
-    stages.stage(3, f"MARS (B={preset.block_size}): {preset.mars_steps} steps of {preset.batch_size}")
-    mars = dict(
-        max_steps=preset.mars_steps,
-        learning_rate=preset.mars_lr,
-        block_size=preset.block_size,
-        ar_weight=preset.mars_ar_weight,
-    )
-    train(
-        TrainConfig(
-            model=str(out / "drafter-ar"),
-            output=str(out / "drafter-mars"),
-            **mars,
-            **train_arguments(preset, progress, "mars"),
-        )
-    )
+    configs = stage_configs(preset, out, progress)
+    ar = replace(configs["ar"], model=str(base), output=str(out / "drafter-ar"))
+    mars = replace(configs["mars"], model=str(out / "drafter-ar"), output=str(out / "drafter-mars"))
+    stages.stage(2, f"AR SFT: {ar.max_steps} steps of {ar.batch_size}")
+    train(ar)
+    stages.stage(3, f"MARS (B={mars.block_size}): {mars.max_steps} steps of {mars.batch_size}")
+    train(mars)
 
 
 def main(argv=None) -> int:
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else demo
     try:
         preset = demo_preset(demo)
-        preset = replace(preset, **QUICK) if args.quick else preset
+        preset = quick(preset) if args.quick else preset
         stages = Stages("drafters", 3)
         stages.stage(1, f"a drafter {WIDTH_SHARE}x narrower than the demo's '{preset.model}' model")
         base = build_drafter(demo, out, preset)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from marslm import generate
 from marslm.config import MarsConfig
-from marslm.experiments.demo import DEMO_MARKER, resolve_preset
+from marslm.experiments.demo import DEMO_MARKER
+from marslm.experiments.demo_presets import resolve_preset
 from marslm.experiments.toy_model import MODEL_SIZES
 from marslm.modeling import load_model
 
