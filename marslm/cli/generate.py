@@ -10,7 +10,7 @@ COMMAND = "generate"
 
 
 def add_parser(sub) -> None:
-    from ..decode.params import DecoderOptions, DecodingParams
+    from ..decode.params import DEFAULT_DRAFT_TAU, DecoderOptions, DecodingParams
     from ..settings import add_options
 
     parser = sub.add_parser(
@@ -26,8 +26,17 @@ def add_parser(sub) -> None:
     add_options(decoder, DecoderOptions, skip=("adaptive_width", "mask_batch_limit"))
     add_adaptive_width(decoder)
     add_device(decoder)
-    decoder.add_argument("--draft-model", metavar="PATH", help="an AR model of the same vocabulary drafting for MODEL")
+    decoder.add_argument(
+        "--draft-model", metavar="PATH", help="an AR or MARS model of the same vocabulary drafting for MODEL"
+    )
     decoder.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="drafts per step (default 4)")
+    decoder.add_argument(
+        "--draft-tau",
+        type=float,
+        metavar="TAU",
+        help="a MARS drafter's threshold: it drafts its masks' predictions while their top-1 probability "
+        f"passes it (default {DEFAULT_DRAFT_TAU}; refused for an AR drafter)",
+    )
     parser.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     parser.set_defaults(run=run)
@@ -62,13 +71,19 @@ def run(args) -> int:
 
 
 def load_drafter(args) -> dict:
-    """``generate``'s drafting keywords from ``--draft-model`` / ``--num-draft-tokens`` (none without a drafter)."""
+    """``generate``'s drafting keywords from ``--draft-model`` / ``--num-draft-tokens`` /
+    ``--draft-tau`` (none without a drafter; ``generate`` refuses a tau without one)."""
     if args.draft_model is None:
-        return {}
+        return {} if args.draft_tau is None else {"draft_tau": args.draft_tau}
     from ..decode.generation import MAX_DRAFT_TOKENS
     from ..modeling import load_model, resolve_device
     from ..settings import check_count
 
     check_count("--num-draft-tokens", args.num_draft_tokens, MAX_DRAFT_TOKENS)
     draft_model, draft_tokenizer, _ = load_model(args.draft_model, device=resolve_device(args.device))
-    return dict(draft_model=draft_model, draft_tokenizer=draft_tokenizer, num_draft_tokens=args.num_draft_tokens)
+    return dict(
+        draft_model=draft_model,
+        draft_tokenizer=draft_tokenizer,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_tau=args.draft_tau,
+    )

@@ -9,38 +9,21 @@ import pytest
 import torch
 
 from marslm import generate
-from marslm.chat import encode_prompt
-from marslm.data import toy
 from marslm.decode import DecodingParams
-from marslm.decode.draft_model import ARDrafter, DraftModelDecoder
+from marslm.decode.draft_model import DraftModelDecoder
+from marslm.decode.drafters import ARDrafter
 from marslm.errors import UserError
-from marslm.experiments.toy_model import make_tiny_qwen2
 from tests.decode.test_sampling import (
     DRAWS,
     MASK,
     NEW,
     PROMPT,
-    VOCAB,
     chi_square_p,
     exact_distribution,
     marginals,
     tiny_vocab_model,  # noqa: F401 - a fixture
 )
 from tests.helpers import hf_greedy
-from tests.trained import TRAIN_N
-
-
-@pytest.fixture(scope="module")
-def prompts(trained_checkpoints):
-    _, tokenizer = trained_checkpoints["mars64"]
-    examples = toy.make_split("train", TRAIN_N, seed=0)[::8][:4]  # memorised prompts: confident masks
-    return [encode_prompt(tokenizer, ex.messages) for ex in examples]
-
-
-@pytest.fixture(scope="module")
-def bad_drafter(trained_checkpoints):
-    _, tokenizer = trained_checkpoints["mars64"]
-    return make_tiny_qwen2(tokenizer, "test", seed=3).double().eval()
 
 
 class CheckedDrafter(ARDrafter):
@@ -68,8 +51,18 @@ class CheckedDrafter(ARDrafter):
 def test_greedy_verification_equals_hf_greedy(trained_checkpoints, prompts, bad_drafter, drafter, k):
     model, tokenizer = trained_checkpoints["mars64"]
     draft = trained_checkpoints["ar64"][0] if drafter == "ar" else bad_drafter
+    # the AR tokenizer (no mask token) makes the random model an AR drafter
+    draft_tokenizer = trained_checkpoints["ar64"][1]
     expected = hf_greedy(model, tokenizer, prompts, 40)
-    out = generate(model, tokenizer, prompts, max_new_tokens=40, draft_model=draft, num_draft_tokens=k)
+    out = generate(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=40,
+        draft_model=draft,
+        num_draft_tokens=k,
+        draft_tokenizer=draft_tokenizer,
+    )
     assert out.token_ids == expected
     if drafter == "ar":  # good drafts: more than one token per target forward
         assert out.tokens_per_forward > 1.5
@@ -137,28 +130,6 @@ def test_the_number_of_drafts_is_checked(trained_checkpoints, prompts):
     model, tokenizer = trained_checkpoints["mars64"]
     with pytest.raises(UserError, match="num_draft_tokens"):
         generate(model, tokenizer, prompts, draft_model=model, num_draft_tokens=0)
-
-
-@pytest.fixture(scope="module")
-def other_vocab_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(9)
-        model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)
-    return model.double().eval()
 
 
 def test_speculative_sampling_is_the_target_distribution(tiny_vocab_model, other_vocab_model):  # noqa: F811
