@@ -47,7 +47,8 @@ def test_at_tau_1_a_mars_drafter_drafts_greedy_ar_one_token_per_forward(mars, pr
     model, tokenizer, _, _ = mars
     one = drafter(mars, 1.0)
     drafts, q = one.propose(prompts[0], 10, GREEDY, None)
-    assert drafts == hf_greedy(model, tokenizer, prompts[:1], 10)[0][:10]
+    expected = hf_greedy(model, tokenizer, prompts[:1], 10)[0]  # up to its EOS
+    assert len(drafts) == 10 and drafts[: len(expected)] == expected
     assert one.forwards == 10 and q is None
 
 
@@ -73,6 +74,7 @@ class CheckedMarsDrafter(MarsDrafter):
     exactly a prefix of the text and drafts: a rejected draft, or a mask, left in it fails."""
 
     def propose(self, ids, k, params, generator):
+        self.rejected = getattr(self, "rejected", 0) + (self.cached != ids[: len(self.cached)])
         drafts, q = super().propose(ids, k, params, generator)
         fresh = MarsDrafter(self.model, self.mask_token_id, self.tau, self.n_masks)
         assert drafts == fresh.propose(ids, k, params, generator)[0]
@@ -90,9 +92,8 @@ def test_a_rejected_draft_rolls_the_mars_drafter_cache_back(mars, trained_checkp
     params = DecodingParams(max_new_tokens=40).validate(4)
     rows = [decoder.run_row(prompt, params, i) for i, prompt in enumerate(prompts)]
     assert rows[0].token_ids == hf_greedy(target, mars[1], prompts[:1], 40)[0]
-    steps = [s for row in rows for s in row.accepted_per_step]
-    assert min(steps) < 5 and max(steps) == 5  # drafts rejected, and drafts kept
-    assert checked.forwards < checked.drafted
+    assert checked.rejected > 3 and max(s for row in rows for s in row.accepted_per_step) == 5
+    assert checked.forwards < checked.drafted  # several drafts per drafter forward
 
 
 @pytest.mark.parametrize("draft", ["mars", "bad-mars", "mars-low-tau"])
