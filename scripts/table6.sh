@@ -9,8 +9,9 @@
 # Rows, per drafter: HF generate on ar/ (the baseline); "draft K -> AR" (plain speculative
 # decoding, the AR->AR row); "draft K -> MARS tau=T" (verification, then the masks under tau;
 # tau 1: plain verification); HF assisted generation with the same drafter and K (batch 1).
-# marslm's drafter drafts one token per forward, a MARS drafter too (its clean stream): its row
-# is MARS->MARS only in the checkpoint. A timing: run it alone on a quiet machine.
+# An AR drafter drafts one token per forward; drafter-mars, a MARS checkpoint, also drafts its
+# masks' confident predictions under its own tau (DRAFT_TAU, default 0.9): the MARS->MARS rows.
+# A timing: run it alone on a quiet machine.
 set -eu
 DEMO=${1:-runs/demo}
 OUT=${2:-$DEMO}
@@ -18,12 +19,15 @@ K=${3:-4}
 N=${4:-32}
 REPEATS=${5:-3}
 MAX_NEW_TOKENS=${6:-128}
+DRAFT_TAU=${DRAFT_TAU:-0.9}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 mkdir -p "$OUT"
 for drafter in drafter-ar drafter-mars; do
+  tau=()
+  [ "$drafter" = drafter-mars ] && tau=(--draft-tau "$DRAFT_TAU")
   PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PY" -m marslm.cli bench \
-    --model "$DEMO/mars" --ar-model "$DEMO/ar" --draft-model "$DEMO/$drafter" --num-draft-tokens "$K" \
+    --model "$DEMO/mars" --ar-model "$DEMO/ar" --draft-model "$DEMO/$drafter" --num-draft-tokens "$K" "${tau[@]}" \
     --contenders hf-mars,cursor,draft,draft-ar,assisted --taus 1,0.95 --batch-sizes 1 \
     --n "$N" --repeats "$REPEATS" --max-new-tokens "$MAX_NEW_TOKENS" --quiet \
     --json "$OUT/table6-$drafter.json" | tee "$OUT/table6-$drafter.log"

@@ -2,7 +2,8 @@
 
 Each step, one row at a time:
 
-    draft    an AR drafter (its own KV cache) proposes K tokens
+    draft    the drafter (drafters.py; its own KV cache) proposes K tokens: an AR model one per
+             forward, a MARS model several, its confident masks under its own tau
     verify   one target forward over [pending | K drafts | K + 1 groups of masks]; group g sits
              after draft g and sees the prefix and drafts 1..g (masks.py's group layout)
     accept   the drafts the target confirms (greedy: equal to its argmax; sampling: speculative
@@ -26,19 +27,56 @@ from transformers import DynamicCache
 
 from ..errors import UserError
 from ..masks import decode_step_mask, for_attention
-from .acceptance import accept_length, confidence
-from .params import DecodingParams, metric_code
+from ..settings import check_count
+from .drafters import ARDrafter, MarsDrafter, confident_masks, crop_to, probs
+from .params import DEFAULT_DRAFT_TAU, MAX_DRAFT_TOKENS, DecodingParams, check_draft_tau
 from .rows import BatchStats, FinishedRow
 from .rules import cut_at_stop, verify_drafts
-from .sampling import sampling_probs, speculative_accept
+from .sampling import speculative_accept
 
 
-def check_drafter(params: DecodingParams, decoder, target, drafter, mask_token_id) -> None:
-    """Refuse, before decoding, what this decoder cannot run. ``target`` is ``(model, tokenizer)``,
-    ``drafter`` ``(model, tokenizer or None)``."""
+def check_drafter(params: DecodingParams, decoder, target, drafting, mask_token_id) -> ARDrafter:
+    """Refuse, before decoding, what this decoder cannot run; return the drafter. ``target`` is
+    ``(model, tokenizer)``, ``drafting`` ``(draft model or None, its tokenizer or None, drafts per
+    step, draft tau or None)``."""
+    draft_model, draft_tokenizer, k, draft_tau = drafting
+    if draft_model is None:
+        raise UserError("draft_tau is a draft model's threshold; no draft model was given")
+    check_count("num_draft_tokens", k, MAX_DRAFT_TOKENS)
     if params.mode != "threshold" or decoder.cache == "block" or params.stop:
         raise UserError("a draft model decodes in threshold mode with the cursor cache, without stop strings")
-    check_drafter_vocabulary(target, drafter, mask_token_id)
+    check_drafter_vocabulary(target, (draft_model, draft_tokenizer), mask_token_id)
+    return make_drafter((draft_model, draft_tokenizer), target[1], draft_tau, decoder.use_last_mask)
+
+
+def make_drafter(drafter, tokenizer, draft_tau, use_last_mask: bool) -> ARDrafter:
+    """A MARS drafter where the draft model has a mask token (``drafter_mask_token``), else an AR
+    drafter, which takes no tau."""
+    from ..modeling import checkpoint_facts
+
+    model, draft_tokenizer = drafter
+    facts = checkpoint_facts(model, draft_tokenizer if draft_tokenizer is not None else tokenizer)
+    mask_token_id = drafter_mask_token(model, facts)
+    if mask_token_id is None:
+        if draft_tau is not None:
+            raise UserError("draft_tau is a MARS drafter's; this draft model is an AR model (one draft per forward)")
+        return ARDrafter(model)
+    tau = DEFAULT_DRAFT_TAU if draft_tau is None else draft_tau
+    check_draft_tau(tau)
+    return MarsDrafter(model, mask_token_id, tau, facts.block_size - 1 + use_last_mask)
+
+
+def drafter_mask_token(model, facts) -> int | None:
+    """The mask token a draft model drafts with: its checkpoint facts' (read with its tokenizer, else
+    the target's, which it shares). None for an AR-stage checkpoint, whose masks never trained, and
+    for a token outside its embedding (the target's own, which its MARS training added)."""
+    from ..adapter import adapter_of
+
+    if facts.mask_token_id is None or facts.stage == "ar":
+        return None
+    rows = model.get_input_embeddings().weight.shape[0]
+    # an exact checkpoint's adapter embeds its mask itself, also at an id past the rows
+    return facts.mask_token_id if facts.mask_token_id < rows or adapter_of(model) is not None else None
 
 
 def check_drafter_vocabulary(target, drafter, mask_token_id) -> None:
@@ -67,75 +105,6 @@ def check_drafter_vocabulary(target, drafter, mask_token_id) -> None:
 def output_rows(model) -> int:
     """The number of token ids a model scores (its output embedding's rows)."""
     return model.get_output_embeddings().weight.shape[0]
-
-
-class ARDrafter:
-    """An HF causal LM proposing tokens from its own KV cache, which it rolls back to the longest
-    prefix it shares with the text when drafts are rejected."""
-
-    def __init__(self, model):
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.forwards = 0
-        self.reset()
-
-    def reset(self) -> None:
-        self.cache, self.cached = DynamicCache(), []  # the ids whose keys/values the cache holds
-
-    def rollback(self, ids: list[int]) -> None:
-        """Keep only the cached tokens that are a prefix of ``ids``."""
-        keep = 0
-        for a, b in zip(self.cached, ids):
-            if a != b:
-                break
-            keep += 1
-        if keep < len(self.cached):
-            crop_to(self.cache, keep)
-            self.cached = self.cached[:keep]
-
-    @torch.no_grad()
-    def propose(self, ids: list[int], k: int, params: DecodingParams, generator):
-        """``k`` drafts after ``ids`` and, sampling, the ``[k, vocab]`` distributions drawn from."""
-        self.rollback(ids)
-        if len(self.cached) == len(ids):  # the last token must be fed to read its output
-            self.rollback(ids[:-1])
-        drafts, dists, feed = [], [], ids[len(self.cached) :]
-        for _ in range(k):
-            logits = self._forward(feed)
-            if params.temperature > 0:
-                q = self._probs(logits, params)
-                token = int(torch.multinomial(q, 1, generator=generator)[0])
-                dists.append(q)
-            else:
-                token = int(logits.argmax())
-            drafts.append(token)
-            feed = [token]
-        return drafts, (torch.stack(dists) if dists else None)
-
-    def _forward(self, feed: list[int]) -> torch.Tensor:
-        start = len(self.cached)
-        ids = torch.tensor([feed], device=self.device)
-        positions = torch.arange(start, start + len(feed), device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
-        self.forwards += 1
-        self.cached += feed
-        return out.logits[0, -1]
-
-    def _probs(self, logits: torch.Tensor, params: DecodingParams) -> torch.Tensor:
-        return _probs(logits[None], params, self.device)[0]
-
-
-def crop_to(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` tokens' keys/values (``crop`` takes how many to remove)."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
-
-
-def _probs(logits: torch.Tensor, params: DecodingParams, device) -> torch.Tensor:
-    """``sampling_probs`` for one row's ``[n, vocab]`` logits."""
-    t, p, k = (torch.tensor([v], device=device) for v in (params.temperature, params.top_p, params.top_k))
-    return sampling_probs(logits[None], t, p, k)[0]
 
 
 class DraftModelDecoder:
@@ -212,7 +181,8 @@ class DraftModelDecoder:
             kept, token = self._verify_greedy(logits[: k + 1], drafts)
         tokens = drafts[:kept] + [token]
         if n_masks:  # group j = kept sits after the kept drafts: its masks follow the target's token
-            tokens += self._confident(logits[k + 1 + kept * n_masks : k + 1 + (kept + 1) * n_masks], params)
+            group = logits[k + 1 + kept * n_masks : k + 1 + (kept + 1) * n_masks]
+            tokens += confident_masks(group, params.tau, params.metric)
         return tokens, kept
 
     def _verify_greedy(self, ar_logits, drafts):
@@ -225,7 +195,7 @@ class DraftModelDecoder:
         """Speculative sampling: the kept drafts and the token after them are distributed as the
         target's samples."""
         k = len(drafts)
-        p = _probs(ar_logits, params, self.device)
+        p = probs(ar_logits, params, self.device)
         if q is None:
             q = p.new_zeros(0, p.shape[-1])
         # the drafter scores no id past its rows (check_drafter_vocabulary): probability 0 there
@@ -234,12 +204,3 @@ class DraftModelDecoder:
         uniform = torch.rand(1, k, generator=generator, device=self.device)
         kept, next_p = speculative_accept(p[None], q[None], draft, torch.tensor([k], device=self.device), uniform)
         return int(kept[0]), int(torch.multinomial(next_p[0], 1, generator=generator)[0])
-
-    def _confident(self, group_logits, params: DecodingParams) -> list[int]:
-        """The group's mask predictions accepted left to right under tau, after the target's token
-        (acceptance.py's rule, whose first candidate is always accepted)."""
-        metric = torch.tensor([metric_code(params.metric)])
-        predicted, conf = confidence(group_logits[None].cpu(), metric)
-        conf = torch.cat([torch.zeros(1, 1), conf], dim=1)  # the target's token, already accepted
-        accept = int(accept_length(conf, torch.tensor([params.tau]), metric)[0])
-        return predicted[0, : accept - 1].tolist()

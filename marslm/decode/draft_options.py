@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..errors import UserError
 from ..settings import check_count, flag_of, setting
+from .params import DEFAULT_DRAFT_TAU, MAX_DRAFT_TOKENS, check_draft_tau
 
 
 @dataclass(frozen=True)
@@ -15,19 +17,27 @@ class DraftOptions:
     """A draft model and how many tokens it proposes per step; checked when made."""
 
     draft_model: str | None = setting(
-        None, "an AR model of the same vocabulary drafting for the model (checkpoint directory)", metavar="PATH"
+        None, "an AR or MARS model of the same vocabulary drafting for the model (checkpoint directory)", metavar="PATH"
     )
     num_draft_tokens: int = setting(4, "drafts per step, with --draft-model", metavar="K")
+    draft_tau: float | None = setting(
+        None,
+        "a MARS drafter's threshold: it drafts its masks' predictions while their top-1 probability "
+        f"passes it (default {DEFAULT_DRAFT_TAU}; refused for an AR drafter)",
+        metavar="TAU",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         if self.draft_model is None:
+            if self.draft_tau is not None:
+                raise UserError(f"{flag_of(DraftOptions, 'draft_tau')} needs {flag_of(DraftOptions, 'draft_model')}")
             return
-        from .generation import MAX_DRAFT_TOKENS  # loads torch, which a drafter needs anyway
-
         check_count(flag_of(DraftOptions, "num_draft_tokens"), self.num_draft_tokens, MAX_DRAFT_TOKENS)
+        if self.draft_tau is not None:
+            check_draft_tau(self.draft_tau)
 
     def recorded(self) -> dict:
         """The settings as a report records them: none without a drafter, so undrafted records
@@ -42,4 +52,9 @@ class DraftOptions:
         from ..modeling import load_model, resolve_device
 
         model, tokenizer, _ = load_model(self.draft_model, dtype=dtype, device=resolve_device(device))
-        return dict(draft_model=model, draft_tokenizer=tokenizer, num_draft_tokens=self.num_draft_tokens)
+        return dict(
+            draft_model=model,
+            draft_tokenizer=tokenizer,
+            num_draft_tokens=self.num_draft_tokens,
+            draft_tau=self.draft_tau,
+        )

@@ -6,14 +6,11 @@ from dataclasses import dataclass, field, fields, replace
 
 from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
-from ..settings import check_count
 from .batch import DecodeBatch
 from .block_cache import BlockCachedBatch
-from .params import DecoderOptions, DecodingParams
+from .params import MAX_DRAFT_TOKENS, DecoderOptions, DecodingParams  # noqa: F401 - MAX_DRAFT_TOKENS: the CLI's
 from .rows import BatchStats, FinishedRow
 from .text import TextStream
-
-MAX_DRAFT_TOKENS = 16  # drafts per step; each adds a mask group to the target's forward
 
 
 @dataclass
@@ -106,6 +103,7 @@ def generate(
     draft_model=None,
     num_draft_tokens: int = 4,
     draft_tokenizer=None,
+    draft_tau: float | None = None,
     **overrides,
 ) -> GenerationResult:
     """Decode ``prompts`` (strings, message lists or token-id lists) with the MARS sliding window.
@@ -132,29 +130,31 @@ def generate(
     against the target's, and ``draft_tokenizer``, if given, token by token) proposes
     ``num_draft_tokens`` per step, which the model verifies, adding its confident masks under tau
     after them (draft_model.py; threshold mode, cursor cache, no stop strings; rows decode one at
-    a time).
+    a time). An AR drafter drafts one token per forward; a MARS checkpoint (its marslm.json or its
+    tokenizer names a mask token, and it is no AR stage) drafts its confident masks too, while their
+    top-1 probability passes ``draft_tau`` (default ``DEFAULT_DRAFT_TAU``, 0.9; refused for an AR
+    drafter).
     """
     from ..modeling import model_context
 
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
-    if draft_model is not None:
-        check_count("num_draft_tokens", num_draft_tokens, MAX_DRAFT_TOKENS)
     params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
-    params, facts, common = _checked(model, tokenizer, params, decoder, mask_token_id, (draft_model, draft_tokenizer))
+    drafting = (draft_model, draft_tokenizer, num_draft_tokens, draft_tau)
+    params, facts, common, drafter = _checked(model, tokenizer, params, decoder, mask_token_id, drafting)
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     for ids in prompt_ids:
         params.check_prompt(len(ids), model_context(model))
     streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
-    drafting = None if draft_model is None else (draft_model, num_draft_tokens, facts.mask_token_id)
+    drafting = None if drafter is None else (drafter, num_draft_tokens, facts.mask_token_id)
     batch, rows = _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting)
     return _result(tokenizer, rows, streams, batch.stats)
 
 
-def _checked(model, tokenizer, params, decoder, mask_token_id, drafter):
-    """``(params resolved against the checkpoint, its facts, the ids every decoder takes)``, every
-    setting checked before any prompt is encoded; ``drafter``: ``(draft model or None, its
-    tokenizer or None)``."""
+def _checked(model, tokenizer, params, decoder, mask_token_id, drafting):
+    """``(params resolved against the checkpoint, its facts, the ids every decoder takes, the
+    drafter or None)``, every setting checked before any prompt is encoded; ``drafting``: ``(draft
+    model or None, its tokenizer or None, drafts per step, draft tau or None)``."""
     from ..modeling import checkpoint_facts, model_context
 
     facts = checkpoint_facts(model, tokenizer, mask_token_id)
@@ -162,16 +162,17 @@ def _checked(model, tokenizer, params, decoder, mask_token_id, drafter):
     params = params.validate(facts.block_size, context)
     decoder.validate(params, context)
     params.check_mask_token(facts.mask_token_id is not None)
-    if drafter[0] is not None:
+    drafter = None
+    if drafting[0] is not None or drafting[3] is not None:
         from .draft_model import check_drafter
 
-        check_drafter(params, decoder, (model, tokenizer), drafter, facts.mask_token_id)
+        drafter = check_drafter(params, decoder, (model, tokenizer), drafting, facts.mask_token_id)
     common = dict(
         mask_token_id=facts.mask_token_id if facts.mask_token_id is not None else facts.pad_id,
         pad_id=facts.pad_id,
         stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
-    return params, facts, common
+    return params, facts, common, drafter
 
 
 def _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting):
@@ -207,14 +208,14 @@ def _result(tokenizer, rows: list[FinishedRow], streams: dict, stats: BatchStats
 
 
 def run_with_drafter(model, drafting, prompt_ids, params, decoder, common, on_finish=None):
-    """Decode each prompt in turn, ``drafting = (draft model, drafts per step, the target's mask
-    token or None)`` (draft_model.py)."""
-    draft_model, k, mask_token_id = drafting
-    from .draft_model import ARDrafter, DraftModelDecoder
+    """Decode each prompt in turn, ``drafting = (drafter, drafts per step, the target's mask token
+    or None)`` (draft_model.py; ``check_drafter`` makes the drafter)."""
+    drafter, k, mask_token_id = drafting
+    from .draft_model import DraftModelDecoder
 
     decoding = DraftModelDecoder(
         model,
-        ARDrafter(draft_model),
+        drafter,
         k,
         mask_token_id=mask_token_id,
         stop_ids=common["stop_ids"],

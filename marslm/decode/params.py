@@ -38,6 +38,14 @@ MAX_VOCAB = 2**32
 # Every step reads its masks, as the paper's sampler does. Adaptive width (batch.py) is an opt-in:
 # at tau < 1 it changes the text, not only how far a step reaches.
 ADAPTIVE_WIDTH = False
+# A MARS drafter's threshold (draft_model.py) when none is given, on the top-1 probability whatever
+# the request's metric. The target verifies every draft, so the drafter's tau trades how far one of
+# its forwards reaches against how many of its drafts are kept; at the request's tau 1 the text is
+# the target's whatever is drafted. The request's tau cannot stand in: it sets what the target
+# accepts unverified, and at 1 (plain speculative decoding) it would leave the drafter's masks unread.
+DEFAULT_DRAFT_TAU = 0.9
+DRAFT_METRIC = "prob"
+MAX_DRAFT_TOKENS = 16  # drafts per step; each adds a mask group to the target's forward
 
 
 def metric_code(metric: str) -> int:
@@ -267,6 +275,14 @@ def check_default_tau(metric: str, mode: str) -> None:
             f"the server's default tau is a probability; a request with metric {metric!r} must set its own tau",
             "tau",
         )
+
+
+def check_draft_tau(tau) -> None:
+    """A MARS drafter's tau: a threshold on the top-1 probability (``DRAFT_METRIC``)."""
+    try:
+        check_tau(tau, DRAFT_METRIC)
+    except ParamError as exc:
+        raise ParamError(f"draft_tau: {exc}", "draft_tau") from None
 
 
 def check_seed(seed, name: str) -> None:

@@ -92,11 +92,14 @@ def _drafter_contenders(config: BenchConfig) -> list[Contender]:
     verification), on the AR checkpoint (plain speculative decoding), and HF assisted generation
     with the same K, drafting exactly K tokens every step as marslm's drafter does."""
     groups, length, k = config.contenders, config.max_new_tokens, config.drafting.num_draft_tokens
+    drafter_tau = config.drafting.draft_tau
+    drafting = {"draft_tau": drafter_tau} if drafter_tau is not None else {}
+    by = f" (drafter tau={drafter_tau})" if drafting else ""
     contenders = []
     for tau in config.taus if "draft" in groups else ():
-        contenders.append(_drafted(f"draft K={k} -> MARS tau={tau}", length, k, "mars", tau=tau))
+        contenders.append(_drafted(f"draft K={k}{by} -> MARS tau={tau}", length, k, "mars", drafting, tau=tau))
     if "draft-ar" in groups:
-        contenders.append(_drafted(f"draft K={k} -> AR", length, k, "ar"))
+        contenders.append(_drafted(f"draft K={k}{by} -> AR", length, k, "ar", drafting))
     if "assisted" in groups:
         # HF reads these from the assistant's generation config (:func:`_hf_keywords`); its default
         # confidence cut-off would end a draft early
@@ -107,10 +110,11 @@ def _drafter_contenders(config: BenchConfig) -> list[Contender]:
     return contenders
 
 
-def _drafted(name: str, max_new_tokens: int, k: int, checkpoint: str, **options) -> Contender:
-    """A contender decoded by marslm's drafter (``k`` drafts per step) and ``checkpoint`` verifying."""
+def _drafted(name: str, max_new_tokens: int, k: int, checkpoint: str, drafting: dict, **options) -> Contender:
+    """A contender decoded by marslm's drafter (``k`` drafts per step, ``drafting``: its own tau
+    where given) and ``checkpoint`` verifying."""
     c = _mars(name, max_new_tokens, **options)
-    return replace(c, kind="draft", checkpoint=checkpoint, options={**options, "num_draft_tokens": k})
+    return replace(c, kind="draft", checkpoint=checkpoint, options={**options, "num_draft_tokens": k, **drafting})
 
 
 class _ForwardCounter:
@@ -275,7 +279,8 @@ def _drafting(c: Contender, models: dict) -> dict:
     tokenizer was checked once when it loaded, so no call spends timed work on it."""
     if c.kind != "draft":
         return {}
-    return {"draft_model": models["drafter"][0], "num_draft_tokens": c.options["num_draft_tokens"]}
+    keep = ("num_draft_tokens", "draft_tau")
+    return {"draft_model": models["drafter"][0], **{k: v for k, v in c.options.items() if k in keep}}
 
 
 def _hf_keywords(c: Contender, models: dict) -> dict:

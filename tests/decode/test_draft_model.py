@@ -2,45 +2,29 @@
 
 Float64 trained checkpoints (tests/trained.py): the MARS model is the target; its AR parent is a
 good drafter (most drafts kept), a randomly initialised model of the same vocabulary a bad one
-(most drafts rejected, so both caches roll back often).
+(most drafts rejected, so both caches roll back often). Through ``generate`` the random model is a
+MARS drafter (the toy tokenizer has a mask token), whose masks never pass the default draft tau.
 """
 
 import pytest
 import torch
 
 from marslm import generate
-from marslm.chat import encode_prompt
-from marslm.data import toy
 from marslm.decode import DecodingParams
-from marslm.decode.draft_model import ARDrafter, DraftModelDecoder
+from marslm.decode.draft_model import DraftModelDecoder
+from marslm.decode.drafters import ARDrafter
 from marslm.errors import UserError
-from marslm.experiments.toy_model import make_tiny_qwen2
 from tests.decode.test_sampling import (
     DRAWS,
     MASK,
     NEW,
     PROMPT,
-    VOCAB,
     chi_square_p,
     exact_distribution,
     marginals,
     tiny_vocab_model,  # noqa: F401 - a fixture
 )
 from tests.helpers import hf_greedy
-from tests.trained import TRAIN_N
-
-
-@pytest.fixture(scope="module")
-def prompts(trained_checkpoints):
-    _, tokenizer = trained_checkpoints["mars64"]
-    examples = toy.make_split("train", TRAIN_N, seed=0)[::8][:4]  # memorised prompts: confident masks
-    return [encode_prompt(tokenizer, ex.messages) for ex in examples]
-
-
-@pytest.fixture(scope="module")
-def bad_drafter(trained_checkpoints):
-    _, tokenizer = trained_checkpoints["mars64"]
-    return make_tiny_qwen2(tokenizer, "test", seed=3).double().eval()
 
 
 class CheckedDrafter(ARDrafter):
@@ -137,28 +121,6 @@ def test_the_number_of_drafts_is_checked(trained_checkpoints, prompts):
     model, tokenizer = trained_checkpoints["mars64"]
     with pytest.raises(UserError, match="num_draft_tokens"):
         generate(model, tokenizer, prompts, draft_model=model, num_draft_tokens=0)
-
-
-@pytest.fixture(scope="module")
-def other_vocab_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(9)
-        model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)
-    return model.double().eval()
 
 
 def test_speculative_sampling_is_the_target_distribution(tiny_vocab_model, other_vocab_model):  # noqa: F811

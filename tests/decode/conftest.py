@@ -1,0 +1,45 @@
+"""Fixtures of the draft-model tests (test_draft_model.py, test_mars_drafter.py)."""
+
+import pytest
+import torch
+
+from marslm.chat import encode_prompt
+from marslm.data import toy
+from marslm.experiments.toy_model import make_tiny_qwen2
+from tests.decode.test_sampling import VOCAB
+from tests.trained import TRAIN_N
+
+
+@pytest.fixture(scope="module")
+def prompts(trained_checkpoints):
+    _, tokenizer = trained_checkpoints["mars64"]
+    examples = toy.make_split("train", TRAIN_N, seed=0)[::8][:4]  # memorised prompts: confident masks
+    return [encode_prompt(tokenizer, ex.messages) for ex in examples]
+
+
+@pytest.fixture(scope="module")
+def bad_drafter(trained_checkpoints):
+    _, tokenizer = trained_checkpoints["mars64"]
+    return make_tiny_qwen2(tokenizer, "test", seed=3).double().eval()
+
+
+@pytest.fixture(scope="module")
+def other_vocab_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(9)
+        model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    return model.double().eval()
