@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Decoding and serving speed of an earlier commit against the working tree, alternating, on one
-# quiet machine: `marslm bench` and `marslm loadtest` (a `marslm serve` started for each) per round.
+# quiet machine: `marslm bench` and `marslm loadtest` (a `marslm serve` started for each) per round;
+# first, recorded decoding cases (`marslm generate` at tau 1, 0.9 and lossless on a few prompts)
+# must give the same text, step by step, under both.
 #
 #   scripts/ab_speed.sh BASE_COMMIT [MARS_CHECKPOINT] [AR_CHECKPOINT] [OUT] [ROUNDS]
 #
 # The base commit is checked out in a worktree beside the repository and run with this
-# repository's venv. Reports: OUT/{bench,load}-{base,head}-ROUND.{json,log}.
+# repository's venv. Reports: OUT/cases-{base,head}.txt, OUT/{bench,load}-{base,head}-ROUND.{json,log}.
 set -u
 BASE=${1:?base commit}
 MODEL=${2:-runs/smollm2-demo/mars}
@@ -31,6 +33,21 @@ loadtest() {  # tree name round
     --policies fixed-1.0,fixed-0.95 --repeats 1 --max-tokens 32 --json "$OUT/load-$2-$3.json" > "$OUT/load-$2-$3.log" 2>&1
   kill -TERM $pid; wait $pid
 }
+cases() {  # tree name: each case's text and tokens accepted per step, one line per case
+  for opts in "--tau 1" "--tau 0.9" "--mode lossless"; do
+    for prompt in "Name three colours." "What is 12 plus 30?" "Write one sentence about the sea."; do
+      # shellcheck disable=SC2086
+      PYTHONPATH=$1 $PY -m marslm.cli generate --model "$MODEL" --prompt "$prompt" $opts --max-new-tokens 48 --json \
+        | $PY -c 'import json, sys; d = json.load(sys.stdin); print(json.dumps([d["text"], d["accepted_per_step"]]))'
+    done
+  done > "$OUT/cases-$2.txt"
+}
+cases "$OLD" base; cases "$ROOT" head
+if cmp -s "$OUT/cases-base.txt" "$OUT/cases-head.txt"; then
+  echo "decoding cases: the same text, step by step ($(wc -l < "$OUT/cases-head.txt") cases)"
+else
+  echo "decoding cases: DIFFER (diff $OUT/cases-base.txt $OUT/cases-head.txt)"
+fi
 for round in $(seq "$ROUNDS"); do
   bench "$OLD" base "$round"; bench "$ROOT" head "$round"
   loadtest "$OLD" base "$round"; loadtest "$ROOT" head "$round"
