@@ -195,4 +195,4 @@ def test_cli_draft_tau(trained_checkpoints, capsys):
     rc, _, err = run(capsys, *base, "--draft-model", ar_dir, "--draft-tau", 0.5)
     assert_one_line_error(rc, err, "draft_tau is a MARS drafter's")
     rc, _, err = run(capsys, *base, "--draft-tau", 0.5)
-    assert_one_line_error(rc, err, "no draft model was given")
+    assert_one_line_error(rc, err, "--draft-tau needs --draft-model")
