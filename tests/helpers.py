@@ -149,3 +149,26 @@ def assert_same_loss_and_grads(got, want, loss_atol: float = 1e-5) -> None:
     assert got_grads.keys() == want_grads.keys()
     for name in want_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def tiny_llama(vocab_size: int, *, hidden_size: int, num_hidden_layers: int, seed: int, head_scale: float = 1.0):
+    """A random Llama of ``vocab_size`` rows, float64, in eval mode. ``head_scale`` multiplies the
+    output projection: 6 gives logits on the scale of a real model's, neither flat nor one-hot."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    return model.double().eval()

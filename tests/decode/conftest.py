@@ -1,12 +1,12 @@
 """Fixtures of the draft-model tests (test_draft_model.py, test_mars_drafter.py)."""
 
 import pytest
-import torch
 
 from marslm.chat import encode_prompt
 from marslm.data import toy
 from marslm.experiments.toy_model import make_tiny_qwen2
 from tests.decode.test_sampling import VOCAB
+from tests.helpers import tiny_llama
 from tests.trained import TRAIN_N
 
 
@@ -25,21 +25,4 @@ def bad_drafter(trained_checkpoints):
 
 @pytest.fixture(scope="module")
 def other_vocab_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(9)
-        model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)
-    return model.double().eval()
+    return tiny_llama(VOCAB, hidden_size=16, num_hidden_layers=1, seed=9, head_scale=6.0)

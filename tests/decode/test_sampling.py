@@ -18,6 +18,7 @@ import torch
 from marslm.decode import DecodeBatch, DecodingParams
 from marslm.decode import sampling as sampling_module
 from marslm.decode.sampling import sampling_probs
+from tests.helpers import tiny_llama
 
 VOCAB, MASK, PROMPT = 6, 5, [0, 1, 2]
 NEW = 3
@@ -26,24 +27,7 @@ DRAWS = 4000
 
 @pytest.fixture(scope="module")
 def tiny_vocab_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(4)
-        model = LlamaForCausalLM(config)
-    with torch.no_grad():  # logits on the scale of a real model's: neither flat nor one-hot
-        model.lm_head.weight.mul_(6.0)
-    return model.double().eval()
+    return tiny_llama(VOCAB, hidden_size=32, num_hidden_layers=2, seed=4, head_scale=6.0)
 
 
 def exact_distribution(model) -> dict[tuple, float]:
