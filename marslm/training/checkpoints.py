@@ -160,8 +160,9 @@ def nothing_left_on_failure(partial_dir: Path):
 
 
 def run_settings(cfg: TrainConfig) -> dict:
-    """The settings that define a run, as JSON would give them back."""
-    return json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k not in _NOT_THE_RUN}))
+    """The settings that define a run, as JSON would give them back, defaults made definite."""
+    settings = asdict(cfg.with_defaults())
+    return json.loads(json.dumps({k: v for k, v in settings.items() if k not in _NOT_THE_RUN}))
 
 
 def may_resume(cfg: TrainConfig) -> bool:
