@@ -82,6 +82,14 @@ SMOLLM2_PRESETS = {
     # The preset's budget and schedule on twice the fresh answers: 2,400 examples in one pass
     # instead of two passes over 1,200, so the two curves differ only in whether answers repeat.
     "smollm2-fresh": replace(_RECIPE, train_prompts="instructions:2400,toy:600", curve_points=12),
+    # Whether the recipe or the data flattens the curve: smollm2-fresh's answers (so its distill
+    # folder can be copied in), twice the steps, the rate held after the warmup and twice the rank.
+    "smollm2-hold": replace(
+        _RECIPE,
+        train_prompts="instructions:2400,toy:600",
+        train={**_RECIPE.train, "max_steps": 600, "lr_schedule": "constant_with_warmup", "lora_rank": 64},
+        curve_points=12,
+    ),
     # The test suite's end-to-end run: a few prompts, two steps; it checks the plumbing, not quality.
     "smollm2-quick": RealModelPreset(
         train_prompts="instructions:6,toy:2",

@@ -7,6 +7,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marslm.cli import main
 from marslm.config import MarsConfig
+from marslm.errors import UserError
+from marslm.experiments.smollm2_presets import SMOLLM2_PRESETS, resolve_preset
 
 
 @pytest.mark.slow
@@ -199,3 +201,22 @@ def test_quick_preset_trains_each_stage_with_these_settings(tmp_path, monkeypatc
     expected = [TrainConfig(**shared, **{**stage, **{k: str(tmp_path / stage[k]) for k in paths}}) for stage in stages]
     trained = _trained_configs(tmp_path, monkeypatch, "quick")
     assert [asdict(cfg) for cfg in trained] == [asdict(cfg) for cfg in expected]
+
+
+@pytest.mark.parametrize("name", sorted(SMOLLM2_PRESETS))
+def test_every_smollm2_preset_is_a_training_run_train_accepts(name, tmp_path):
+    from marslm.experiments.smollm2_presets import training_config
+
+    cfg = training_config(
+        SMOLLM2_PRESETS[name], tmp_path / "original", tmp_path / "train.jsonl", tmp_path / "mars", False
+    )
+    cfg.with_defaults().validate()
+    assert cfg.exact and cfg.max_steps >= 2
+
+
+def test_an_unknown_training_setting_in_a_preset_is_refused(tmp_path):
+    from marslm.experiments.smollm2_presets import training_config
+
+    preset = resolve_preset("smollm2-quick", train={**SMOLLM2_PRESETS["smollm2-quick"].train, "lr_schedule": "wobbly"})
+    with pytest.raises(UserError, match="lr_schedule|lr-schedule"):
+        training_config(preset, tmp_path / "o", tmp_path / "t.jsonl", tmp_path / "m", False).validate()
