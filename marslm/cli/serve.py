@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..serve.config import no_extra_args
+from .common import add_drafter
 
 COMMAND = "serve"
 
@@ -19,11 +20,15 @@ def add_parser(sub) -> None:
         description="Start a FastAPI + uvicorn server with continuous batching: /v1/completions, "
         "/v1/chat/completions (both with stream), /v1/models, /health, /metrics (Prometheus), "
         "/admin/tau and /admin/policy. Requests may add tau, metric, block_size, mode, "
-        "temperature, top_p, top_k, seed and stop. With --engine vllm, vLLM serves instead "
-        "(using --host, --port, --api-key, --served-model-name, --max-batch, --tau, --log-level).",
+        "temperature, top_p, top_k, seed and stop. With --draft-model, a separate drafter proposes "
+        "--num-draft-tokens per step for the model to verify: it drafts for one row, so requests "
+        "decode one at a time (--max-batch is taken as 1), in threshold mode only. With --engine "
+        "vllm, vLLM serves instead (using --host, --port, --api-key, --served-model-name, "
+        "--max-batch, --tau, --log-level).",
     )
     srv.add_argument("--model", required=True, help="MARS checkpoint directory (or hub id)")
     add_options(srv, ServeConfig)
+    add_drafter(srv)
     srv.add_argument(
         "vllm_args",
         nargs="*",
@@ -34,11 +39,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..decode.draft_options import DraftOptions
     from ..modeling import check_model_source
     from ..serve.config import ServeConfig
     from ..settings import from_args
 
-    config = from_args(ServeConfig, args)
+    config = from_args(ServeConfig, args, drafting=from_args(DraftOptions, args))
     check_model_source(args.model)
     if config.engine == "vllm":
         return _serve_vllm(args.model, config, args.vllm_args)
@@ -61,6 +67,11 @@ def _serve_vllm(model: str, config, vllm_args: list[str]) -> int:
         raise UserError("--adaptive-width is marslm's engine; the vLLM plugin reads every mask at every step")
     if config.mask_batch_limit is not None:
         raise UserError("--mask-batch-limit is marslm's engine; the vLLM plugin reads masks at every batch size")
+    if config.drafting.draft_model is not None:
+        raise UserError(
+            "--draft-model is marslm's engine; with vLLM, its own draft-model speculative decoding "
+            "(vllm serve --speculative-config) serves a separate drafter, without the MARS plugin"
+        )
     exec_server(
         serve_command(
             model,

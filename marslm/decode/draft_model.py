@@ -14,9 +14,11 @@ Each step, one row at a time:
 
 At tau 1, or with a target that has no mask token, no masks are fed: plain speculative decoding,
 whose output is the target's (greedy token for token, or in distribution). Rows decode one after
-another (batch size 1 per row). Before any decoding, ``check_drafter`` refuses a drafter of
-another vocabulary and the settings this loop does not run (other modes, the block cache, stop
-strings).
+another (batch size 1 per row): a ``DraftedRow`` is one row's state, one step per ``step()``;
+``run_row`` steps it to its end, the server (marslm/serve/drafting.py) one step per engine turn.
+Before any decoding, ``check_drafter`` refuses a drafter of another vocabulary and the settings
+this loop does not run (other modes, the block cache, stop strings: the server matches those on
+the text itself).
 """
 
 from __future__ import annotations
@@ -39,14 +41,32 @@ def check_drafter(params: DecodingParams, decoder, target, drafting, mask_token_
     """Refuse, before decoding, what this decoder cannot run; return the drafter. ``target`` is
     ``(model, tokenizer)``, ``drafting`` ``(draft model or None, its tokenizer or None, drafts per
     step, draft tau or None)``."""
-    draft_model, draft_tokenizer, k, draft_tau = drafting
+    check_drafting(drafting)
+    check_draft_settings(params, decoder)
+    return drafter_for(target, drafting, mask_token_id, decoder.use_last_mask)
+
+
+def check_drafting(drafting) -> None:
+    """A draft model is given, and a number of drafts per step in range."""
+    draft_model, _, k, _ = drafting
     if draft_model is None:
         raise UserError("draft_tau is a draft model's threshold; no draft model was given")
     check_count("num_draft_tokens", k, MAX_DRAFT_TOKENS)
-    if params.mode != "threshold" or decoder.cache == "block" or params.stop:
-        raise UserError("a draft model decodes in threshold mode with the cursor cache, without stop strings")
+
+
+def check_draft_settings(params: DecodingParams, decoder, *, stop_strings: bool = False) -> None:
+    """Refuse the settings this loop does not run: other modes, the block cache, and stop strings
+    unless the caller matches them on the text itself (``stop_strings``: the server does)."""
+    if params.mode != "threshold" or decoder.cache == "block" or (params.stop and not stop_strings):
+        without = "" if stop_strings else ", without stop strings"
+        raise UserError(f"a draft model decodes in threshold mode with the cursor cache{without}")
+
+
+def drafter_for(target, drafting, mask_token_id, use_last_mask: bool) -> ARDrafter:
+    """The drafter of ``drafting``, its vocabulary checked against the target's."""
+    draft_model, draft_tokenizer, _, draft_tau = drafting
     check_drafter_vocabulary(target, (draft_model, draft_tokenizer), mask_token_id)
-    return make_drafter((draft_model, draft_tokenizer), target[1], draft_tau, decoder.use_last_mask)
+    return make_drafter((draft_model, draft_tokenizer), target[1], draft_tau, use_last_mask)
 
 
 def make_drafter(drafter, tokenizer, draft_tau, use_last_mask: bool) -> ARDrafter:
@@ -118,34 +138,22 @@ class DraftModelDecoder:
         self.use_last_mask = use_last_mask
         self.stats = BatchStats()
 
+    def start_row(self, prompt: list[int], params: DecodingParams, request_id, generator=None) -> DraftedRow:
+        """A row to decode a step at a time (:class:`DraftedRow`)."""
+        return DraftedRow(self, prompt, params, request_id, generator)
+
     @torch.no_grad()
     def run_row(self, prompt: list[int], params: DecodingParams, request_id) -> FinishedRow:
-        generator = torch.Generator(device=self.device)
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
-        else:
-            generator.seed()
-        self.drafter.reset()
-        cache, ids, cached, steps, stopped = DynamicCache(), list(prompt), 0, [], False
-        n_masks = 0
-        if self.mask_token_id is not None and not params.one_token:
-            n_masks = params.block_size - 1 + self.use_last_mask
-        while not stopped and len(ids) - len(prompt) < params.max_new_tokens:
-            room = params.max_new_tokens - (len(ids) - len(prompt))
-            k = min(self.k, room - 1)
-            drafts, q = self.drafter.propose(ids, k, params, generator) if k > 0 else ([], None)
-            logits = self._verify_forward(cache, ids[cached:], cached, len(ids), drafts, n_masks)
-            self.stats.forwards += 1
-            tokens, kept = self._accept(logits, drafts, q, n_masks, params, generator)
-            accept, stop = cut_at_stop(np.array([tokens]), np.array([min(len(tokens), room)]), self.stop_ids)
-            accept, stopped = int(accept[0]), bool(stop[0])
-            crop_to(cache, len(ids) + min(kept, accept))  # pending and the accepted drafts; no masks
-            cached = len(ids) + min(kept, accept)
-            ids += tokens[:accept]
-            steps.append(accept)
-        self.stats.drafter_forwards = self.drafter.forwards
-        new = ids[len(prompt) :]
-        return FinishedRow(request_id, new[:-1] if stopped else new, stopped, steps, None)
+        row = self.start_row(prompt, params, request_id)
+        while not row.finished:
+            row.step()
+        return row.result()
+
+    def n_masks(self, params: DecodingParams) -> int:
+        """Masks per group of a verify forward: none for an AR target or at one-token settings."""
+        if self.mask_token_id is None or params.one_token:
+            return 0
+        return params.block_size - 1 + self.use_last_mask
 
     def _verify_forward(self, cache, pending, cached, length, drafts, n_masks):
         """Logits at the last pending token, each draft and every mask: ``[K + 1 + (K + 1) * masks, vocab]``."""
@@ -204,3 +212,61 @@ class DraftModelDecoder:
         uniform = torch.rand(1, k, generator=generator, device=self.device)
         kept, next_p = speculative_accept(p[None], q[None], draft, torch.tensor([k], device=self.device), uniform)
         return int(kept[0]), int(torch.multinomial(next_p[0], 1, generator=generator)[0])
+
+
+class DraftedRow:
+    """One row of a :class:`DraftModelDecoder`, decoded a step at a time: ``run_row`` steps it to
+    the end, the server one step per engine turn. The decoder's drafter keeps one row's cache, so
+    one row decodes at a time: starting a row resets the drafter.
+
+    ``generator`` draws the row's samples; default: one of the row's own seed (random without one).
+    ``params`` is read at every step, so a new tau (the server's default, moved) applies from the next.
+    """
+
+    def __init__(self, decoder: DraftModelDecoder, prompt: list[int], params: DecodingParams, request_id, generator):
+        self.decoder, self.params, self.request_id = decoder, params, request_id
+        self.generator = generator if generator is not None else _generator(params.seed, decoder.device)
+        decoder.drafter.reset()
+        self.prompt_len, self.ids = len(prompt), list(prompt)
+        self.cache, self.cached = DynamicCache(), 0  # the target's keys/values of ids[:cached]
+        self.accepted_per_step: list[int] = []
+        self.stopped = False  # ended on a stop token
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped or len(self.ids) - self.prompt_len >= self.params.max_new_tokens
+
+    @torch.no_grad()
+    def step(self) -> list[int]:
+        """Draft, verify, accept, commit; return the tokens this step added to the answer (a stop
+        token is the row's end, not part of its answer)."""
+        d, params, ids = self.decoder, self.params, self.ids
+        room = params.max_new_tokens - (len(ids) - self.prompt_len)
+        k, n_masks = min(d.k, room - 1), d.n_masks(params)
+        drafts, q = d.drafter.propose(ids, k, params, self.generator) if k > 0 else ([], None)
+        logits = d._verify_forward(self.cache, ids[self.cached :], self.cached, len(ids), drafts, n_masks)
+        d.stats.forwards += 1
+        tokens, kept = d._accept(logits, drafts, q, n_masks, params, self.generator)
+        accept, stop = cut_at_stop(np.array([tokens]), np.array([min(len(tokens), room)]), d.stop_ids)
+        accept, self.stopped = int(accept[0]), bool(stop[0])
+        self.cached = len(ids) + min(kept, accept)  # pending and the accepted drafts; no masks
+        crop_to(self.cache, self.cached)
+        ids += tokens[:accept]
+        self.accepted_per_step.append(accept)
+        d.stats.drafter_forwards = d.drafter.forwards
+        return tokens[: accept - self.stopped]
+
+    def result(self) -> FinishedRow:
+        """The row as it stands: its answer so far (the stop token excluded) and its steps."""
+        new = self.ids[self.prompt_len :]
+        answer = new[:-1] if self.stopped else new
+        return FinishedRow(self.request_id, answer, self.stopped, self.accepted_per_step, None)
+
+
+def _generator(seed: int | None, device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    return generator

@@ -1,5 +1,5 @@
 """A separate drafter's two settings (the paper's section 4.6), declared once for every command
-that takes one: ``marslm generate``, ``eval`` and ``bench``. Torch-free, so parsers can read it;
+that takes one: ``marslm generate``, ``eval``, ``bench`` and ``serve``. Torch-free, so parsers can read it;
 the decoding is draft_model.py's.
 """
 

@@ -7,6 +7,8 @@
                      against, the engine's record of it, its stream, its result, its refusals
     engine.py        the engine: a bounded queue and one thread that admits, steps a DecodeBatch
                      and publishes tokens; the one place the default tau reaches a request
+    drafting.py      a separate draft model (--draft-model): one request at a time, one drafted
+                     step per engine turn, behind the batch's interface
     tau.py           TauController: the default tau, fixed or adaptive with load
     metrics.py       the engine's counters and histograms, and the Prometheus text of /metrics
     openai.py        the OpenAI API's objects: request fields, prompt ids, responses, stream

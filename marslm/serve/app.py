@@ -15,7 +15,8 @@ engine does not have (penalties, ...) are ignored; ones that would change the an
 The routes only translate: they read the body, let openai.py parse and check it and turn text
 into token ids, hand the ids to the engine and turn the engine's tokens back into OpenAI objects
 (openai.py again), whole or as server-sent events. What a client may send, and how each refusal
-is answered, is guard.py's.
+is answered, is guard.py's. A server with a separate drafter (``--draft-model``) names it in each
+model card (``drafter``) and in /metrics (``marslm_drafter_info``).
 
 What a client may take is bounded (``ServeConfig``): the body's size and the time it takes to
 arrive (guard.py), the time to send a request's head, the number of open connections (http.py).
@@ -182,6 +183,7 @@ class _Service:
             "root": self.model,
             "max_model_len": self.engine.limits.context,
             "block_size": self.engine.limits.trained_block_size,
+            **({"drafter": self.engine.drafter_card} if self.engine.drafter_card else {}),
         }
 
     def check_model(self, body: dict) -> None:

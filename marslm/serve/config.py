@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..decode.draft_options import DraftOptions
 from ..decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
 from ..errors import UserError
 from ..settings import DTYPE_NAMES, flag_of, setting
@@ -91,6 +92,7 @@ class ServeConfig:
     body_timeout: float = setting(30.0, "seconds a request's body may take to arrive, then 408")
     keep_alive_timeout: float = setting(5.0, "seconds an idle keep-alive connection stays open")
     max_connections: int = setting(1024, "open connections; one more is answered 503 and closed")
+    drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
 
     def __post_init__(self) -> None:
         self.validate()
@@ -133,6 +135,8 @@ class ServeConfig:
         ):
             raise UserError(f"{flag('served_model_name')} must be non-empty names, got {self.served_model_name!r}")
         check_mask_batch_limit(self.mask_batch_limit, flag("mask_batch_limit"), auto=True)
+        if self.drafting.draft_model is not None:
+            refuse_with_drafter(self)
         check_seed(self.seed, flag("seed"))
         if self.slo_ms is not None and not (math.isfinite(self.slo_ms) and self.slo_ms > 0):
             raise UserError(f"{flag('slo_ms')} must be a finite number > 0, got {self.slo_ms}")
@@ -144,6 +148,21 @@ class ServeConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+
+def refuse_with_drafter(config: ServeConfig) -> None:
+    """What a server with a separate drafter cannot honour: it decodes one request at a time, and
+    every drafted step reads its masks."""
+    if config.mask_batch_limit is not None:
+        raise UserError(
+            f"{flag_of(ServeConfig, 'mask_batch_limit')} limits masks by batch size; with "
+            f"{flag_of(DraftOptions, 'draft_model')} requests decode one at a time"
+        )
+    if config.adaptive_width:
+        raise UserError(
+            f"{flag_of(ServeConfig, 'adaptive_width')} is the batch decoder's; "
+            f"{flag_of(DraftOptions, 'draft_model')} reads every mask at every step"
+        )
 
 
 def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:

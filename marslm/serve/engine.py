@@ -20,6 +20,9 @@ tau, which the ``TauController`` (tau.py) may move with load (adaptive policy) o
 set. One method gives it to them (``_follow_default``): as they join the batch, and to running
 rows through ``DecodeBatch.set_tau`` before the next step after a change.
 
+With a separate draft model (``marslm serve --draft-model``) the batch is drafting.py's
+``DraftedBatch``: the same turn, for one request at a time, one drafted step per turn.
+
 What a request is, as the engine holds it (its settings, stream, timings, result), is requests.py's.
 
 One request's numbers never fail another's: a row that cannot join the batch, or whose sample
@@ -49,6 +52,7 @@ from ..decode import DecodeBatch, DecoderOptions, DecodingParams, TextStream
 from ..decode.costs import MaskBatchLimit, masked_step_costs
 from ..errors import UserError
 from .config import ServeConfig
+from .drafting import DraftedBatch, check_drafted_request, served_drafter
 from .metrics import EngineMetrics
 from .requests import (
     EngineError,
@@ -76,11 +80,14 @@ class Engine:
         model,
         tokenizer,
         config: ServeConfig | None = None,
+        drafting: dict | None = None,
     ):
+        """``drafting``: ``generate``'s drafter keywords (``DraftOptions.load``), or none."""
         config = config or ServeConfig()
         self.config = config
         self.model, self.tokenizer = model, tokenizer
-        self.max_batch, self.max_queue = config.max_batch, config.max_queue
+        # a drafter drafts for one row (drafting.py): its requests decode one at a time
+        self.max_batch, self.max_queue = 1 if drafting else config.max_batch, config.max_queue
         from ..modeling import checkpoint_facts
 
         facts = checkpoint_facts(model, tokenizer)
@@ -91,7 +98,7 @@ class Engine:
             facts.block_size,
         )
         self.controller = TauController(
-            config.tau, config.tau_policy, config.tau_floor, config.slo_ms, max_batch=config.max_batch
+            config.tau, config.tau_policy, config.tau_floor, config.slo_ms, max_batch=self.max_batch
         )
         self.metrics = EngineMetrics()
 
@@ -108,6 +115,8 @@ class Engine:
             stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
             seed=config.seed,
         )
+        drafted = served_drafter((model, tokenizer), drafting, config, self.decoder, self._batch_facts)
+        self.draft_decoder, self.drafter_card = drafted  # a drafted server's decoder, what /v1/models says
         self._batch = self._new_batch()
         self.mask_limit: MaskBatchLimit | None = None  # set at start() when auto
         self._lock = threading.Lock()  # guards the waiting queue, cancellations, metrics
@@ -128,13 +137,16 @@ class Engine:
 
         config = config or ServeConfig()
         model, tokenizer, _ = load_model(path, dtype=config.dtype, device=resolve_device(config.device))
+        drafting = config.drafting.load(config.device, config.dtype)
         if model.device.type == "cpu":
             torch.set_num_threads(cpu_threads(config.threads))
             log.info("model on the CPU with %d torch threads", torch.get_num_threads())
-        return cls(model, tokenizer, config)
+        return cls(model, tokenizer, config, drafting)
 
     # ---------------------------------------------------------------------------- lifecycle
-    def _new_batch(self) -> DecodeBatch:
+    def _new_batch(self) -> DecodeBatch | DraftedBatch:
+        if self.draft_decoder is not None:
+            return DraftedBatch(self.draft_decoder, self._batch_facts["seed"])
         return DecodeBatch.with_options(self.model, self.decoder, **self._batch_facts)
 
     @property
@@ -173,7 +185,10 @@ class Engine:
     def resolve(self, prompt_ids: list[int], params: DecodingParams) -> DecodingParams:
         """Check a request (:func:`~marslm.serve.requests.request_params`) against the model, with
         its defaults filled in (tau None: it follows the default); raises ``ParamError`` naming the field."""
-        return self.limits.resolve(prompt_ids, params, self.controller.tau)
+        settings = self.limits.resolve(prompt_ids, params, self.controller.tau)
+        if self.draft_decoder is not None:
+            check_drafted_request(settings)
+        return settings
 
     def submit(
         self, prompt_ids: list[int], params: DecodingParams, loop: asyncio.AbstractEventLoop | None = None
@@ -223,6 +238,7 @@ class Engine:
                 "active_batch": self._active,
                 "max_batch": self.max_batch,
                 "tau": self.controller.state(),
+                "drafter": self.drafter_card,
             }
 
     # ---------------------------------------------------------------------- engine thread

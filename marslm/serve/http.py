@@ -47,9 +47,10 @@ def serve(model: str, config: ServeConfig | None = None) -> None:
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", config.host)
     name = served_names(model, config.served_model_name)[0]
+    drafter = f", drafter {engine.drafter_card['model']}" if engine.drafter_card else ""
     print(
         f"marslm serve: {name} listening on http://{_url_host(bound_host)}:{bound_port} "
-        f"(max batch {engine.max_batch}, tau {engine.controller.tau}, policy {engine.controller.policy})",
+        f"(max batch {engine.max_batch}, tau {engine.controller.tau}, policy {engine.controller.policy}{drafter})",
         flush=True,
     )
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with the

@@ -138,6 +138,9 @@ def render_metrics(snap: dict, model_name: str) -> str:
         [({"direction": d}, n) for d, n in tau["changes"].items()],
     )
     metric("model_info", "gauge", "The served model.", [({"model": model_name}, 1)])
+    if snap.get("drafter"):
+        labels = {k: v for k, v in snap["drafter"].items() if v is not None}
+        metric("drafter_info", "gauge", "The separate draft model (--draft-model).", [(labels, 1)])
     for name, hist in snap["histograms"].items():
         _histogram(lines, name, hist)
     return "\n".join(lines) + "\n"
