@@ -57,15 +57,25 @@ def paired_bootstrap(
 def format_table(reports: dict[str, dict]) -> str:
     """A markdown table: one row per (model, setting), accuracy per family, tokens per forward.
 
-    Block size, metric, mode and adaptive width get columns only when they vary, the drafter and
+    Block size, metric, mode, adaptive width and the mask batch limit get columns only when they vary, the drafter and
     its K whenever a cell has one (tokens per forward are then the target's); a failed cell shows
     its reason.
     """
     cells = [r for rep in reports.values() for r in rep["results"]]
     families = sorted({f for r in cells for f in r.get("families", {})})
-    varying = [k for k in ("block_size", "metric", "mode", "adaptive_width") if len({r.get(k) for r in cells}) > 1]
+    varying = [
+        k
+        for k in ("block_size", "metric", "mode", "adaptive_width", "mask_batch_limit")
+        if len({r.get(k) for r in cells}) > 1
+    ]
     varying += [k for k in ("draft_model", "num_draft_tokens") if any(r.get(k) for r in cells)]
-    names = {"block_size": "B", "adaptive_width": "adaptive width", "draft_model": "drafter", "num_draft_tokens": "K"}
+    names = {
+        "block_size": "B",
+        "adaptive_width": "adaptive width",
+        "mask_batch_limit": "mask limit",
+        "draft_model": "drafter",
+        "num_draft_tokens": "K",
+    }
     head = [
         "model",
         *[names.get(k, k) for k in varying],

@@ -69,6 +69,7 @@ class EvalConfig:
         choices=MODES,
     )
     adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)  # the CLI's --[no-]adaptive-width
+    mask_batch_limit: int | str | None = setting(None, "see DecoderOptions", cli=False)  # and --mask-batch-limit
     drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
     batch_size: int = setting(32, "rows decoded together")
     max_new_tokens: int = setting(EVAL_MAX_NEW_TOKENS, "longest answer, in tokens")
@@ -113,6 +114,7 @@ class EvalConfig:
         for name, allowed in (("cache", CACHE_MODES), ("mode", MODES)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        DecoderOptions(adaptive_width=self.adaptive_width, mask_batch_limit=self.mask_batch_limit)  # checks them
 
 
 def evaluate(
@@ -169,6 +171,7 @@ def evaluate(
             mode=params.mode,
             use_last_mask=decoder.use_last_mask,
             adaptive_width=decoder.adaptive_width,
+            mask_batch_limit=decoder.mask_batch_limit,
         )
         if drafting:  # tokens per forward count the target's forwards; these are the drafter's
             entry["drafter_forwards"] = out.stats.drafter_forwards
@@ -197,6 +200,7 @@ def plan_cells(
     cache: str,
     mode: str,
     adaptive_width: bool = ADAPTIVE_WIDTH,
+    mask_batch_limit: int | str | None = None,
     drafting: DraftOptions | None = None,
 ) -> list[dict]:
     """The decoding settings a sweep runs for one model, in order.
@@ -207,7 +211,8 @@ def plan_cells(
     the entropy metric takes its taus from ``entropy_taus``, the others from ``taus``. With a
     drafter every cell names it.
     """
-    common = {"cache": cache, "adaptive_width": adaptive_width, **(drafting.recorded() if drafting else {})}
+    common = {"cache": cache, "adaptive_width": adaptive_width, "mask_batch_limit": mask_batch_limit}
+    common.update(drafting.recorded() if drafting else {})
     if stage == "ar":
         return [{"tau": 1.0, "metric": "prob", "block_size": 1, "mode": "threshold", **common}]
     cells = []
@@ -221,7 +226,7 @@ def plan_cells(
     return cells
 
 
-SETTING_KEYS = ("tau", "metric", "block_size", "cache", "mode", "adaptive_width")
+SETTING_KEYS = ("tau", "metric", "block_size", "cache", "mode", "adaptive_width", "mask_batch_limit")
 DRAFT_KEYS = tuple(f.name for f in fields(DraftOptions))  # a drafted cell's (DraftOptions.recorded)
 DATA_KEYS = ("model", "data", "data_n", "data_seed")
 
@@ -274,7 +279,7 @@ def sweep(config: EvalConfig) -> dict:
 
     With ``config.json_path`` the report is rewritten (atomically) after every cell, and a rerun
     skips the cells already there: a cell is identified by (model, data, n, seed, tau, metric,
-    block_size, cache, mode, adaptive_width, drafter). A cell that raises (out of memory, say) is
+    block_size, cache, mode, adaptive_width, mask_batch_limit, drafter). A cell that raises (out of memory, say) is
     recorded as ``{..setting.., "failed": "<reason>"}`` and the sweep goes on; a rerun tries it again.
     One-token cells of a model are decoded once and shared: whatever the block size or metric,
     their output is greedy AR decoding.
@@ -342,6 +347,7 @@ def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict
             cache=config.cache,
             mode=config.mode,
             adaptive_width=config.adaptive_width,
+            mask_batch_limit=config.mask_batch_limit,
             drafting=config.drafting,
         )
         context, has_mask = model_context(model), None
@@ -369,7 +375,7 @@ def _shared_entry(cell: dict, finished: dict) -> dict | None:
     )
     if shared is None:
         return None
-    return {**shared, **cell, "shared_with": shared.get("shared_with") or {k: shared[k] for k in SETTING_KEYS}}
+    return {**shared, **cell, "shared_with": shared.get("shared_with") or {k: shared.get(k) for k in SETTING_KEYS}}
 
 
 def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, config: EvalConfig, drafting: dict) -> dict:
@@ -382,7 +388,7 @@ def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, config: Ev
             eval_set,
             taus=(cell["tau"],),
             params=DecodingParams(**settings, max_new_tokens=config.max_new_tokens),
-            decoder=DecoderOptions(cache=cell["cache"], adaptive_width=cell["adaptive_width"]),
+            decoder=DecoderOptions(**{k: cell[k] for k in ("cache", "adaptive_width", "mask_batch_limit")}),
             batch_size=config.batch_size,
             progress=config.progress,
             model_name=model_name,

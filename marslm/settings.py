@@ -162,6 +162,16 @@ def strings(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def int_or_auto(text: str) -> int | str:
+    """An integer, or the word auto (a setting the program measures for itself)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
 # The most items a count may ask for (prompts, requests, batch rows, widths): past it a count is a
 # slip of the keyboard, and building that many would exhaust memory before the run began.
 MAX_COUNT = 1_000_000

@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from .common import add_device, add_drafter, add_unsafe_exec, allocation_errors, code_execution, write_json
+from .common import (
+    add_device,
+    add_drafter,
+    add_fallback,
+    add_unsafe_exec,
+    allocation_errors,
+    code_execution,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from ..experiments.bench_config import BenchConfig
@@ -38,6 +46,8 @@ def add_parser(sub) -> None:
     others = tuple(f.name for f in fields(BenchConfig) if f.name not in TRAIN_STEP_FIELDS)
     add_options(train_step, BenchConfig, skip=others)
     add_device(bench)
+    fallback = "where masks do not pay: every MARS contender but the block cache's (cursor-adaptive, -auto: their own)"
+    add_fallback(bench.add_argument_group(fallback))
     add_drafter(bench.add_argument_group("a separate drafter: the draft, draft-ar and assisted contender groups"))
     add_unsafe_exec(bench)
     bench.set_defaults(run=run)

@@ -15,19 +15,26 @@ def add_device(parser) -> None:
     parser.add_argument("--device", default="auto", help="torch device (default: cuda if available, else cpu)")
 
 
-def add_adaptive_width(parser) -> None:
-    """``--adaptive-width`` and ``--no-adaptive-width``, with ``DecoderOptions``' default and help."""
+# DecoderOptions' fields that let a step read no masks where they do not pay (rules.py)
+FALLBACK_OPTIONS = ("adaptive_width", "mask_batch_limit")
+
+
+def add_fallback(parser) -> None:
+    """``--[no-]adaptive-width`` and ``--mask-batch-limit N|auto``, with ``DecoderOptions``'
+    defaults and help."""
     import dataclasses
 
     from ..decode.params import DecoderOptions
+    from ..settings import add_options
 
-    field = {f.name: f for f in dataclasses.fields(DecoderOptions)}["adaptive_width"]
+    fields = {f.name: f for f in dataclasses.fields(DecoderOptions)}
     parser.add_argument(
         "--adaptive-width",
         action=argparse.BooleanOptionalAction,
-        default=field.default,
-        help=field.metadata["help"],
+        default=fields["adaptive_width"].default,
+        help=fields["adaptive_width"].metadata["help"],
     )
+    add_options(parser, DecoderOptions, skip=tuple(name for name in fields if name != "mask_batch_limit"))
 
 
 def add_drafter(parser) -> None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..settings import strings
-from .common import EXIT_FAILED_CELLS, add_adaptive_width, add_device, add_drafter, add_unsafe_exec, code_execution
+from .common import EXIT_FAILED_CELLS, add_device, add_drafter, add_fallback, add_unsafe_exec, code_execution
 
 COMMAND = "eval"
 
@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
         "  * An AR SFT checkpoint (marslm.json stage 'ar') is evaluated once, at tau=1: it is the baseline.\n"
         "  * One-token cells of a model are decoded once and shared by every block size and metric.\n"
         "  * With --json FILE every finished cell is saved at once; rerunning the same command skips them\n"
-        "    (key: model, data, n, seed, tau, metric, block size, cache, mode, adaptive width, drafter).\n"
+        "    (key: model, data, n, seed, tau, metric, block size, cache, mode, adaptive width, mask batch limit,\n"
+        "    drafter).\n"
         '    A cell that fails (out of memory, say) is recorded as {"failed": reason}, the sweep goes on,\n'
         "    and a rerun retries it; the exit status is then 1.\n"
         "  * --draft-model: a separate AR drafter proposes K tokens per step and each model verifies them\n"
@@ -45,7 +46,7 @@ def add_parser(sub) -> None:
         help="checkpoint directory or hub id; repeat or comma-separate for several",
     )
     add_options(ev, EvalConfig)
-    add_adaptive_width(ev)
+    add_fallback(ev)
     add_device(ev)
     add_drafter(ev)
     ev.add_argument("--markdown", metavar="FILE", help="also write the table as a markdown document")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .common import add_adaptive_width, add_device, add_drafter
+from .common import FALLBACK_OPTIONS, add_device, add_drafter, add_fallback
 
 COMMAND = "generate"
 
@@ -23,8 +23,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--prompt", required=True, help="the user message")
     add_options(parser, DecodingParams, defaults={"tau": 0.95})
     decoder = parser.add_argument_group("decoder")
-    add_options(decoder, DecoderOptions, skip=("adaptive_width", "mask_batch_limit"))
-    add_adaptive_width(decoder)
+    add_options(decoder, DecoderOptions, skip=FALLBACK_OPTIONS)
+    add_fallback(decoder)
     add_device(decoder)
     add_drafter(decoder)
     parser.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")

@@ -71,7 +71,8 @@ class DecodeBatch:
             use_last_mask=decoder.use_last_mask,
             draft_groups=decoder.draft_groups,
             adaptive_width=decoder.adaptive_width,
-            mask_batch_limit=decoder.mask_batch_limit,
+            # auto: whoever steps the batch sets the limit before each step (MaskBatchLimit.step)
+            mask_batch_limit=None if decoder.mask_batch_limit == "auto" else decoder.mask_batch_limit,
             **facts,
         )
 

@@ -1,17 +1,25 @@
 """What a forward costs against the tokens it feeds: whether a step with masks pays on this machine.
 
 ``cost_curve`` times one cached forward per width, batch size and context (``marslm bench
---cost-curve`` prints it); ``MaskBatchLimit`` turns it into ``marslm serve --mask-batch-limit
-auto``: masks are read at a batch size while the tokens per row a masked step has been buying
-exceed what such a step costs there, as a ratio to a one-token step.
+--cost-curve`` prints it); ``MaskBatchLimit`` turns it into ``mask_batch_limit="auto"`` (``marslm
+serve``, ``marslm.generate`` and the commands that decode with it): masks are read at a batch size
+while the tokens per row a masked step has been buying exceed what such a step costs there, as a
+ratio to a one-token step. :func:`measured_mask_limit` times those costs once per model.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
 import torch
+
+log = logging.getLogger("marslm.decode")
+
+# Where a model keeps its measured step costs, by (block size, batch sizes): decoding calls that
+# share a model (repeated generate() calls, bench's repeats, an eval sweep's cells) time it once.
+STEP_COSTS_ATTR = "_marslm_masked_step_costs"
 
 
 def cost_curve(
@@ -82,6 +90,28 @@ def masked_step_costs(model, n_masks: int, batch_sizes, context: int = 64, repea
     return {r["batch_size"]: r["ratio"] for r in report["rows"] if r["width"] != 1}
 
 
+def limit_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes a mask batch limit is measured at: the powers of two below ``max_batch``, and it."""
+    return tuple(sorted({*(2**i for i in range(max_batch.bit_length())), max_batch}))
+
+
+def measured_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimit:
+    """``mask_batch_limit="auto"``: a masked step timed against a one-token step at each of
+    :func:`limit_batch_sizes`, once per model, block size and batch sizes (kept on the model), and
+    a fresh :class:`MaskBatchLimit` over those costs, whose running mean starts at its prior."""
+    sizes = limit_batch_sizes(max_batch)
+    measured = vars(model).setdefault(STEP_COSTS_ATTR, {})
+    if (block_size, sizes) not in measured:
+        costs = masked_step_costs(model, block_size, sizes)
+        measured[block_size, sizes] = costs
+        log.info(
+            "mask batch limit auto: masked step cost %s; limit %d",
+            ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
+            MaskBatchLimit(costs).limit,
+        )
+    return MaskBatchLimit(measured[block_size, sizes])
+
+
 class MaskBatchLimit:
     """The largest batch size at which masks pay, from measured step costs and what masks buy.
 
@@ -106,3 +136,13 @@ class MaskBatchLimit:
     def limit(self) -> int:
         paying = [b for b, cost in self.step_cost.items() if cost < self.bought]
         return max(paying, default=1)
+
+    def step(self, batch) -> list:
+        """One step of a ``DecodeBatch`` under the limit as it stands, then what its masks bought
+        observed; returns the rows that finished."""
+        stats = batch.stats
+        before = stats.masked_row_steps, stats.masked_row_tokens
+        batch.mask_batch_limit = self.limit
+        finished = batch.step()
+        self.observe(stats.masked_row_steps - before[0], stats.masked_row_tokens - before[1])
+        return finished

@@ -8,6 +8,7 @@ from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
 from .batch import DecodeBatch
 from .block_cache import BlockCachedBatch
+from .costs import MaskBatchLimit, measured_mask_limit
 from .params import MAX_DRAFT_TOKENS, DecoderOptions, DecodingParams  # noqa: F401 - MAX_DRAFT_TOKENS: the CLI's
 from .rows import BatchStats, FinishedRow
 from .text import TextStream
@@ -39,10 +40,12 @@ def run_to_completion(
     max_batch: int | None = None,
     streams: dict | None = None,
     on_finish=None,
+    mask_limit: MaskBatchLimit | None = None,
 ) -> list[FinishedRow]:
     """Decode every prompt, keeping at most ``max_batch`` rows in flight; results in input order.
 
     ``streams`` (prompt index -> :class:`TextStream`) end their rows as soon as a stop string shows.
+    ``mask_limit``: every step runs under it and teaches it what the masks bought, as the server's do.
     """
     max_batch = max_batch or len(prompt_ids)
     streams = streams or {}
@@ -61,7 +64,7 @@ def run_to_completion(
         if free > 0 and waiting:
             joining, waiting = waiting[:free], waiting[free:]
             batch.add([prompt_ids[i] for i in joining], [params[i] for i in joining], joining)
-        for row in batch.step():
+        for row in batch.step() if mask_limit is None else mask_limit.step(batch):
             done(row)
         if streams:
             new = batch.new_tokens().items()
@@ -121,6 +124,9 @@ def generate(
     ``mode="hybrid"`` verifies as lossless does, then accepts the confident (tau) predictions of
     the masks after the kept drafts; it decodes greedily, and at tau 1 it is lossless.
     ``stop``: up to 4 strings; an answer ends before the first one it produces.
+    ``adaptive_width`` and ``mask_batch_limit`` (rules.py) let a step read no masks where they do
+    not pay; ``mask_batch_limit="auto"`` times a masked step once per model and follows what the
+    masks buy, as ``marslm serve`` does. Neither changes a greedy answer at tau 1 or in lossless mode.
 
     ``batch_size`` caps the rows decoded together (default: all prompts at once); finished rows
     are replaced by waiting prompts between steps. ``on_finish(row)`` is called as rows finish.
@@ -183,9 +189,18 @@ def _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_
         batch = BlockCachedBatch(model, block_cache_size=decoder.block_cache_size, **common)
         return batch, run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
     batch = DecodeBatch.with_options(model, decoder, **common)
+    mask_limit = _auto_mask_limit(model, params, decoder, batch_size or len(prompt_ids))
     seed = params.seed
     per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompt_ids))]
-    return batch, run_to_completion(batch, prompt_ids, per_prompt, batch_size, streams, on_finish)
+    return batch, run_to_completion(batch, prompt_ids, per_prompt, batch_size, streams, on_finish, mask_limit)
+
+
+def _auto_mask_limit(model, params: DecodingParams, decoder: DecoderOptions, max_batch: int):
+    """``mask_batch_limit="auto"``'s :class:`MaskBatchLimit` for up to ``max_batch`` rows, its step
+    costs timed once per model (costs.py); None for a fixed limit or where no step reads masks."""
+    if decoder.mask_batch_limit != "auto" or params.one_token:
+        return None
+    return measured_mask_limit(model, params.block_size, max_batch)
 
 
 def _result(tokenizer, rows: list[FinishedRow], streams: dict, stats: BatchStats) -> GenerationResult:

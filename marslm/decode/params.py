@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
-from ..settings import setting
+from ..settings import int_or_auto, setting
 
 METRICS = ("prob", "entropy", "margin")
 # hybrid: lossless verification, then the threshold rule on the mask group verification selected
@@ -207,8 +207,13 @@ class DecoderOptions:
         "cheaper where masks are rarely confident, but at tau < 1 it changes the text, not only the reach "
         "(off: every step reads its masks, the paper's rule)",
     )
-    mask_batch_limit: int | None = setting(
-        None, "while more rows than this decode together, none reads masks: plain AR steps (default: no limit)"
+    mask_batch_limit: int | str | None = setting(
+        None,
+        "while more rows than this decode together, none reads masks: plain AR steps; auto: time a masked "
+        "step against a one-token step once per model and keep masks where what they buy exceeds what they "
+        "cost (default: no limit)",
+        parse=int_or_auto,
+        metavar="N|auto",
     )
 
     def __post_init__(self):
@@ -218,7 +223,7 @@ class DecoderOptions:
             raise UserError(f"block_cache_size must be an integer >= 1, got {self.block_cache_size!r}")
         if self.block_cache_size < 1:
             raise UserError(f"block_cache_size must be >= 1, got {self.block_cache_size}")
-        check_mask_batch_limit(self.mask_batch_limit, "mask_batch_limit")
+        check_mask_batch_limit(self.mask_batch_limit, "mask_batch_limit", auto=True)
 
     def validate(self, params: DecodingParams, context: int | None = None) -> None:
         """Refuse request settings this decoder cannot run; ``context``: the model's, which bounds a

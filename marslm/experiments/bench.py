@@ -43,15 +43,28 @@ class Contender:
     decoder: DecoderOptions | None = None
 
 
-def _mars(name: str, max_new_tokens: int, **options) -> Contender:
-    """A MARS contender; each option goes to the settings object whose field it names."""
+def _mars(label: str, max_new_tokens: int, **options) -> Contender:
+    """A MARS contender named ``MARS <label>``, then its adaptive width and mask batch limit where
+    set, then its tau where given; each option goes to the settings object whose field it names."""
     params, decoder = with_overrides(DecodingParams(max_new_tokens=max_new_tokens), DecoderOptions(), options)
+    name = f"MARS {label}" + (" adaptive-width" if decoder.adaptive_width else "")
+    name += f" mask-limit={decoder.mask_batch_limit}" if decoder.mask_batch_limit is not None else ""
+    name += f" tau={options['tau']}" if "tau" in options else ""
     return Contender(name, "mars", "mars", options, params, decoder)
 
 
+def _fallback(config: BenchConfig) -> dict:
+    """What ``--adaptive-width`` and ``--mask-batch-limit`` change from the decoder's defaults: the
+    options of every contender whose decoder reads them (not the block cache's)."""
+    default = DecoderOptions()
+    names = ("adaptive_width", "mask_batch_limit")
+    return {k: getattr(config, k) for k in names if getattr(config, k) != getattr(default, k)}
+
+
 def default_contenders(config: BenchConfig) -> list[Contender]:
-    """HF generate on the AR checkpoint, then the contenders of each group in ``config.contenders``."""
-    groups, length = config.contenders, config.max_new_tokens
+    """HF generate on the AR checkpoint, then the contenders of each group in ``config.contenders``;
+    of contenders that come out the same (their names say all they set), the first."""
+    groups, length, fallback = config.contenders, config.max_new_tokens, _fallback(config)
     contenders = [Contender("HF generate (AR ckpt)", "hf", "ar")]
     if "hf-mars" in groups:
         contenders.append(Contender("HF generate (MARS ckpt)", "hf", "mars"))
@@ -61,30 +74,31 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
         )
     for tau in config.taus:
         if "none" in groups:
-            contenders.append(_mars(f"MARS none tau={tau}", length, tau=tau, cache="none"))
+            contenders.append(_mars("none", length, tau=tau, cache="none", **fallback))
         for size in BLOCK_CACHE_SIZES if "block" in groups else ():
-            contenders.append(
-                _mars(f"MARS block{size} tau={tau}", length, tau=tau, cache="block", block_cache_size=size)
-            )
+            contenders.append(_mars(f"block{size}", length, tau=tau, cache="block", block_cache_size=size))
         if "cursor" in groups:
-            contenders.append(_mars(f"MARS cursor tau={tau}", length, tau=tau, cache="cursor"))
+            contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **fallback))
         if "cursor-adaptive" in groups:  # rows rest from refused masks: what adaptive width saves, and costs
-            contenders.append(
-                _mars(f"MARS cursor adaptive-width tau={tau}", length, tau=tau, cache="cursor", adaptive_width=True)
-            )
+            contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **{**fallback, "adaptive_width": True}))
+        if "cursor-auto" in groups:  # and no masks at batch sizes where they cost more than they buy
+            auto = {"adaptive_width": True, "mask_batch_limit": "auto"}
+            contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **auto))
         if "hybrid" in groups:  # lossless verification, then tau on the selected group's masks
-            contenders.append(_mars(f"MARS hybrid tau={tau}", length, tau=tau, mode="hybrid", cache="cursor"))
+            contenders.append(_mars("hybrid", length, tau=tau, mode="hybrid", cache="cursor", **fallback))
         if "hybrid-groups" in groups:
-            contenders.append(
-                _mars(
-                    f"MARS hybrid +groups tau={tau}", length, tau=tau, mode="hybrid", cache="cursor", draft_groups=True
-                )
-            )
+            options = dict(mode="hybrid", cache="cursor", draft_groups=True, **fallback)
+            contenders.append(_mars("hybrid +groups", length, tau=tau, **options))
     if "lossless" in groups:
-        contenders.append(_mars("MARS lossless", length, mode="lossless", cache="cursor"))
+        contenders.append(_mars("lossless", length, mode="lossless", cache="cursor", **fallback))
     if "lossless-groups" in groups:
-        contenders.append(_mars("MARS lossless +groups", length, mode="lossless", cache="cursor", draft_groups=True))
-    return contenders + _drafter_contenders(config)
+        contenders.append(
+            _mars("lossless +groups", length, mode="lossless", cache="cursor", draft_groups=True, **fallback)
+        )
+    unique = {}
+    for c in contenders + _drafter_contenders(config):
+        unique.setdefault(c.name, c)
+    return list(unique.values())
 
 
 def _drafter_contenders(config: BenchConfig) -> list[Contender]:
@@ -113,8 +127,10 @@ def _drafter_contenders(config: BenchConfig) -> list[Contender]:
 def _drafted(name: str, max_new_tokens: int, k: int, checkpoint: str, drafting: dict, **options) -> Contender:
     """A contender decoded by marslm's drafter (``k`` drafts per step, ``drafting``: its own tau
     where given) and ``checkpoint`` verifying."""
-    c = _mars(name, max_new_tokens, **options)
-    return replace(c, kind="draft", checkpoint=checkpoint, options={**options, "num_draft_tokens": k, **drafting})
+    c = _mars("", max_new_tokens, **options)  # its settings; the name is the drafter's
+    return replace(
+        c, name=name, kind="draft", checkpoint=checkpoint, options={**options, "num_draft_tokens": k, **drafting}
+    )
 
 
 class _ForwardCounter:
@@ -186,7 +202,9 @@ def _run_mars(model, tokenizer, prompt_ids, batch_size, c: Contender, drafting: 
     token_ids, accepted, peak_slots, drafter_forwards = [], [], 0, 0
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start : start + batch_size]
-        out = generate(model, tokenizer, chunk, params=c.params, decoder=c.decoder, **drafting)
+        # batch_size, not the chunk's length: an auto mask batch limit is timed for the same batch
+        # sizes in every chunk as in the warm-up
+        out = generate(model, tokenizer, chunk, params=c.params, decoder=c.decoder, batch_size=batch_size, **drafting)
         token_ids += out.token_ids
         accepted += out.accepted_per_step
         drafter_forwards += out.stats.drafter_forwards
@@ -250,7 +268,8 @@ def run_bench(models: dict, eval_set, config: BenchConfig) -> dict:
 
 def _timed_rounds(models, prompts, contenders, batch_size, config: BenchConfig, bar):
     """Each contender's result and the seconds of each repeat, after a warm-up round on one batch;
-    the repeats go round the contenders in turn."""
+    the repeats go round the contenders in turn. The warm-up also times what an auto mask batch
+    limit reads (costs.py keeps it on the model), so no timed repeat pays for it."""
     seconds = {c.name: [] for c in contenders}
     results = {}
     for round_ in range(config.repeats + 1):  # round 0 is the warm-up, on one batch

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..decode.draft_options import DraftOptions
-from ..decode.params import check_tau
+from ..decode.params import ADAPTIVE_WIDTH, DecoderOptions, check_tau
 from ..errors import UserError
 from ..files import output_file
 from ..settings import DTYPE_NAMES, check_count, flag_of, floats, ints, setting, strings
@@ -21,6 +21,7 @@ CONTENDER_GROUPS = (
     "block",
     "cursor",
     "cursor-adaptive",
+    "cursor-auto",
     "lossless",
     "lossless-groups",
     "hybrid",
@@ -147,6 +148,10 @@ class BenchConfig:
     dtype: str = setting(
         "auto", "weights dtype of the decoded models (auto: as saved; on a CPU bfloat16 may pay)", choices=DTYPE_NAMES
     )
+    # every MARS contender but the block cache's reads these (cursor-adaptive and cursor-auto set
+    # their own); the CLI's --[no-]adaptive-width and --mask-batch-limit (cli/common.py add_fallback)
+    adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)
+    mask_batch_limit: int | str | None = setting(None, "see DecoderOptions", cli=False)
     device: str = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
     drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
     json_path: str | None = setting(None, "write the report as JSON to FILE", flag="--json", metavar="FILE")
@@ -169,6 +174,7 @@ class BenchConfig:
             counts.append(("block_size", self.block_size))
         for name, value in counts:
             check_count(flag_of(BenchConfig, name), value)
+        DecoderOptions(adaptive_width=self.adaptive_width, mask_batch_limit=self.mask_batch_limit)  # checks them
         if self.train_step:
             self._check_train_step()
             return

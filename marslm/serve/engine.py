@@ -49,7 +49,7 @@ import torch
 
 from ..chat import stop_token_ids
 from ..decode import DecodeBatch, DecoderOptions, DecodingParams, TextStream
-from ..decode.costs import MaskBatchLimit, masked_step_costs
+from ..decode.costs import MaskBatchLimit, measured_mask_limit
 from ..errors import UserError
 from .config import ServeConfig
 from .drafting import DraftedBatch, check_drafted_request, served_drafter
@@ -159,7 +159,7 @@ class Engine:
         if warmup:  # first-call work (allocator, kernels) happens here, not in a user's latency
             _warm_up(self._new_batch(), self._batch_facts["pad_id"], self.limits.trained_block_size)
         if self.config.mask_batch_limit == "auto" and self.mask_limit is None:
-            self.mask_limit = _measure_mask_limit(self.model, self.limits.trained_block_size, self.max_batch)
+            self.mask_limit = measured_mask_limit(self.model, self.limits.trained_block_size, self.max_batch)
             self._batch.mask_batch_limit = self.mask_limit.limit
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="marslm-engine", daemon=True)
@@ -421,16 +421,3 @@ def _warm_up(batch: DecodeBatch, pad_id: int, block_size: int | None) -> None:
     batch.add([[pad_id] * 4], [warm], ["warmup"])
     while len(batch):
         batch.step()
-
-
-def _measure_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimit:
-    """``--mask-batch-limit auto``: a masked step timed against a one-token step at each batch size."""
-    sizes = sorted({*(2**i for i in range(max_batch.bit_length())), max_batch})
-    costs = masked_step_costs(model, block_size, sizes)
-    limit = MaskBatchLimit(costs)
-    log.info(
-        "mask batch limit auto: masked step cost %s; limit %d",
-        ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
-        limit.limit,
-    )
-    return limit

@@ -59,9 +59,9 @@ def test_bench_contender_groups_and_interleaved_repeats(trained_dirs, tmp_path, 
     out = tmp_path / "bench.json"
     decoded = []  # each MARS call's settings: the contender's, not generate's defaults
 
-    def generate(model, tokenizer, prompts, params, decoder):
+    def generate(model, tokenizer, prompts, params, decoder, **kwargs):
         decoded.append((params.tau, params.mode, params.max_new_tokens, decoder.cache))
-        return real_generate(model, tokenizer, prompts, params, decoder)
+        return real_generate(model, tokenizer, prompts, params, decoder, **kwargs)
 
     real_generate = bench.generate
     monkeypatch.setattr(bench, "generate", generate)

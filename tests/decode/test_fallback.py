@@ -1,0 +1,111 @@
+"""Offline decoding falls back to what costs least: adaptive width and ``mask_batch_limit="auto"``
+in ``generate``, with the step costs timed once per model (costs.py), as the server times them."""
+
+import pytest
+
+from marslm import generate
+from marslm.decode import DecoderOptions, costs
+from marslm.errors import UserError
+from marslm.modeling import checkpoint_facts
+
+MAX_NEW = 32
+TOKEN_PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15, 16, 17, 18]]  # for the tiny random model
+
+
+@pytest.fixture
+def mars64(trained_checkpoints):
+    model, tokenizer = trained_checkpoints["mars64"]
+    yield model, tokenizer
+    vars(model).pop(costs.STEP_COSTS_ATTR, None)  # a test's (fake) step costs reach no other test
+
+
+@pytest.fixture
+def tiny(make_tiny_model, tiny_tokenizer):
+    """A random model of its own (what a step feeds does not depend on training)."""
+    return make_tiny_model(), tiny_tokenizer
+
+
+def fake_costs(monkeypatch, cost: float) -> list:
+    """Every batch size's masked step costs ``cost`` one-token steps; returns the list of what was timed."""
+    timed = []
+
+    def masked_step_costs(model, n_masks, batch_sizes):
+        timed.append((n_masks, tuple(batch_sizes)))
+        return {b: cost for b in batch_sizes}
+
+    monkeypatch.setattr(costs, "masked_step_costs", masked_step_costs)
+    return timed
+
+
+def fed_inputs(model):
+    """A list that collects every forward's ``input_ids``, and the hook's handle."""
+    fed = []
+    handle = model.register_forward_pre_hook(lambda _, args, kwargs: fed.append(kwargs["input_ids"]), with_kwargs=True)
+    return fed, handle
+
+
+@pytest.mark.parametrize("cost", [None, 0.01, 100.0])  # measured on this machine; masks always pay; never
+@pytest.mark.parametrize("mode", ["threshold", "lossless", "hybrid"])
+def test_greedy_answers_at_tau_1_and_lossless_are_plain_ar(mars64, prompts, monkeypatch, cost, mode):
+    model, tokenizer = mars64
+    if cost is not None:
+        fake_costs(monkeypatch, cost)
+    plain = generate(model, tokenizer, prompts, tau=1.0, max_new_tokens=MAX_NEW)
+    fallback = dict(adaptive_width=True, mask_batch_limit="auto", batch_size=2)  # rows refill: the batch changes
+    out = generate(model, tokenizer, prompts, tau=1.0, mode=mode, max_new_tokens=MAX_NEW, **fallback)
+    assert out.token_ids == plain.token_ids
+    if mode != "threshold":  # tau-1 threshold rows read no masks: nothing to time
+        assert vars(model)[costs.STEP_COSTS_ATTR]
+
+
+def test_where_masks_never_pay_a_batch_decodes_as_ar(tiny, monkeypatch):
+    """Above the limit no row reads masks: after the first step (the prompts) every forward of
+    several rows feeds one pending token per row. Alone, a row reads them again: the limit is
+    never below 1, so that what masks buy keeps being observed."""
+    (model, tokenizer), prompts = tiny, TOKEN_PROMPTS
+    fake_costs(monkeypatch, 100.0)
+    mask_id = checkpoint_facts(model, tokenizer).mask_token_id
+    fed, handle = fed_inputs(model)
+    try:
+        out = generate(model, tokenizer, prompts, tau=0.7, max_new_tokens=MAX_NEW, mask_batch_limit="auto")
+    finally:
+        handle.remove()
+    several = [ids for ids in fed if len(ids) > 1]
+    assert len(several) > 5 and all(ids.shape[1] == 1 for ids in several[1:])
+    assert not any((ids == mask_id).any() for ids in several)
+    assert out.stats.masked_row_steps == sum((ids == mask_id).any().item() for ids in fed)  # one row each
+
+
+def test_where_masks_pay_a_batch_reads_them(tiny, monkeypatch):
+    (model, tokenizer), prompts = tiny, TOKEN_PROMPTS
+    fake_costs(monkeypatch, 0.01)
+    mask_id = checkpoint_facts(model, tokenizer).mask_token_id
+    fed, handle = fed_inputs(model)
+    try:
+        out = generate(model, tokenizer, prompts, tau=0.7, max_new_tokens=MAX_NEW, mask_batch_limit="auto")
+    finally:
+        handle.remove()
+    assert all((ids == mask_id).any() for ids in fed if len(ids) == len(prompts))
+    assert out.stats.masked_row_steps >= len(prompts) * (len(fed) > 1)
+
+
+def test_the_step_costs_are_timed_once_per_model(tiny, monkeypatch):
+    (model, tokenizer), prompts = tiny, TOKEN_PROMPTS
+    timed = fake_costs(monkeypatch, 1.2)
+    block = checkpoint_facts(model, tokenizer).block_size
+    auto = dict(tau=0.7, max_new_tokens=8, mask_batch_limit="auto")
+    for _ in range(2):
+        generate(model, tokenizer, prompts[:3], batch_size=2, **auto)
+    assert timed == [(block, (1, 2))]
+    generate(model, tokenizer, prompts[:3], **{**auto, "tau": 1.0})  # reads no masks: nothing to time
+    generate(model, tokenizer, prompts[:3], batch_size=2, **{**auto, "block_size": 2})
+    generate(model, tokenizer, prompts[:3], **auto)  # all three together
+    assert timed == [(block, (1, 2)), (2, (1, 2)), (block, (1, 2, 3))]
+
+
+@pytest.mark.parametrize("limit", ["sometimes", "", 0, 2.5, True])
+def test_a_bad_batch_limit_is_refused_in_one_line(limit):
+    with pytest.raises(UserError, match="mask_batch_limit must be an integer >= 1, auto") as refused:
+        DecoderOptions(mask_batch_limit=limit)
+    assert "\n" not in str(refused.value)
+    assert DecoderOptions(mask_batch_limit="auto").mask_batch_limit == "auto"
