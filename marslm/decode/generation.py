@@ -124,9 +124,6 @@ def generate(
     ``mode="hybrid"`` verifies as lossless does, then accepts the confident (tau) predictions of
     the masks after the kept drafts; it decodes greedily, and at tau 1 it is lossless.
     ``stop``: up to 4 strings; an answer ends before the first one it produces.
-    ``adaptive_width`` and ``mask_batch_limit`` (rules.py) let a step read no masks where they do
-    not pay; ``mask_batch_limit="auto"`` times a masked step once per model and follows what the
-    masks buy, as ``marslm serve`` does. Neither changes a greedy answer at tau 1 or in lossless mode.
 
     ``batch_size`` caps the rows decoded together (default: all prompts at once); finished rows
     are replaced by waiting prompts between steps. ``on_finish(row)`` is called as rows finish.
