@@ -137,13 +137,18 @@ def render_metrics(snap: dict, model_name: str) -> str:
         "Changes of the default tau, by direction.",
         [({"direction": d}, n) for d, n in tau["changes"].items()],
     )
+    _info_metrics(metric, snap, model_name)
+    for name, hist in snap["histograms"].items():
+        _histogram(lines, name, hist)
+    return "\n".join(lines) + "\n"
+
+
+def _info_metrics(metric, snap: dict, model_name: str) -> None:
+    """What is served: the model, and the separate draft model if there is one."""
     metric("model_info", "gauge", "The served model.", [({"model": model_name}, 1)])
     if snap.get("drafter"):
         labels = {k: v for k, v in snap["drafter"].items() if v is not None}
         metric("drafter_info", "gauge", "The separate draft model (--draft-model).", [(labels, 1)])
-    for name, hist in snap["histograms"].items():
-        _histogram(lines, name, hist)
-    return "\n".join(lines) + "\n"
 
 
 _HISTOGRAM_HELP = {
