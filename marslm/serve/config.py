@@ -4,7 +4,6 @@ once, and whatever holds a ``ServeConfig`` holds a valid one (it is frozen)."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,20 +11,11 @@ from pathlib import Path
 from ..decode.draft_options import DraftOptions
 from ..decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
 from ..errors import UserError
-from ..settings import DTYPE_NAMES, flag_of, setting
+from ..settings import DTYPE_NAMES, flag_of, int_or_auto, setting
 
 POLICIES = ("fixed", "adaptive")
 ENGINES = ("marslm", "vllm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def _int_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -61,7 +51,7 @@ class ServeConfig:
         "(where a forward is compute-bound, as on a CPU at a large batch, masks cost more than they "
         "buy); auto: time the forward at start-up and keep masks where the tokens they buy exceed "
         "what they cost (default: no limit)",
-        parse=_int_or_auto,
+        parse=int_or_auto,
         metavar="N|auto",
     )
     adaptive_width: bool = setting(

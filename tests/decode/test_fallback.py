@@ -58,18 +58,24 @@ def test_greedy_answers_at_tau_1_and_lossless_are_plain_ar(mars64, prompts, monk
         assert vars(model)[costs.STEP_COSTS_ATTR]
 
 
+def auto_limit_decode(tiny, monkeypatch, step_cost: float):
+    """TOKEN_PROMPTS decoded at tau 0.7 under the auto limit, every masked step costing
+    ``step_cost``: what each forward fed, the result, and the mask id."""
+    model, tokenizer = tiny
+    fake_costs(monkeypatch, step_cost)
+    fed, handle = fed_inputs(model)
+    try:
+        out = generate(model, tokenizer, TOKEN_PROMPTS, tau=0.7, max_new_tokens=MAX_NEW, mask_batch_limit="auto")
+    finally:
+        handle.remove()
+    return fed, out, checkpoint_facts(model, tokenizer).mask_token_id
+
+
 def test_where_masks_never_pay_a_batch_decodes_as_ar(tiny, monkeypatch):
     """Above the limit no row reads masks: after the first step (the prompts) every forward of
     several rows feeds one pending token per row. Alone, a row reads them again: the limit is
     never below 1, so that what masks buy keeps being observed."""
-    (model, tokenizer), prompts = tiny, TOKEN_PROMPTS
-    fake_costs(monkeypatch, 100.0)
-    mask_id = checkpoint_facts(model, tokenizer).mask_token_id
-    fed, handle = fed_inputs(model)
-    try:
-        out = generate(model, tokenizer, prompts, tau=0.7, max_new_tokens=MAX_NEW, mask_batch_limit="auto")
-    finally:
-        handle.remove()
+    fed, out, mask_id = auto_limit_decode(tiny, monkeypatch, 100.0)
     several = [ids for ids in fed if len(ids) > 1]
     assert len(several) > 5 and all(ids.shape[1] == 1 for ids in several[1:])
     assert not any((ids == mask_id).any() for ids in several)
@@ -77,16 +83,9 @@ def test_where_masks_never_pay_a_batch_decodes_as_ar(tiny, monkeypatch):
 
 
 def test_where_masks_pay_a_batch_reads_them(tiny, monkeypatch):
-    (model, tokenizer), prompts = tiny, TOKEN_PROMPTS
-    fake_costs(monkeypatch, 0.01)
-    mask_id = checkpoint_facts(model, tokenizer).mask_token_id
-    fed, handle = fed_inputs(model)
-    try:
-        out = generate(model, tokenizer, prompts, tau=0.7, max_new_tokens=MAX_NEW, mask_batch_limit="auto")
-    finally:
-        handle.remove()
-    assert all((ids == mask_id).any() for ids in fed if len(ids) == len(prompts))
-    assert out.stats.masked_row_steps >= len(prompts) * (len(fed) > 1)
+    fed, out, mask_id = auto_limit_decode(tiny, monkeypatch, 0.01)
+    assert all((ids == mask_id).any() for ids in fed if len(ids) == len(TOKEN_PROMPTS))
+    assert out.stats.masked_row_steps >= len(TOKEN_PROMPTS) * (len(fed) > 1)
 
 
 def test_the_step_costs_are_timed_once_per_model(tiny, monkeypatch):
