@@ -264,15 +264,7 @@ class Engine:
             self.controller.observe(time.perf_counter(), len(self._waiting), None)
             return
         started = time.perf_counter()
-        stats = self._batch.stats
-        masked_before = stats.masked_row_steps, stats.masked_row_tokens
-        if self.mask_limit is not None:
-            self._batch.mask_batch_limit = self.mask_limit.limit
-        finished = self._batch.step()
-        if self.mask_limit is not None:
-            self.mask_limit.observe(
-                stats.masked_row_steps - masked_before[0], stats.masked_row_tokens - masked_before[1]
-            )
+        finished = self._batch.step() if self.mask_limit is None else self.mask_limit.step(self._batch)
         new_tokens = self._batch.new_tokens()
         # rows whose text now holds a stop string end here; their tokens go out with their result
         hit = [rid for rid, ids in new_tokens.items() if (text := self._running[rid].text) and text.found_stop(ids)]
