@@ -71,14 +71,6 @@ _RECIPE = RealModelPreset(
 
 SMOLLM2_PRESETS = {
     "smollm2": _RECIPE,
-    # The learning curve past the flat second pass: the same recipe on four times the fresh
-    # answers, 9,600 examples (1.6 passes); about 3 hours on 2 cores, resumable at every stage.
-    "smollm2-long": replace(
-        _RECIPE,
-        train_prompts="instructions:4800,toy:1200",
-        train={**_RECIPE.train, "max_steps": 1200},
-        curve_points=12,
-    ),
     # The preset's budget and schedule on twice the fresh answers: 2,400 examples in one pass
     # instead of two passes over 1,200, so the two curves differ only in whether answers repeat.
     "smollm2-fresh": replace(_RECIPE, train_prompts="instructions:2400,toy:600", curve_points=12),
@@ -89,6 +81,22 @@ SMOLLM2_PRESETS = {
         train_prompts="instructions:2400,toy:600",
         train={**_RECIPE.train, "max_steps": 600, "lr_schedule": "constant_with_warmup", "lora_rank": 64},
         curve_points=12,
+    ),
+    # The learning curve to four times the preset's 2,400 examples: smollm2-hold's recipe for twice
+    # its steps, 9,600 examples (four passes over the same answers, so its distill folder can be
+    # copied in). Half the warmup share keeps the warmup at smollm2-hold's 30 steps, so the first
+    # 600 steps are that run's.
+    "smollm2-long": replace(
+        _RECIPE,
+        train_prompts="instructions:2400,toy:600",
+        train={
+            **_RECIPE.train,
+            "max_steps": 1200,
+            "warmup_ratio": 0.025,
+            "lr_schedule": "constant_with_warmup",
+            "lora_rank": 64,
+        },
+        curve_points=16,
     ),
     # The test suite's end-to-end run: a few prompts, two steps; it checks the plumbing, not quality.
     "smollm2-quick": RealModelPreset(
