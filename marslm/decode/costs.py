@@ -112,20 +112,29 @@ def measured_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimi
     return MaskBatchLimit(measured[block_size, sizes])
 
 
+# While masks pay at no batch size, one step in this many still reads them (where one row runs), so
+# that what they buy keeps being observed and a turn to text they predict well turns them back on.
+PROBE_EVERY = 16
+
+
 class MaskBatchLimit:
     """The largest batch size at which masks pay, from measured step costs and what masks buy.
 
     ``step_cost[b]``: a masked step's cost at batch size b, as a ratio to a one-token step. A
     masked step gives each row ``bought`` tokens on average (resting rows included: they pay the
     step's width too), a running mean over recent masked steps, starting at ``prior``. Masks pay
-    at b while ``bought > step_cost[b]``; the limit is the largest measured b where they do, and
-    never below 1, so that what masks buy keeps being observed.
+    at b while ``bought > step_cost[b]``; the limit is the largest measured b where they do, and 0
+    (no row reads masks) where they pay at none. A limit of 0 is lifted to the smallest measured
+    batch size for one step after ``PROBE_EVERY`` steps without masks: off the training
+    distribution a try costs a masked step's premium once in that many steps, where a floor of one
+    row would pay it on every step that one row runs alone.
     """
 
     def __init__(self, step_cost: dict[int, float], prior: float = 1.5, weight: float = 0.05):
         self.step_cost = dict(sorted(step_cost.items()))
         self.bought = prior
         self.weight = weight
+        self.steps_without_masks = 0
 
     def observe(self, rows: int, tokens: int) -> None:
         """A step that fed masks: ``rows`` rows accepted ``tokens`` tokens."""
@@ -135,14 +144,23 @@ class MaskBatchLimit:
     @property
     def limit(self) -> int:
         paying = [b for b, cost in self.step_cost.items() if cost < self.bought]
-        return max(paying, default=1)
+        return max(paying, default=0)
+
+    def next_limit(self) -> int:
+        """The limit for the next step: :attr:`limit`, or a probe's where masks have rested long enough."""
+        limit = self.limit
+        if limit == 0 and self.steps_without_masks >= PROBE_EVERY:
+            return min(self.step_cost)
+        return limit
 
     def step(self, batch) -> list:
         """One step of a ``DecodeBatch`` under the limit as it stands, then what its masks bought
         observed; returns the rows that finished."""
         stats = batch.stats
         before = stats.masked_row_steps, stats.masked_row_tokens
-        batch.mask_batch_limit = self.limit
+        batch.mask_batch_limit = self.next_limit()
         finished = batch.step()
-        self.observe(stats.masked_row_steps - before[0], stats.masked_row_tokens - before[1])
+        rows = stats.masked_row_steps - before[0]
+        self.observe(rows, stats.masked_row_tokens - before[1])
+        self.steps_without_masks = 0 if rows else self.steps_without_masks + 1
         return finished
