@@ -81,7 +81,9 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
             contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **fallback))
         if "cursor-adaptive" in groups:  # rows rest from refused masks: what adaptive width saves, and costs
             contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **{**fallback, "adaptive_width": True}))
-        if "cursor-auto" in groups:  # and no masks at batch sizes where they cost more than they buy
+        if "cursor-limit" in groups:  # no masks at batch sizes where they cost more than they buy
+            contenders.append(_mars("cursor", length, tau=tau, cache="cursor", mask_batch_limit="auto"))
+        if "cursor-auto" in groups:  # both
             auto = {"adaptive_width": True, "mask_batch_limit": "auto"}
             contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **auto))
         if "hybrid" in groups:  # lossless verification, then tau on the selected group's masks

@@ -21,6 +21,7 @@ CONTENDER_GROUPS = (
     "block",
     "cursor",
     "cursor-adaptive",
+    "cursor-limit",
     "cursor-auto",
     "lossless",
     "lossless-groups",
@@ -148,7 +149,7 @@ class BenchConfig:
     dtype: str = setting(
         "auto", "weights dtype of the decoded models (auto: as saved; on a CPU bfloat16 may pay)", choices=DTYPE_NAMES
     )
-    # every MARS contender but the block cache's reads these (cursor-adaptive and cursor-auto set
+    # every MARS contender but the block cache's reads these (cursor-adaptive, -limit and -auto set
     # their own); the CLI's --[no-]adaptive-width and --mask-batch-limit (cli/common.py add_fallback)
     adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)
     mask_batch_limit: int | str | None = setting(None, "see DecoderOptions", cli=False)

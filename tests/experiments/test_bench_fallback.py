@@ -17,19 +17,23 @@ def names(config: BenchConfig) -> list[str]:
 
 
 def test_cursor_auto_runs_each_tau_with_adaptive_width_and_the_auto_limit():
-    groups = ["block", "cursor", "cursor-adaptive", "cursor-auto", "lossless"]
+    groups = ["block", "cursor", "cursor-adaptive", "cursor-limit", "cursor-auto", "lossless"]
     config = BenchConfig(model="m", ar_model="a", taus=[0.9, 0.8], contenders=groups)
     assert names(config)[3:] == [
         "MARS cursor tau=0.9",
         "MARS cursor adaptive-width tau=0.9",
+        "MARS cursor mask-limit=auto tau=0.9",
         "MARS cursor adaptive-width mask-limit=auto tau=0.9",
         "MARS block16 tau=0.8",
         "MARS block32 tau=0.8",
         "MARS cursor tau=0.8",
         "MARS cursor adaptive-width tau=0.8",
+        "MARS cursor mask-limit=auto tau=0.8",
         "MARS cursor adaptive-width mask-limit=auto tau=0.8",
         "MARS lossless",
     ]
+    limit = {c.name: c for c in default_contenders(config)}["MARS cursor mask-limit=auto tau=0.8"]
+    assert (limit.decoder.adaptive_width, limit.decoder.mask_batch_limit) == (False, "auto")
     auto = {c.name: c for c in default_contenders(config)}["MARS cursor adaptive-width mask-limit=auto tau=0.8"]
     assert auto.options == {"tau": 0.8, "cache": "cursor", "adaptive_width": True, "mask_batch_limit": "auto"}
     assert (auto.params.tau, auto.params.mode, auto.decoder.cache) == (0.8, "threshold", "cursor")
