@@ -21,7 +21,16 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from .decode.draft_options import DraftOptions
-from .decode.params import ADAPTIVE_WIDTH, CACHE_MODES, METRICS, MODES, DecoderOptions, DecodingParams, check_tau
+from .decode.params import (
+    ADAPTIVE_WIDTH,
+    CACHE_MODES,
+    MASK_BATCH_LIMIT,
+    METRICS,
+    MODES,
+    DecoderOptions,
+    DecodingParams,
+    check_tau,
+)
 from .errors import UserError
 from .eval_report import format_table, labelled, summarise_result
 from .eval_sets import EVAL_SOURCES, EvalSet, load_eval_set
@@ -69,7 +78,9 @@ class EvalConfig:
         choices=MODES,
     )
     adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)  # the CLI's --[no-]adaptive-width
-    mask_batch_limit: int | str | None = setting(None, "see DecoderOptions", cli=False)  # and --mask-batch-limit
+    mask_batch_limit: int | str | None = setting(  # and --mask-batch-limit
+        MASK_BATCH_LIMIT, "see DecoderOptions", cli=False
+    )
     drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
     batch_size: int = setting(32, "rows decoded together")
     max_new_tokens: int = setting(EVAL_MAX_NEW_TOKENS, "longest answer, in tokens")
@@ -200,7 +211,7 @@ def plan_cells(
     cache: str,
     mode: str,
     adaptive_width: bool = ADAPTIVE_WIDTH,
-    mask_batch_limit: int | str | None = None,
+    mask_batch_limit: int | str | None = MASK_BATCH_LIMIT,
     drafting: DraftOptions | None = None,
 ) -> list[dict]:
     """The decoding settings a sweep runs for one model, in order.

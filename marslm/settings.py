@@ -162,14 +162,16 @@ def strings(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def int_or_auto(text: str) -> int | str:
-    """An integer, or the word auto (a setting the program measures for itself)."""
+def int_or_auto(text: str) -> int | str | None:
+    """An integer, the word auto (a setting the program measures for itself) or off (None)."""
     if text == "auto":
         return text
+    if text == "off":
+        return None
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer, auto or off, got {text!r}") from None
 
 
 # The most items a count may ask for (prompts, requests, batch rows, widths): past it a count is a

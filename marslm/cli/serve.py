@@ -3,6 +3,7 @@ plugin; its options are ``ServeConfig``'s fields."""
 
 from __future__ import annotations
 
+from ..decode.params import MASK_BATCH_LIMIT
 from ..errors import UserError
 from ..serve.config import no_extra_args
 from .common import add_drafter
@@ -63,9 +64,8 @@ def _serve_vllm(model: str, config, vllm_args: list[str]) -> int:
         raise UserError("--tau-policy adaptive is marslm's engine; vLLM serves a fixed default tau")
     if config.threads is not None:
         raise UserError("--threads is marslm's engine; vLLM's CPU build takes VLLM_CPU_OMP_THREADS_BIND")
-    if config.adaptive_width:
-        raise UserError("--adaptive-width is marslm's engine; the vLLM plugin reads every mask at every step")
-    if config.mask_batch_limit is not None:
+    # the default fallback is marslm's engine's; vLLM reads every mask at every step (the paper's rule)
+    if config.mask_batch_limit not in (None, MASK_BATCH_LIMIT):
         raise UserError("--mask-batch-limit is marslm's engine; the vLLM plugin reads masks at every batch size")
     if config.drafting.draft_model is not None:
         raise UserError(

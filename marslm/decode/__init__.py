@@ -15,6 +15,8 @@ _EXPORTS = {
     "GenerationResult": "generation",
     "generate": "generation",
     "ADAPTIVE_WIDTH": "params",
+    "MASK_BATCH_LIMIT": "params",
+    "PAPER_RULE": "params",
     "CACHE_MODES": "params",
     "METRICS": "params",
     "MODES": "params",

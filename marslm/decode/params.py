@@ -35,9 +35,14 @@ MIN_TEMPERATURE = 1e-5
 # Token ids are 32-bit (tokenizers), so a top_k from here on exceeds every vocabulary: it keeps
 # every token, as 0 does (and stays within the decoder's 64-bit integers).
 MAX_VOCAB = 2**32
-# Every step reads its masks, as the paper's sampler does. Adaptive width (batch.py) is an opt-in:
-# at tau < 1 it changes the text, not only how far a step reaches.
-ADAPTIVE_WIDTH = False
+# The decoder's fallback where masks do not pay (rules.py, costs.py): rows rest from masks they keep
+# refusing, and no row reads masks at batch sizes where a masked step costs more than it buys on this
+# machine. The paper's sampler reads every mask at every step (adaptive_width=False,
+# mask_batch_limit=None); the fallback changes the text at tau < 1, and with "auto" that text
+# depends on what this machine measures, so the paper's rule is the one to reproduce text with.
+ADAPTIVE_WIDTH = True
+MASK_BATCH_LIMIT = "auto"
+PAPER_RULE = {"adaptive_width": False, "mask_batch_limit": None}  # DecoderOptions' fields: every mask, every step
 # A MARS drafter's threshold (draft_model.py) when none is given, on the top-1 probability whatever
 # the request's metric. The target verifies every draft, so the drafter's tau trades how far one of
 # its forwards reaches against how many of its drafts are kept; at the request's tau 1 the text is
@@ -205,15 +210,16 @@ class DecoderOptions:
         ADAPTIVE_WIDTH,
         "rest a row from masks (1, 2, 4 .. 16 steps) after steps running that accepted none of them: "
         "cheaper where masks are rarely confident, but at tau < 1 it changes the text, not only the reach "
-        "(off: every step reads its masks, the paper's rule)",
+        "(default: on; off with --mask-batch-limit off: every step reads its masks, the paper's rule)",
     )
     mask_batch_limit: int | str | None = setting(
-        None,
-        "while more rows than this decode together, none reads masks: plain AR steps; auto: time a masked "
-        "step against a one-token step once per model and keep masks where what they buy exceeds what they "
-        "cost (default: no limit)",
+        MASK_BATCH_LIMIT,
+        "while more rows than this decode together, none reads masks: plain AR steps; auto (the default): "
+        "time a masked step against a one-token step once per model and read masks at the batch sizes where "
+        "what they buy exceeds what they cost, trying them once in 16 steps where they pay at none (text at "
+        "tau < 1 then depends on this machine's timings); off: no limit",
         parse=int_or_auto,
-        metavar="N|auto",
+        metavar="N|auto|off",
     )
 
     def __post_init__(self):
@@ -304,7 +310,8 @@ def check_mask_batch_limit(limit, name: str, auto: bool = False) -> None:
         return
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         also = ", auto" if auto else ""
-        raise UserError(f"{name} must be an integer >= 1{also} (or unset: no limit), got {limit!r}")
+        unset = "None (off on the command line): no limit"
+        raise UserError(f"{name} must be an integer >= 1{also} or {unset}, got {limit!r}")
 
 
 # ------------------------------------------------------------------- a request's fields, as JSON

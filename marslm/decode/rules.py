@@ -9,8 +9,8 @@ token, and the rest of the group is the next draft (the paper's section 4.6, the
 for itself). At tau 1 the threshold part accepts nothing, so hybrid is lossless token for token;
 below, a step accepts what lossless would, and more.
 
-Adaptive width (``adaptive_width``, off by default: every step reads its masks, the paper's rule):
-a row whose masks were all refused in ``REST_AFTER`` steps running rests: it reads no masks for 1
+Adaptive width (``adaptive_width``, on by default; off with no batch limit, every step reads its
+masks: the paper's rule): a row whose masks were all refused in ``REST_AFTER`` steps running rests: it reads no masks for 1
 step, then, after each further refused try, for 2, 4, 8 and at most 16 steps; one accepted mask
 ends the streak. A resting row decodes one token per step at the cost of a plain AR step, so off
 the training distribution, where masks are rarely confident, MARS costs about what AR does. The
@@ -20,11 +20,11 @@ attention a mask never sees the masks after it, so resting changes no mask's pre
 change the output at tau < 1: where a resting row emits the AR token alone, the paper's sampler
 could have accepted mask predictions after it, and the two then continue from different prefixes.
 
-Batch limit (``mask_batch_limit``, off by default): while more rows run than this, no row reads
-masks, and every row decodes one token per step, as AR. Where a forward is compute-bound a mask
-costs about what a token does, so masks can make a step slower than they make it productive;
-vLLM's speculative decoding has the same switch (``disable_by_batch_size``). ``marslm bench
---cost-curve`` tells where it pays.
+Batch limit (``mask_batch_limit``; by default ``"auto"``, set each step from measured costs by
+costs.py): while more rows run than this, no row reads masks, and every row decodes one token per
+step, as AR. Where a forward is compute-bound a mask costs about what a token does, so masks can
+make a step slower than they make it productive; vLLM's speculative decoding has the same switch
+(``disable_by_batch_size``). ``marslm bench --cost-curve`` tells where it pays.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 from ..chat import encode_prompt
 from ..decode import generate
 from ..decode.generation import with_overrides
-from ..decode.params import DecoderOptions, DecodingParams
+from ..decode.params import PAPER_RULE, DecoderOptions, DecodingParams
 from .bench_config import DRAFTER_GROUPS, BenchConfig
 from .bench_report import PAPER_REFERENCE, check_targets
 
@@ -76,14 +76,19 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
         if "none" in groups:
             contenders.append(_mars("none", length, tau=tau, cache="none", **fallback))
         for size in BLOCK_CACHE_SIZES if "block" in groups else ():
-            contenders.append(_mars(f"block{size}", length, tau=tau, cache="block", block_cache_size=size))
-        if "cursor" in groups:
+            block = dict(cache="block", block_cache_size=size, **PAPER_RULE)  # the block cache reads every mask
+            contenders.append(_mars(f"block{size}", length, tau=tau, **block))
+        if "cursor" in groups:  # the default decoder
             contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **fallback))
+        if "cursor-paper" in groups:  # every step reads its masks
+            contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **PAPER_RULE))
         if "cursor-adaptive" in groups:  # rows rest from refused masks: what adaptive width saves, and costs
-            contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **{**fallback, "adaptive_width": True}))
+            adaptive = {**PAPER_RULE, "adaptive_width": True}
+            contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **adaptive))
         if "cursor-limit" in groups:  # no masks at batch sizes where they cost more than they buy
-            contenders.append(_mars("cursor", length, tau=tau, cache="cursor", mask_batch_limit="auto"))
-        if "cursor-auto" in groups:  # both
+            limit = {**PAPER_RULE, "mask_batch_limit": "auto"}
+            contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **limit))
+        if "cursor-auto" in groups:  # both, the default, whatever --adaptive-width and --mask-batch-limit say
             auto = {"adaptive_width": True, "mask_batch_limit": "auto"}
             contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **auto))
         if "hybrid" in groups:  # lossless verification, then tau on the selected group's masks
@@ -129,7 +134,8 @@ def _drafter_contenders(config: BenchConfig) -> list[Contender]:
 def _drafted(name: str, max_new_tokens: int, k: int, checkpoint: str, drafting: dict, **options) -> Contender:
     """A contender decoded by marslm's drafter (``k`` drafts per step, ``drafting``: its own tau
     where given) and ``checkpoint`` verifying."""
-    c = _mars("", max_new_tokens, **options)  # its settings; the name is the drafter's
+    # its settings (a drafted step reads every mask); the name is the drafter's
+    c = _mars("", max_new_tokens, **PAPER_RULE, **options)
     return replace(
         c, name=name, kind="draft", checkpoint=checkpoint, options={**options, "num_draft_tokens": k, **drafting}
     )

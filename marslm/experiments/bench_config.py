@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..decode.draft_options import DraftOptions
-from ..decode.params import ADAPTIVE_WIDTH, DecoderOptions, check_tau
+from ..decode.params import ADAPTIVE_WIDTH, MASK_BATCH_LIMIT, DecoderOptions, check_tau
 from ..errors import UserError
 from ..files import output_file
 from ..settings import DTYPE_NAMES, check_count, flag_of, floats, ints, setting, strings
@@ -20,6 +20,7 @@ CONTENDER_GROUPS = (
     "none",
     "block",
     "cursor",
+    "cursor-paper",
     "cursor-adaptive",
     "cursor-limit",
     "cursor-auto",
@@ -152,7 +153,7 @@ class BenchConfig:
     # every MARS contender but the block cache's reads these (cursor-adaptive, -limit and -auto set
     # their own); the CLI's --[no-]adaptive-width and --mask-batch-limit (cli/common.py add_fallback)
     adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)
-    mask_batch_limit: int | str | None = setting(None, "see DecoderOptions", cli=False)
+    mask_batch_limit: int | str | None = setting(MASK_BATCH_LIMIT, "see DecoderOptions", cli=False)
     device: str = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
     drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
     json_path: str | None = setting(None, "write the report as JSON to FILE", flag="--json", metavar="FILE")

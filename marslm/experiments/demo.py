@@ -25,6 +25,7 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
+from ..decode.params import PAPER_RULE
 from ..errors import UserError
 from ..files import make_directory, output_directory, write_json_atomically
 from .demo_presets import DemoPreset, resolve_preset, stage_configs
@@ -306,6 +307,7 @@ def _evaluate_stages(out: Path, preset: DemoPreset, mars, progress: bool) -> dic
             max_new_tokens=mars.max_length,
             progress=progress,
             model_name=str(out / name),
+            **PAPER_RULE,  # the demo's tokens per forward: every step reads its masks
         )
     # Tokens per forward in the paper's metric: its sampler reads B candidates at every step (the AR
     # token and the first B-1 masks), where marslm's default also reads the last mask.
@@ -319,7 +321,7 @@ def _evaluate_stages(out: Path, preset: DemoPreset, mars, progress: bool) -> dic
             block_size=mars.block_size,
             max_new_tokens=mars.max_length,
             use_last_mask=False,
-            adaptive_width=False,
+            **PAPER_RULE,
             progress=progress,
             model_name=str(out / "mars"),
         )

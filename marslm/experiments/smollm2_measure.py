@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..decode.params import PAPER_RULE
 from .smollm2_presets import RealModelPreset, heldout_spec
 from .stages import JsonStore, Stages, StepPoints, at_steps, curve_steps
 
@@ -36,9 +37,9 @@ def agreement(outputs: list[list[int]], references: list[list[int]]) -> dict:
     }
 
 
-# How the demo decodes: marslm's defaults, spelled out for the report: every step reads its masks
-# (the paper's rule), and the last mask too (B+1 candidates, where the paper's sampler reads B).
-DECODING = {"adaptive_width": False, "use_last_mask": True}
+# How the demo decodes, spelled out for the report: every step reads its masks (the paper's rule, not
+# marslm's default fallback), and the last mask too (B+1 candidates, where the paper's sampler reads B).
+DECODING = {**PAPER_RULE, "use_last_mask": True}
 DECODED_LABEL = "decoded, every step reads its masks, B+1 candidates"
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..decode.draft_options import DraftOptions
-from ..decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
+from ..decode.params import ADAPTIVE_WIDTH, MASK_BATCH_LIMIT, check_mask_batch_limit, check_seed, check_tau
 from ..errors import UserError
 from ..settings import DTYPE_NAMES, flag_of, int_or_auto, setting
 
@@ -46,18 +46,19 @@ class ServeConfig:
     log_level: str = setting("info", "server log level", choices=LOG_LEVELS)
     max_batch: int = setting(16, "requests decoded together")
     mask_batch_limit: int | str | None = setting(
-        None,
+        MASK_BATCH_LIMIT,
         "read masks only while at most this many requests decode together, above it plain AR steps "
         "(where a forward is compute-bound, as on a CPU at a large batch, masks cost more than they "
-        "buy); auto: time the forward at start-up and keep masks where the tokens they buy exceed "
-        "what they cost (default: no limit)",
+        "buy); auto (the default): time the forward at start-up and read masks where the tokens they buy "
+        "exceed what they cost; off: at every batch size",
         parse=int_or_auto,
-        metavar="N|auto",
+        metavar="N|auto|off",
     )
     adaptive_width: bool = setting(
         ADAPTIVE_WIDTH,
         "rest a row from masks after steps running that accepted none of them: cheaper where masks are "
-        "rarely confident, but at tau < 1 it changes the text (off: every step reads its masks, the paper's rule)",
+        "rarely confident, but at tau < 1 it changes the text (default: on; with --no-adaptive-width "
+        "--mask-batch-limit off every step reads its masks, the paper's rule)",
     )
     max_queue: int = setting(256, "requests that may wait for a batch row; beyond it: 429 with Retry-After")
     max_tokens: int = setting(256, "max_tokens of a request that names none")
@@ -142,8 +143,8 @@ class ServeConfig:
 
 def refuse_with_drafter(config: ServeConfig) -> None:
     """What a server with a separate drafter cannot honour: it decodes one request at a time, and
-    every drafted step reads its masks."""
-    if config.mask_batch_limit is not None:
+    every drafted step reads its masks (the default fallback does not apply; a number is refused)."""
+    if config.mask_batch_limit not in (None, MASK_BATCH_LIMIT):
         raise UserError(
             f"{flag_of(ServeConfig, 'mask_batch_limit')} limits masks by batch size; with "
             f"{flag_of(DraftOptions, 'draft_model')} requests decode one at a time"

@@ -158,7 +158,7 @@ class Engine:
             return
         if warmup:  # first-call work (allocator, kernels) happens here, not in a user's latency
             _warm_up(self._new_batch(), self._batch_facts["pad_id"], self.limits.trained_block_size)
-        if self.config.mask_batch_limit == "auto" and self.mask_limit is None:
+        if self.config.mask_batch_limit == "auto" and self.mask_limit is None and self.draft_decoder is None:
             self.mask_limit = measured_mask_limit(self.model, self.limits.trained_block_size, self.max_batch)
             self._batch.mask_batch_limit = self.mask_limit.limit
         self._accepting = True
