@@ -8,6 +8,7 @@ MARS drafter (the toy tokenizer has a mask token), whose masks never pass the de
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from marslm import generate
 from marslm.decode import DecodingParams
@@ -39,12 +40,23 @@ class CheckedDrafter(ARDrafter):
             fresh = self.model(input_ids=fed).logits[0, len(ids) - 1 :].argmax(-1).tolist()
         assert drafts == fresh
         assert len(self.cached) == len(ids) + k - 1
-        assert self.cache.get_seq_length() == len(self.cached)  # no rejected draft's keys/values left
+        assert_cache_of(self.cache, self.model, self.cached)  # no rejected draft's keys/values left
         return drafts, q
 
     def reset(self):
         super().reset()
         self.proposals = getattr(self, "proposals", 0)
+
+
+def assert_cache_of(cache, model, ids):
+    """``cache`` holds the keys and values of ``ids`` as one forward over them from scratch makes:
+    not only as many, also the same (a stale rejected draft's at some position is not)."""
+    fresh = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), cache=fresh, use_cache=True)
+    assert cache.get_seq_length() == len(ids)
+    for kept, expected in zip(cache.layers, fresh.layers, strict=True):
+        assert torch.allclose(kept.keys, expected.keys) and torch.allclose(kept.values, expected.values)
 
 
 @pytest.mark.parametrize("drafter", ["ar", "bad"])
