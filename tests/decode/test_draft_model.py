@@ -163,3 +163,17 @@ def test_the_masks_read_are_those_of_the_group_verification_selected():
     params = DecodingParams(tau=0.5, block_size=3, max_new_tokens=10).validate()
     tokens, kept = decoder._accept(logits, [3, 2], None, n_masks, params, None)
     assert (kept, tokens) == (1, [3, 4, 7, 8])
+
+
+def test_without_a_seed_a_drafted_decode_draws_as_a_batch_does(trained_checkpoints, prompts):
+    """Both decoders draw the rows that name no seed from one generator of torch's default seed
+    (draws.py): an unseeded run repeats itself, and is the run seeded with that seed."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    sampled = dict(tau=0.8, temperature=1.5, max_new_tokens=30)
+    default = torch.Generator().initial_seed()
+    for drafting in ({}, dict(draft_model=trained_checkpoints["ar64"][0])):
+        runs = [
+            generate(model, tokenizer, prompts[:1], **sampled, **drafting, **seed).token_ids
+            for seed in ({}, {}, dict(seed=default), dict(seed=default + 1))
+        ]
+        assert runs[0] == runs[1] == runs[2] != runs[3], drafting
