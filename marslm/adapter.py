@@ -89,14 +89,14 @@ class _LoRA(nn.Module):
         self._factors = None  # (versions, a^T, scale * b^T) for inference
 
     def factors(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``a^T`` and ``scale * b^T``, contiguous, in float32: a few rows times a rank-r factor is
-        far cheaper in float32 than in bfloat16 on a CPU, and the scale folds in once. Rebuilt
+        """``a^T`` and ``scale * b^T``, contiguous, in the weights' dtype: decoding reads every
+        factor once per forward, so their bytes count, and the scale folds in once. Rebuilt
         whenever the weights change in place (an optimizer step bumps their versions)."""
         versions = (self.a._version, self.b._version, self.a.data_ptr(), self.b.data_ptr())
         if self._factors is None or self._factors[0] != versions:
             with torch.no_grad():
-                a_t = self.a.detach().float().t().contiguous()
-                b_t = (self.b.detach().float() * scale).t().contiguous()
+                a_t = self.a.detach().t().contiguous()
+                b_t = (self.b.detach() * scale).t().contiguous()
             self._factors = (versions, a_t, b_t)
         return self._factors[1], self._factors[2]
 
@@ -213,10 +213,13 @@ class MaskAdapter(nn.Module):
             if x.shape[:-1].numel() != gate.shape.numel():
                 raise UserError(f"a gated Linear saw {tuple(x.shape[:-1])} tokens for {tuple(gate.shape)} input ids")
             if gate.tail and x.shape[:-1] == gate.shape and not torch.is_grad_enabled():
-                # decoding: the masks are each row's last columns, so the update is a slice
-                # added in place, with no gather, scatter or copy of the output
+                # decoding: the masks are each row's last columns, so the update is one fused
+                # multiply-add into a slice of the output, with no gather, scatter or copy
                 a_t, b_t = lora.factors(scale)
-                output[:, -gate.tail :] += ((x[:, -gate.tail :].float() @ a_t) @ b_t).to(output.dtype)
+                if len(x) == 1:
+                    output[0, -gate.tail :].addmm_(x[0, -gate.tail :] @ a_t, b_t)
+                else:
+                    output[:, -gate.tail :].baddbmm_(x[:, -gate.tail :] @ a_t, b_t.expand(len(x), -1, -1))
                 return output
             picked = x.reshape(-1, x.shape[-1])[gate.index]
             update = (picked.to(lora.a.dtype) @ lora.a.T @ lora.b.T) * scale

@@ -14,6 +14,7 @@ from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
 from marslm.decode import ParamError
+from marslm.decode.costs import MaskBatchLimit
 from marslm.errors import UserError
 from marslm.serve.config import ServeConfig
 from marslm.serve.engine import Engine
@@ -301,3 +302,36 @@ def test_an_auto_mask_batch_limit_is_measured_at_start(mars64):
         engine.stop()
     with pytest.raises(UserError, match="auto"):
         ServeConfig(mask_batch_limit="sometimes")
+
+
+@pytest.mark.parametrize("cost, pays", [(100.0, False), (0.01, True)])
+def test_an_auto_limit_reads_no_masks_where_they_cannot_pay(mars64, long_prompt, cost, pays):
+    """The engine steps through ``MaskBatchLimit.step``: with step costs far above what masks buy
+    (limit 0), no step of several rows reads masks; with costs below it (the control), they do."""
+    model, tokenizer = mars64
+    engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit="auto", max_batch=4))
+    engine.mask_limit = MaskBatchLimit({1: cost, 2: cost, 4: cost})  # set before start(): nothing is timed
+    batch, real_step, steps = engine._batch, engine._batch.step, []
+
+    def recorded_step():
+        rows, before = len(batch), batch.stats.masked_row_steps
+        finished = real_step()
+        steps.append((rows, batch.stats.masked_row_steps - before))
+        return finished
+
+    batch.step = recorded_step
+    engine.start(warmup=False)
+    prompt = encode_prompt(tokenizer, long_prompt, apply_chat_template=False)
+    try:
+
+        async def main():
+            streams = [engine.submit(prompt, request_params(max_new_tokens=24, tau=0.5)) for _ in range(4)]
+            return await asyncio.gather(*(_drain(s) for s in streams))
+
+        results = [result for _, result in asyncio.run(main())]
+    finally:
+        engine.stop()
+    together = [masked for rows, masked in steps if rows > 1]
+    assert together and engine.mask_limit.limit == (4 if pays else 0)
+    assert (sum(together) > 0) == pays
+    assert all(len(r.token_ids) == 24 for r in results)

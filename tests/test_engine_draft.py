@@ -144,6 +144,22 @@ def test_a_running_request_follows_the_default_tau(pair, long_prompt):
     assert max(result.accepted_per_step) > K + 1  # masks read after the change
 
 
+def test_a_request_without_a_seed_draws_from_the_server_seed(pair, long_prompt):
+    sampled = dict(tau=0.8, temperature=1.5, max_new_tokens=30)
+    expected = drafted_generate(pair, long_prompt, seed=7, **sampled).token_ids[0]
+    assert drafted_generate(pair, long_prompt, seed=8, **sampled).token_ids[0] != expected
+    engine = drafted_engine(pair, seed=7)
+    try:
+
+        async def main():
+            return (await _drain(engine.submit(long_prompt, request_params(**sampled))))[1]
+
+        result = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert result.token_ids == expected
+
+
 @pytest.mark.parametrize("mode", ["lossless", "hybrid"])
 def test_a_request_in_another_mode_is_refused(pair, mode):
     engine = drafted_engine(pair, start=False)

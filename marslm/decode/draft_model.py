@@ -31,6 +31,7 @@ from ..errors import UserError
 from ..masks import decode_step_mask, for_attention
 from ..settings import check_count
 from .drafters import ARDrafter, MarsDrafter, confident_masks, crop_to, probs
+from .draws import row_generator, shared_generator
 from .params import DEFAULT_DRAFT_TAU, MAX_DRAFT_TOKENS, DecodingParams, check_draft_tau
 from .rows import BatchStats, FinishedRow
 from .rules import cut_at_stop, verify_drafts
@@ -128,19 +129,23 @@ def output_rows(model) -> int:
 
 
 class DraftModelDecoder:
-    """Decodes rows with ``drafter`` proposing ``num_draft_tokens`` per step and ``model`` verifying."""
+    """Decodes rows with ``drafter`` proposing ``num_draft_tokens`` per step and ``model`` verifying.
+    Rows that name no seed draw from one generator of ``seed``, as a batch's do (draws.py)."""
 
-    def __init__(self, model, drafter: ARDrafter, num_draft_tokens: int, *, mask_token_id, stop_ids, use_last_mask):
+    def __init__(
+        self, model, drafter: ARDrafter, num_draft_tokens: int, *, mask_token_id, stop_ids, use_last_mask, seed=None
+    ):
         self.model, self.drafter, self.k = model, drafter, num_draft_tokens
         self.device = next(model.parameters()).device
+        self.generator = shared_generator(self.device, seed)
         self.mask_token_id = mask_token_id  # None: an AR target, plain speculative decoding
         self.stop_ids = np.array(stop_ids, dtype=np.int64)
         self.use_last_mask = use_last_mask
         self.stats = BatchStats()
 
-    def start_row(self, prompt: list[int], params: DecodingParams, request_id, generator=None) -> DraftedRow:
+    def start_row(self, prompt: list[int], params: DecodingParams, request_id) -> DraftedRow:
         """A row to decode a step at a time (:class:`DraftedRow`)."""
-        return DraftedRow(self, prompt, params, request_id, generator)
+        return DraftedRow(self, prompt, params, request_id)
 
     @torch.no_grad()
     def run_row(self, prompt: list[int], params: DecodingParams, request_id) -> FinishedRow:
@@ -219,13 +224,13 @@ class DraftedRow:
     the end, the server one step per engine turn. The decoder's drafter keeps one row's cache, so
     one row decodes at a time: starting a row resets the drafter.
 
-    ``generator`` draws the row's samples; default: one of the row's own seed (random without one).
+    The row samples from a generator of its own seed, else from the decoder's shared one.
     ``params`` is read at every step, so a new tau (the server's default, moved) applies from the next.
     """
 
-    def __init__(self, decoder: DraftModelDecoder, prompt: list[int], params: DecodingParams, request_id, generator):
+    def __init__(self, decoder: DraftModelDecoder, prompt: list[int], params: DecodingParams, request_id):
         self.decoder, self.params, self.request_id = decoder, params, request_id
-        self.generator = generator if generator is not None else _generator(params.seed, decoder.device)
+        self.generator = row_generator(params.seed, decoder.device) or decoder.generator
         decoder.drafter.reset()
         self.prompt_len, self.ids = len(prompt), list(prompt)
         self.cache, self.cached = DynamicCache(), 0  # the target's keys/values of ids[:cached]
@@ -261,12 +266,3 @@ class DraftedRow:
         new = self.ids[self.prompt_len :]
         answer = new[:-1] if self.stopped else new
         return FinishedRow(self.request_id, answer, self.stopped, self.accepted_per_step, None)
-
-
-def _generator(seed: int | None, device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
-    return generator

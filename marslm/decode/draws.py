@@ -7,12 +7,28 @@ import numpy as np
 import torch
 
 
+def shared_generator(device, seed: int | None) -> torch.Generator:
+    """The one generator of the requests that name no seed: of the decoder's ``seed``, else of
+    torch's default seed, so that an unseeded run draws as the last one did."""
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    return generator
+
+
+def row_generator(seed: int | None, device) -> torch.Generator | None:
+    """A request's own generator, of its ``seed``; None without one: it draws from the shared one."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
 class RowDraws:
     def __init__(self, device, seed: int | None = None):
         self.device = device
-        self.generator = torch.Generator(device=device)  # for requests that name no seed
-        if seed is not None:
-            self.generator.manual_seed(seed)
+        self.generator = shared_generator(device, seed)  # for requests that name no seed
         self.errors: dict = {}  # request id -> why its row failed in this step; it leaves at the step's end
 
     def tokens(self, probs: torch.Tensor, selected: np.ndarray, generators: list, request_ids: list) -> np.ndarray:

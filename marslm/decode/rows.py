@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from .draws import row_generator
 from .params import DecodingParams, metric_code
 
 
@@ -109,7 +110,7 @@ class RowState:
         zeros = np.zeros(n, long)
         return cls(
             request_ids=list(request_ids),
-            generators=[_generator(s.seed, device) for s in settings],
+            generators=[row_generator(s.seed, device) for s in settings],
             tokens=tokens,
             prompt_len=prompt_len,
             seq_len=prompt_len.copy(),
@@ -155,14 +156,6 @@ class RowState:
             else:
                 setattr(self, f.name, value[on_device if isinstance(value, torch.Tensor) else order])
         return on_device
-
-
-def _generator(seed: int | None, device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
 
 
 def _cat_rows(old, new):

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from ..decode.draft_model import DraftModelDecoder, check_draft_settings, check_drafting, drafter_for
 from ..decode.params import DecoderOptions, DecodingParams, ParamError
 from ..decode.rows import FinishedRow
@@ -26,7 +24,8 @@ from .config import ServeConfig, refuse_with_drafter
 def served_drafter(target, drafting: dict | None, config: ServeConfig, decoder: DecoderOptions, facts: dict):
     """``(the decoder of a drafted server, what /v1/models says of its drafter)``, or ``(None,
     None)`` without a drafter. ``drafting``: ``generate``'s drafter keywords (``DraftOptions.load``),
-    checked against ``target`` ``(model, tokenizer)``; ``facts``: the target's mask and stop ids."""
+    checked against ``target`` ``(model, tokenizer)``; ``facts``: the target's mask and stop ids,
+    and the seed of the requests that name none."""
     if not drafting:
         return None, None
     refuse_with_drafter(config)
@@ -41,6 +40,7 @@ def served_drafter(target, drafting: dict | None, config: ServeConfig, decoder: 
         mask_token_id=facts["mask_token_id"],
         stop_ids=facts["stop_ids"],
         use_last_mask=decoder.use_last_mask,
+        seed=facts["seed"],
     )
     return decoding, drafter_card(decoding, config.drafting.draft_model)
 
@@ -64,15 +64,13 @@ class DraftedBatch:
     """At most one drafted row, behind a ``DecodeBatch``'s interface (``mask_batch_limit`` and the
     masked-step counts stay unset: a drafted server refuses ``--mask-batch-limit``).
 
-    Requests that name no seed draw from one generator of the server's ``seed``, as a batch's do."""
+    Requests that name no seed draw from the decoder's one generator, of the server's ``seed``
+    (``served_drafter``), as a batch's do."""
 
     mask_batch_limit = None
 
-    def __init__(self, decoding: DraftModelDecoder, seed: int | None):
+    def __init__(self, decoding: DraftModelDecoder):
         self.decoding, self.stats = decoding, decoding.stats
-        self.generator = torch.Generator(device=decoding.device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
         self.row = None
         self.last: list[int] = []  # what the last step added to the running row's answer
 
@@ -85,8 +83,7 @@ class DraftedBatch:
         if len(self) + len(prompts) > 1:
             raise ValueError("a drafted batch decodes one request at a time")
         params = replace(settings[0])  # set_tau replaces it; the request's own stays as it was
-        generator = self.generator if params.seed is None else None
-        self.row, self.last = self.decoding.start_row(prompts[0], params, request_ids[0], generator), []
+        self.row, self.last = self.decoding.start_row(prompts[0], params, request_ids[0]), []
 
     def step(self) -> list[FinishedRow]:
         if self.row is None:

@@ -146,7 +146,7 @@ class Engine:
     # ---------------------------------------------------------------------------- lifecycle
     def _new_batch(self) -> DecodeBatch | DraftedBatch:
         if self.draft_decoder is not None:
-            return DraftedBatch(self.draft_decoder, self._batch_facts["seed"])
+            return DraftedBatch(self.draft_decoder)
         return DecodeBatch.with_options(self.model, self.decoder, **self._batch_facts)
 
     @property

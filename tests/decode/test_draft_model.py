@@ -8,6 +8,7 @@ MARS drafter (the toy tokenizer has a mask token), whose masks never pass the de
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from marslm import generate
 from marslm.decode import DecodingParams
@@ -39,12 +40,23 @@ class CheckedDrafter(ARDrafter):
             fresh = self.model(input_ids=fed).logits[0, len(ids) - 1 :].argmax(-1).tolist()
         assert drafts == fresh
         assert len(self.cached) == len(ids) + k - 1
-        assert self.cache.get_seq_length() == len(self.cached)  # no rejected draft's keys/values left
+        assert_cache_of(self.cache, self.model, self.cached)  # no rejected draft's keys/values left
         return drafts, q
 
     def reset(self):
         super().reset()
         self.proposals = getattr(self, "proposals", 0)
+
+
+def assert_cache_of(cache, model, ids):
+    """``cache`` holds the keys and values of ``ids`` as one forward over them from scratch makes:
+    not only as many, also the same (a stale rejected draft's at some position is not)."""
+    fresh = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), cache=fresh, use_cache=True)
+    assert cache.get_seq_length() == len(ids)
+    for kept, expected in zip(cache.layers, fresh.layers, strict=True):
+        assert torch.allclose(kept.keys, expected.keys) and torch.allclose(kept.values, expected.values)
 
 
 @pytest.mark.parametrize("drafter", ["ar", "bad"])
@@ -151,3 +163,17 @@ def test_the_masks_read_are_those_of_the_group_verification_selected():
     params = DecodingParams(tau=0.5, block_size=3, max_new_tokens=10).validate()
     tokens, kept = decoder._accept(logits, [3, 2], None, n_masks, params, None)
     assert (kept, tokens) == (1, [3, 4, 7, 8])
+
+
+def test_without_a_seed_a_drafted_decode_draws_as_a_batch_does(trained_checkpoints, prompts):
+    """Both decoders draw the rows that name no seed from one generator of torch's default seed
+    (draws.py): an unseeded run repeats itself, and is the run seeded with that seed."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    sampled = dict(tau=0.8, temperature=1.5, max_new_tokens=30)
+    default = torch.Generator().initial_seed()
+    for drafting in ({}, dict(draft_model=trained_checkpoints["ar64"][0])):
+        runs = [
+            generate(model, tokenizer, prompts[:1], **sampled, **drafting, **seed).token_ids
+            for seed in ({}, {}, dict(seed=default), dict(seed=default + 1))
+        ]
+        assert runs[0] == runs[1] == runs[2] != runs[3], drafting
