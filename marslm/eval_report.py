@@ -111,3 +111,14 @@ def labelled(reports: list[dict]) -> dict[str, dict]:
             label = f"{label} ({rep.get('data')}, n={rep.get('data_n')}, seed={rep.get('data_seed')})"
         out[label] = rep
     return out
+
+
+def format_markdown(reports: list[dict], title: str = "marslm evaluation") -> str:
+    """A small markdown document for a sweep's model reports: the data, then the table."""
+    data = sorted(
+        {f"{rep.get('data')} (n={rep.get('data_n', '?')}, seed={rep.get('data_seed', '?')})" for rep in reports}
+    )
+    return (
+        f"# {title}\n\nData: {', '.join(data)}. Accuracy in percent; tok/fwd = decoded tokens per "
+        f"forward pass; fwd/answer = forward passes per answer.\n\n{format_table(labelled(reports))}\n"
+    )

@@ -32,7 +32,7 @@ from .decode.params import (
     check_tau,
 )
 from .errors import UserError
-from .eval_report import format_table, labelled, summarise_result
+from .eval_report import summarise_result
 from .eval_sets import EVAL_SOURCES, EvalSet, load_eval_set
 from .files import output_file, read_json, write_json_atomically
 from .settings import check_count, flag_of, floats, ints, setting, strings
@@ -439,18 +439,3 @@ def _say_cell(index: int, total: int, model: str, cell: dict) -> None:
     else:
         outcome = f"accuracy {100 * cell['accuracy']:.1f}%, {cell['tokens_per_forward']:.2f} tok/fwd"
     print(f"[{index}/{total}] {model} {setting}: {outcome}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------- tables
-
-
-def format_markdown(payload: dict, title: str = "marslm evaluation") -> str:
-    """A small markdown document for a sweep report: the data, then the table."""
-    reports = model_reports(payload)
-    data = sorted(
-        {f"{rep.get('data')} (n={rep.get('data_n', '?')}, seed={rep.get('data_seed', '?')})" for rep in reports}
-    )
-    return (
-        f"# {title}\n\nData: {', '.join(data)}. Accuracy in percent; tok/fwd = decoded tokens per "
-        f"forward pass; fwd/answer = forward passes per answer.\n\n{format_table(labelled(reports))}\n"
-    )

@@ -15,7 +15,7 @@ import pytest
 from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
-from marslm.decode import ParamError
+from marslm.decode import PAPER_RULE, ParamError
 from marslm.decode.draft_options import DraftOptions
 from marslm.errors import UserError
 from marslm.serve.config import ServeConfig
@@ -173,8 +173,8 @@ def test_bad_combinations_are_refused_in_one_line(pair):
     (model, tokenizer), draft = pair
     with pytest.raises(UserError, match="--mask-batch-limit limits masks by batch size; with --draft-model"):
         drafted_engine(pair, start=False, mask_batch_limit=2)
-    with pytest.raises(UserError, match="--adaptive-width is the batch decoder's"):
-        ServeConfig(adaptive_width=True, drafting=DraftOptions(draft_model="drafter"))
+    for rule in ({}, PAPER_RULE):  # the default fallback does not apply to drafted steps, and is not refused
+        ServeConfig(drafting=DraftOptions(draft_model="drafter"), **rule)
     other = tiny_llama(7, hidden_size=16, num_hidden_layers=1, seed=9)
     with pytest.raises(UserError, match="the draft model's vocabulary"):
         Engine(model, tokenizer, ServeConfig(), drafting=dict(draft_model=other, num_draft_tokens=K))

@@ -21,6 +21,7 @@ from marslm.adapter import adapter_of
 from marslm.chat import encode_prompt
 from marslm.config import MarsConfig
 from marslm.data import toy
+from marslm.decode import PAPER_RULE
 from marslm.errors import UserError
 from tests.helpers import hf_greedy
 from tests.trained import TRAIN_N
@@ -84,15 +85,14 @@ def test_tau_1_is_the_original_greedy(exact64, original64, prompts, cache, batch
 @pytest.mark.parametrize("batch", [1, 8])
 def test_lossless_is_the_original_greedy(exact64, original64, prompts, cache, draft_groups, batch):
     expected = hf_greedy(*original64, prompts[:batch], 48)
-    out = generate(
-        *exact64, prompts[:batch], mode="lossless", cache=cache, draft_groups=draft_groups, max_new_tokens=48
-    )
+    settings = dict(mode="lossless", cache=cache, draft_groups=draft_groups, max_new_tokens=48, mask_batch_limit=None)
+    out = generate(*exact64, prompts[:batch], **settings)
     assert out.token_ids == expected
     assert out.tokens_per_forward > 1.0  # the adapter's masks draft, and some drafts hold
 
 
 def test_threshold_decoding_accepts_several_tokens(exact64, prompts):
-    out = generate(*exact64, prompts, tau=0.6, max_new_tokens=48)
+    out = generate(*exact64, prompts, tau=0.6, max_new_tokens=48, **PAPER_RULE)
     assert max(max(steps) for steps in out.accepted_per_step) > 1
 
 

@@ -56,8 +56,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..decode.draft_options import DraftOptions
-    from ..eval_report import format_table, labelled
-    from ..evaluate import EvalConfig, data_key, format_markdown, model_reports, sweep
+    from ..eval_report import format_markdown, format_table, labelled
+    from ..evaluate import EvalConfig, data_key, model_reports, sweep
     from ..files import output_file, write_text_atomically
     from ..settings import from_args
 
@@ -70,7 +70,7 @@ def run(args) -> int:
     reports = model_reports(payload)
     print(format_table(labelled(reports)))
     if args.markdown:
-        write_text_atomically(args.markdown, format_markdown(payload))
+        write_text_atomically(args.markdown, format_markdown(model_reports(payload)))
     this_run = {(model, config.data, config.n, config.seed) for model in config.models}
     cells = [cell for rep in reports if data_key(rep) in this_run for cell in rep["results"]]
     failed = sum("failed" in cell for cell in cells)

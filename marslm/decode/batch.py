@@ -54,6 +54,7 @@ from .rules import (
     pad_cols,
     selected_group,
     threshold_accept,
+    tries,
     verify_drafts,
 )
 from .sampling import sampling_probs, speculative_accept
@@ -341,9 +342,9 @@ class DecodeBatch:
         r.last_accept = accept
         r.seq_len = r.seq_len + accept
         if self.adaptive_width:
-            tried = np.where(r.lossless, r.draft_len, step.masks_read + np.where(r.hybrid, r.draft_len, 0))
+            tried, used = tries(r, step.masks_read, verified, accept)
             if tried.any() or r.pause.any():
-                r.misses, r.pause = back_off(r.misses, r.pause, tried, np.where(r.lossless, verified, accept - 1))
+                r.misses, r.pause = back_off(r.misses, r.pause, tried, used)
         # what a hybrid row accepted past its AR token (a row cut short by a stop or its length finishes)
         taken = np.where(r.hybrid, np.maximum(accept - verified - 1, 0), 0)
         r.draft, r.draft_len, r.draft_q = next_draft(

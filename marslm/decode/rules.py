@@ -9,16 +9,17 @@ token, and the rest of the group is the next draft (the paper's section 4.6, the
 for itself). At tau 1 the threshold part accepts nothing, so hybrid is lossless token for token;
 below, a step accepts what lossless would, and more.
 
-Adaptive width (``adaptive_width``, on by default; off with no batch limit, every step reads its
-masks: the paper's rule): a row whose masks were all refused in ``REST_AFTER`` steps running rests: it reads no masks for 1
-step, then, after each further refused try, for 2, 4, 8 and at most 16 steps; one accepted mask
-ends the streak. A resting row decodes one token per step at the cost of a plain AR step, so off
-the training distribution, where masks are rarely confident, MARS costs about what AR does. The
-policy is all or nothing on purpose: where a forward is overhead-bound, the first mask a step feeds
-costs far more than the next ones, so narrowing a step saves little and loses reach. Under causal
-attention a mask never sees the masks after it, so resting changes no mask's prediction; it does
-change the output at tau < 1: where a resting row emits the AR token alone, the paper's sampler
-could have accepted mask predictions after it, and the two then continue from different prefixes.
+Adaptive width (``adaptive_width``, on by default; ``PAPER_RULE`` turns it off and lifts the batch
+limit below, so that every step reads its masks, as the paper's sampler does): a row whose masks
+were all refused in ``REST_AFTER`` steps running rests: it reads no masks for 1 step, then, after
+each further refused try, for 2, 4, 8 and at most 16 steps; one accepted mask ends the streak. A
+resting row decodes one token per step at the cost of a plain AR step, so off the training
+distribution, where masks are rarely confident, MARS costs about what AR does. The policy is all or
+nothing on purpose: where a forward is overhead-bound, the first mask a step feeds costs far more
+than the next ones, so narrowing a step saves little and loses reach. Under causal attention a mask
+never sees the masks after it, so resting changes no mask's prediction; it does change the output
+at tau < 1: where a resting row emits the AR token alone, the paper's sampler could have accepted
+mask predictions after it, and the two then continue from different prefixes.
 
 Batch limit (``mask_batch_limit``; by default ``"auto"``, set each step from measured costs by
 costs.py): while more rows run than this, no row reads masks, and every row decodes one token per
@@ -106,6 +107,16 @@ def cut_at_stop(candidates, accept, stop_ids):
     is_stop = (candidates[:, :, None] == stop_ids).any(axis=2) & (np.arange(candidates.shape[1]) < accept[:, None])
     stopped = is_stop.any(axis=1)
     return np.where(stopped, is_stop.argmax(axis=1) + 1, accept), stopped
+
+
+def tries(rows: RowState, masks_read, verified, accept):
+    """Adaptive width's ``(tried, used)`` per row this step: what the row could have accepted past
+    its AR token, and how much of it it did. Lossless rows try their drafts; threshold rows their
+    masks; hybrid rows both, except at tau 1, where the threshold part accepts nothing and a hybrid
+    row is a lossless one, resting exactly as it would."""
+    masks = np.where(rows.hybrid & one_token_rows(rows.tau, rows.metric), 0, masks_read)
+    tried = np.where(rows.lossless, rows.draft_len, masks + np.where(rows.hybrid, rows.draft_len, 0))
+    return tried, np.where(rows.lossless, verified, accept - 1)
 
 
 def back_off(misses, pause, tried, used):

@@ -142,17 +142,13 @@ class ServeConfig:
 
 
 def refuse_with_drafter(config: ServeConfig) -> None:
-    """What a server with a separate drafter cannot honour: it decodes one request at a time, and
-    every drafted step reads its masks (the default fallback does not apply; a number is refused)."""
+    """What a server with a separate drafter cannot honour: it decodes one request at a time, so a
+    number of rows to limit masks by means nothing. Every drafted step reads its masks, so the
+    default fallback (adaptive width, the auto limit), the batch decoder's, does not apply."""
     if config.mask_batch_limit not in (None, MASK_BATCH_LIMIT):
         raise UserError(
             f"{flag_of(ServeConfig, 'mask_batch_limit')} limits masks by batch size; with "
             f"{flag_of(DraftOptions, 'draft_model')} requests decode one at a time"
-        )
-    if config.adaptive_width:
-        raise UserError(
-            f"{flag_of(ServeConfig, 'adaptive_width')} is the batch decoder's; "
-            f"{flag_of(DraftOptions, 'draft_model')} reads every mask at every step"
         )
 
 

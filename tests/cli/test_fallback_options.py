@@ -1,5 +1,5 @@
-"""``--adaptive-width`` and ``--mask-batch-limit N|auto`` on ``marslm generate``, ``eval`` and
-``bench``: declared once (DecoderOptions' fields), refused in one line, handed to the decoder."""
+"""``--[no-]adaptive-width`` and ``--mask-batch-limit N|auto|off`` on ``marslm generate``, ``eval``
+and ``bench``: declared once (DecoderOptions' fields), refused in one line, handed to the decoder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from marslm.cli import build_parser, main
-from marslm.decode import ADAPTIVE_WIDTH, generation
+from marslm.decode import ADAPTIVE_WIDTH, MASK_BATCH_LIMIT, PAPER_RULE, generation
 from tests.cli.test_bounds import no_model_loads  # noqa: F401 - a fixture
 from tests.cli.test_errors import assert_one_line_error, run
 
@@ -40,16 +40,18 @@ def decoders(monkeypatch) -> list:
 def test_every_decoding_command_parses_them(command):
     parser, argv = build_parser(), COMMANDS[command]
     plain = parser.parse_args(argv)
-    assert plain.adaptive_width is ADAPTIVE_WIDTH and plain.mask_batch_limit is None
+    assert plain.adaptive_width is ADAPTIVE_WIDTH and plain.mask_batch_limit == MASK_BATCH_LIMIT
     args = parser.parse_args(argv + ["--adaptive-width", "--mask-batch-limit", "auto"])
     assert args.adaptive_width is True and args.mask_batch_limit == "auto"
     args = parser.parse_args(argv + ["--no-adaptive-width", "--mask-batch-limit", "8"])
     assert args.adaptive_width is False and args.mask_batch_limit == 8
+    args = parser.parse_args(argv + ["--no-adaptive-width", "--mask-batch-limit", "off"])
+    assert {"adaptive_width": args.adaptive_width, "mask_batch_limit": args.mask_batch_limit} == PAPER_RULE
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(
-    "value, fragment", [("sometimes", "expected an integer or auto"), ("0", "must be an integer >= 1, auto")]
+    "value, fragment", [("sometimes", "expected an integer, auto or off"), ("0", "must be an integer >= 1, auto")]
 )
 def test_a_bad_limit_is_refused_in_one_line(command, value, fragment, capsys, no_model_loads):  # noqa: F811
     try:
@@ -76,7 +78,7 @@ def test_eval_hands_them_to_the_decoder_and_keys_its_cells_by_them(trained_dirs,
     rc, _, err = run(capsys, *argv, "--adaptive-width", "--mask-batch-limit", "3")
     assert rc == 0, err
     assert [(d.adaptive_width, d.mask_batch_limit) for d in decoders] == [(True, 3)]
-    rc, out, err = run(capsys, *argv)  # another setting: decoded, not resumed
+    rc, out, err = run(capsys, *argv, "--no-adaptive-width", "--mask-batch-limit", "off")  # decoded, not resumed
     assert rc == 0, err
     cells = json.loads(report.read_text())["results"]
     assert [(c["adaptive_width"], c["mask_batch_limit"]) for c in cells] == [(True, 3), (False, None)]
@@ -98,4 +100,4 @@ def test_bench_hands_them_to_every_contender_but_the_block_cache(trained_dirs, c
     ]
     cursor = {(d.adaptive_width, d.mask_batch_limit) for d in decoders if d.cache == "cursor"}
     block = {(d.adaptive_width, d.mask_batch_limit) for d in decoders if d.cache == "block"}
-    assert cursor == {(True, 2)} and block == {(ADAPTIVE_WIDTH, None)}
+    assert cursor == {(True, 2)} and block == {tuple(PAPER_RULE.values())}  # the block cache reads every mask

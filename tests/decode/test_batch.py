@@ -10,7 +10,7 @@ import pytest
 from marslm import generate
 from marslm.chat import encode_prompt, stop_token_ids
 from marslm.data import toy
-from marslm.decode import DecodeBatch, DecodingParams
+from marslm.decode import PAPER_RULE, DecodeBatch, DecodingParams
 from marslm.errors import UserError
 from marslm.modeling import checkpoint_facts
 from tests.helpers import hf_greedy
@@ -34,10 +34,13 @@ def test_one_token_mode_equals_hf_greedy(trained_checkpoints, prompts, batch, ca
     assert out.tokens_per_forward == 1.0
 
 
-def test_ragged_batch_equals_each_prompt_alone(trained_checkpoints, prompts):
+# The auto batch limit is left out: it follows the batch's size and this machine's clock, so under it
+# a prompt's text at tau < 1 depends on its batch. Adaptive width is per row and reads no clock.
+@pytest.mark.parametrize("rule", [PAPER_RULE, {"mask_batch_limit": None}], ids=["paper", "adaptive-width"])
+def test_ragged_batch_equals_each_prompt_alone(trained_checkpoints, prompts, rule):
     model, tokenizer = trained_checkpoints["mars64"]
-    together = generate(model, tokenizer, prompts, tau=0.7, max_new_tokens=48)
-    alone = [generate(model, tokenizer, [p], tau=0.7, max_new_tokens=48) for p in prompts]
+    together = generate(model, tokenizer, prompts, tau=0.7, max_new_tokens=48, **rule)
+    alone = [generate(model, tokenizer, [p], tau=0.7, max_new_tokens=48, **rule) for p in prompts]
     assert together.token_ids == [a.token_ids[0] for a in alone]
     assert together.forwards == [a.forwards[0] for a in alone]
     assert together.tokens_per_forward > 1.1
@@ -61,9 +64,9 @@ def test_cursor_cache_equals_recompute(trained_checkpoints, prompts, metric, bat
 
 def test_multi_token_acceptance_happens(trained_checkpoints, prompts):
     model, tokenizer = trained_checkpoints["mars64"]
-    out = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=48, use_last_mask=True, adaptive_width=False)
+    out = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=48, use_last_mask=True, **PAPER_RULE)
     assert max(max(steps) for steps in out.accepted_per_step) == 5  # B + 1 with the last mask
-    without = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=48, use_last_mask=False, adaptive_width=False)
+    without = generate(model, tokenizer, prompts, tau=0.6, max_new_tokens=48, use_last_mask=False, **PAPER_RULE)
     assert max(max(steps) for steps in without.accepted_per_step) <= 4
 
 
@@ -82,6 +85,7 @@ def test_lossless_equals_hf_greedy(trained_checkpoints, prompts, batch, cache, d
         draft_groups=draft_groups,
         use_last_mask=True,
         max_new_tokens=48,
+        mask_batch_limit=None,  # so that the reach does not depend on this machine's timings
     )
     assert out.token_ids == expected
     assert out.tokens_per_forward > 1.0
@@ -162,7 +166,9 @@ def test_a_joining_prompt_is_prefilled_apart(trained_checkpoints, prompts, mode)
     finally:
         handle.remove()
     alone = {
-        name: generate(model, tokenizer, [p], tau=0.9, mode=mode, block_size=4, max_new_tokens=24).token_ids[0]
+        name: generate(
+            model, tokenizer, [p], tau=0.9, mode=mode, block_size=4, max_new_tokens=24, mask_batch_limit=None
+        ).token_ids[0]
         for name, p in (("short", short), ("middle", middle), ("long", long_))
     }
     assert {r.request_id: r.token_ids for r in rows} == alone
@@ -177,7 +183,7 @@ def test_threshold_rows_feed_no_draft_columns(trained_checkpoints, prompts):
         lambda _, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
     )
     try:
-        out = generate(model, tokenizer, prompts[:1], tau=0.7, max_new_tokens=48, adaptive_width=False)
+        out = generate(model, tokenizer, prompts[:1], tau=0.7, max_new_tokens=48, **PAPER_RULE)
     finally:
         handle.remove()
     assert out.tokens_per_forward > 1.2
@@ -208,7 +214,15 @@ def test_leaving_rows_are_replaced_from_the_end(trained_checkpoints, prompts):
     batch.add([prompts[4]], [params], ["e"])
     while len(batch):
         rows += batch.step()
-    alone = generate(model, tokenizer, [prompts[i] for i in (0, 2, 3, 4)], tau=0.9, block_size=4, max_new_tokens=24)
+    alone = generate(
+        model,
+        tokenizer,
+        [prompts[i] for i in (0, 2, 3, 4)],
+        tau=0.9,
+        block_size=4,
+        max_new_tokens=24,
+        mask_batch_limit=None,
+    )
     assert {r.request_id: r.token_ids for r in rows} == dict(zip("acde", alone.token_ids))
 
 
@@ -248,7 +262,7 @@ def test_the_batch_limit_is_checked(trained_checkpoints, prompts, limit):
 
 def test_stats_count_what_masked_steps_bought(trained_checkpoints, prompts):
     model, tokenizer = trained_checkpoints["mars64"]
-    out = generate(model, tokenizer, prompts[:3], tau=0.7, max_new_tokens=32)
+    out = generate(model, tokenizer, prompts[:3], tau=0.7, max_new_tokens=32, **PAPER_RULE)
     stats = out.stats
     assert stats.masked_row_steps > 0 and stats.masked_row_tokens > stats.masked_row_steps
     assert stats.masked_row_tokens <= sum(map(len, out.token_ids)) + len(prompts[:3])  # stop tokens count

@@ -4,7 +4,7 @@ in ``generate``, with the step costs timed once per model (costs.py), as the ser
 import pytest
 
 from marslm import generate
-from marslm.decode import DecoderOptions, costs
+from marslm.decode import PAPER_RULE, DecoderOptions, costs
 from marslm.errors import UserError
 from marslm.modeling import checkpoint_facts
 
@@ -59,13 +59,14 @@ def test_greedy_answers_at_tau_1_and_lossless_are_plain_ar(mars64, prompts, monk
 
 
 def auto_limit_decode(tiny, monkeypatch, step_cost: float):
-    """TOKEN_PROMPTS decoded at tau 0.7 under the auto limit, every masked step costing
-    ``step_cost``: what each forward fed, the result, and the mask id."""
+    """TOKEN_PROMPTS decoded at tau 0.7 under the auto limit alone (no adaptive width), every masked
+    step costing ``step_cost``: what each forward fed, the result, and the mask id."""
     model, tokenizer = tiny
     fake_costs(monkeypatch, step_cost)
     fed, handle = fed_inputs(model)
     try:
-        out = generate(model, tokenizer, TOKEN_PROMPTS, tau=0.7, max_new_tokens=MAX_NEW, mask_batch_limit="auto")
+        limit = dict(mask_batch_limit="auto", adaptive_width=False)
+        out = generate(model, tokenizer, TOKEN_PROMPTS, tau=0.7, max_new_tokens=MAX_NEW, **limit)
     finally:
         handle.remove()
     return fed, out, checkpoint_facts(model, tokenizer).mask_token_id
@@ -73,8 +74,7 @@ def auto_limit_decode(tiny, monkeypatch, step_cost: float):
 
 def test_where_masks_never_pay_a_batch_decodes_as_ar(tiny, monkeypatch):
     """Above the limit no row reads masks: after the first step (the prompts) every forward of
-    several rows feeds one pending token per row. Alone, a row reads them again: the limit is
-    never below 1, so that what masks buy keeps being observed."""
+    several rows feeds one pending token per row."""
     fed, out, mask_id = auto_limit_decode(tiny, monkeypatch, 100.0)
     several = [ids for ids in fed if len(ids) > 1]
     assert len(several) > 5 and all(ids.shape[1] == 1 for ids in several[1:])
@@ -86,6 +86,17 @@ def test_where_masks_pay_a_batch_reads_them(tiny, monkeypatch):
     fed, out, mask_id = auto_limit_decode(tiny, monkeypatch, 0.01)
     assert all((ids == mask_id).any() for ids in fed if len(ids) == len(TOKEN_PROMPTS))
     assert out.stats.masked_row_steps >= len(TOKEN_PROMPTS) * (len(fed) > 1)
+
+
+def test_the_default_decoder_falls_back(tiny, monkeypatch):
+    """With no settings, ``generate`` times the step costs and, where masks never pay, reads fewer
+    of them than the paper's rule does."""
+    (model, tokenizer), prompts = tiny, TOKEN_PROMPTS
+    timed = fake_costs(monkeypatch, 100.0)
+    default = generate(model, tokenizer, prompts, tau=0.7, max_new_tokens=MAX_NEW)
+    assert timed
+    paper = generate(model, tokenizer, prompts, tau=0.7, max_new_tokens=MAX_NEW, **PAPER_RULE)
+    assert default.stats.masked_row_steps < paper.stats.masked_row_steps / 2
 
 
 def test_the_step_costs_are_timed_once_per_model(tiny, monkeypatch):
@@ -104,7 +115,7 @@ def test_the_step_costs_are_timed_once_per_model(tiny, monkeypatch):
 
 @pytest.mark.parametrize("limit", ["sometimes", "", 0, 2.5, True])
 def test_a_bad_batch_limit_is_refused_in_one_line(limit):
-    with pytest.raises(UserError, match="mask_batch_limit must be an integer >= 1, auto") as refused:
+    with pytest.raises(UserError, match="mask_batch_limit must be an integer >= 1, auto or None") as refused:
         DecoderOptions(mask_batch_limit=limit)
     assert "\n" not in str(refused.value)
     assert DecoderOptions(mask_batch_limit="auto").mask_batch_limit == "auto"

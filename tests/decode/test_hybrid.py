@@ -10,7 +10,7 @@ import pytest
 from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
-from marslm.decode import DecodingParams
+from marslm.decode import PAPER_RULE, DecodingParams
 from marslm.decode.params import ParamError, metric_code
 from marslm.decode.rows import RowState
 from marslm.decode.rules import hybrid_accept, lossless_candidates, next_draft, verify_drafts
@@ -95,7 +95,7 @@ def prompts(trained_checkpoints):
 def test_hybrid_at_tau_1_equals_hf_greedy(trained_checkpoints, prompts, cache, draft_groups):
     model, tokenizer = trained_checkpoints["mars64"]
     expected = hf_greedy(model, tokenizer, prompts[:3], 48)
-    kwargs = dict(cache=cache, draft_groups=draft_groups, max_new_tokens=48)
+    kwargs = dict(cache=cache, draft_groups=draft_groups, max_new_tokens=48, mask_batch_limit=None)
     out = generate(model, tokenizer, prompts[:3], mode="hybrid", tau=1.0, **kwargs)
     lossless = generate(model, tokenizer, prompts[:3], mode="lossless", **kwargs)
     assert out.token_ids == expected
@@ -105,7 +105,7 @@ def test_hybrid_at_tau_1_equals_hf_greedy(trained_checkpoints, prompts, cache, d
 @pytest.mark.parametrize("draft_groups", [False, True])
 def test_hybrid_below_tau_1_reaches_further_than_lossless_and_caches_right(trained_checkpoints, prompts, draft_groups):
     model, tokenizer = trained_checkpoints["mars64"]
-    kwargs = dict(draft_groups=draft_groups, max_new_tokens=48)
+    kwargs = dict(draft_groups=draft_groups, max_new_tokens=48, **PAPER_RULE)  # every step reads its masks
     lossless = generate(model, tokenizer, prompts, mode="lossless", **kwargs)
     # where the confident masks agree with the AR argmax, verification would keep them a step later
     # anyway: hybrid gains where tau accepts what greedy verification would not, so a low tau shows it
@@ -137,7 +137,7 @@ def test_hybrid_rows_share_a_batch_with_the_other_modes(trained_checkpoints, pro
     )
     mixed = run_to_completion(batch, prompts, params)
     for i, row in enumerate(mixed):
-        alone = generate(model, tokenizer, [prompts[i]], max_new_tokens=40, **modes[i % 4])
+        alone = generate(model, tokenizer, [prompts[i]], max_new_tokens=40, mask_batch_limit=None, **modes[i % 4])
         assert row.token_ids == alone.token_ids[0], modes[i % 4]
 
 

@@ -15,6 +15,7 @@ from marslm import generate
 from marslm.chat import encode_prompt, stop_token_ids
 from marslm.config import MarsConfig
 from marslm.data import toy
+from marslm.decode import PAPER_RULE
 from tests.decode.reference_sampler import reference_generate
 from tests.trained import TRAIN_N
 
@@ -72,8 +73,8 @@ def test_decoding_equals_the_reference_sampler(setup, cache, metric):
                 cache=cache,
                 block_cache_size=BLOCK_CACHE,
                 use_last_mask=False,
-                adaptive_width=False,
                 max_new_tokens=MAX_NEW,
+                **PAPER_RULE,
             )
             for i, ids, steps in zip(rows, out.token_ids, out.accepted_per_step):
                 expected_ids, expected_steps = reference(i, tau, metric, window)
@@ -100,8 +101,8 @@ def test_adaptive_width_only_shortens_the_reach(setup, cache, metric):
             metric=metric,
             cache=cache,
             use_last_mask=False,
-            adaptive_width=True,
             max_new_tokens=MAX_NEW,
+            **{**PAPER_RULE, "adaptive_width": True},  # no batch limit: it reads this machine's clock
         )
         for i, (ids, steps) in enumerate(zip(out.token_ids, out.accepted_per_step)):
             assert (ids, steps) == reference(i, tau, metric, "sliding", adaptive=True), (tau, i)
@@ -110,45 +111,52 @@ def test_adaptive_width_only_shortens_the_reach(setup, cache, metric):
 
 
 @pytest.mark.parametrize("cache", ["none", "cursor"])
-def test_default_decoding_is_the_reference_sampler(setup, cache):
-    """Every step reads its masks unless asked otherwise: ``generate`` with no ``adaptive_width``
-    is the paper's sampler at tau < 1, token for token and step for step; with marslm's other
-    default too (the last mask read), it is the same sampler with B+1 candidates."""
+def test_the_paper_rule_is_the_reference_sampler(setup, cache):
+    """``PAPER_RULE`` (every step reads its masks) is the paper's sampler at tau < 1, token for token
+    and step for step; with marslm's default of reading the last mask too, it is the same sampler
+    with B+1 candidates."""
     model, tokenizer, prompts, reference = setup
     multi_token_steps = 0
     for tau in TAUS:
-        paper = generate(model, tokenizer, prompts, tau=tau, cache=cache, use_last_mask=False, max_new_tokens=MAX_NEW)
-        default = generate(model, tokenizer, prompts, tau=tau, cache=cache, max_new_tokens=MAX_NEW)
+        common = dict(tau=tau, cache=cache, max_new_tokens=MAX_NEW, **PAPER_RULE)
+        paper = generate(model, tokenizer, prompts, use_last_mask=False, **common)
+        last_mask = generate(model, tokenizer, prompts, **common)
         for i in range(len(prompts)):
             assert (paper.token_ids[i], paper.accepted_per_step[i]) == reference(i, tau, "prob", "sliding"), (tau, i)
             expected = reference(i, tau, "prob", "sliding", last_mask=True)
-            assert (default.token_ids[i], default.accepted_per_step[i]) == expected, (tau, i)
+            assert (last_mask.token_ids[i], last_mask.accepted_per_step[i]) == expected, (tau, i)
             multi_token_steps += sum(s > 1 for s in paper.accepted_per_step[i])
     assert multi_token_steps > 10
 
 
 def test_every_surface_takes_the_one_default(make_tiny_model, tiny_tokenizer):
-    """generate, the decoding batch, eval, the server and the CLIs read their default from
-    ``ADAPTIVE_WIDTH``, which is the paper's rule (every step reads its masks)."""
+    """generate, the decoding batch, eval, bench, the server and the CLIs read their defaults from
+    ``ADAPTIVE_WIDTH`` and ``MASK_BATCH_LIMIT``: the fallback, which ``PAPER_RULE`` turns off."""
     import inspect
 
     from marslm.cli import build_parser
-    from marslm.decode import ADAPTIVE_WIDTH, DecodeBatch, DecoderOptions
+    from marslm.decode import ADAPTIVE_WIDTH, MASK_BATCH_LIMIT, DecodeBatch, DecoderOptions
     from marslm.evaluate import EvalConfig, plan_cells
+    from marslm.experiments.bench_config import BenchConfig
     from marslm.serve.config import ServeConfig
     from marslm.serve.engine import Engine
 
-    assert ADAPTIVE_WIDTH is False
+    assert (ADAPTIVE_WIDTH, MASK_BATCH_LIMIT) == (True, "auto")
+    assert PAPER_RULE == {"adaptive_width": False, "mask_batch_limit": None}
     for fn in (DecodeBatch.__init__, plan_cells):
         assert inspect.signature(fn).parameters["adaptive_width"].default is ADAPTIVE_WIDTH, fn
-    assert DecoderOptions().adaptive_width is ADAPTIVE_WIDTH  # generate's and evaluate's default decoder
-    assert EvalConfig(models=["m"]).adaptive_width is ADAPTIVE_WIDTH
-    assert ServeConfig().adaptive_width is ADAPTIVE_WIDTH
+    assert inspect.signature(plan_cells).parameters["mask_batch_limit"].default == MASK_BATCH_LIMIT
+    # generate's and evaluate's default decoder, eval's, bench's and the server's settings
+    for config in (DecoderOptions(), EvalConfig(models=["m"]), BenchConfig(model="m", ar_model="a"), ServeConfig()):
+        assert (config.adaptive_width, config.mask_batch_limit) == (ADAPTIVE_WIDTH, MASK_BATCH_LIMIT), config
     model = make_tiny_model()
     assert Engine(model, tiny_tokenizer, ServeConfig())._batch.adaptive_width is ADAPTIVE_WIDTH  # not started
-    assert Engine(model, tiny_tokenizer, ServeConfig(adaptive_width=True))._batch.adaptive_width is True
+    assert Engine(model, tiny_tokenizer, ServeConfig(adaptive_width=False))._batch.adaptive_width is False
     parser = build_parser()
-    for argv in (["generate", "--prompt", "x"], ["eval"], ["serve"]):
+    for argv in (["generate", "--prompt", "x"], ["eval"], ["bench", "--ar-model", "a"], ["serve"]):
         args = parser.parse_args(argv[:1] + ["--model", "m"] + argv[1:])
-        assert args.adaptive_width is ADAPTIVE_WIDTH, argv
-        assert parser.parse_args(argv[:1] + ["--model", "m", "--adaptive-width"] + argv[1:]).adaptive_width is True
+        assert (args.adaptive_width, args.mask_batch_limit) == (ADAPTIVE_WIDTH, MASK_BATCH_LIMIT), argv
+        paper = parser.parse_args(
+            argv[:1] + ["--model", "m", "--no-adaptive-width", "--mask-batch-limit", "off"] + argv[1:]
+        )
+        assert {k: getattr(paper, k) for k in PAPER_RULE} == PAPER_RULE, argv
