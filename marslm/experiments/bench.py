@@ -44,13 +44,25 @@ class Contender:
 
 
 def _mars(label: str, max_new_tokens: int, **options) -> Contender:
-    """A MARS contender named ``MARS <label>``, then its adaptive width and mask batch limit where
-    set, then its tau where given; each option goes to the settings object whose field it names."""
+    """A MARS contender named ``MARS <label>``, then how it falls back where masks do not pay (see
+    :func:`_fallback_label`), then its tau where given; each option goes to the settings object
+    whose field it names."""
     params, decoder = with_overrides(DecodingParams(max_new_tokens=max_new_tokens), DecoderOptions(), options)
-    name = f"MARS {label}" + (" adaptive-width" if decoder.adaptive_width else "")
-    name += f" mask-limit={decoder.mask_batch_limit}" if decoder.mask_batch_limit is not None else ""
+    name = f"MARS {label}" + ("" if decoder.cache == "block" else _fallback_label(decoder))
     name += f" tau={options['tau']}" if "tau" in options else ""
     return Contender(name, "mars", "mars", options, params, decoder)
+
+
+def _fallback_label(decoder: DecoderOptions) -> str:
+    """Nothing for the default fallback, ``paper-rule`` for none (every step reads its masks), else
+    the levers that are on. The block cache reads every mask whatever these say."""
+    setting = {"adaptive_width": decoder.adaptive_width, "mask_batch_limit": decoder.mask_batch_limit}
+    if setting == {k: getattr(DecoderOptions, k) for k in setting}:
+        return ""
+    if setting == PAPER_RULE:
+        return " paper-rule"
+    label = " adaptive-width" if decoder.adaptive_width else ""
+    return label + (f" mask-limit={decoder.mask_batch_limit}" if decoder.mask_batch_limit is not None else "")
 
 
 def _fallback(config: BenchConfig) -> dict:
@@ -76,8 +88,7 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
         if "none" in groups:
             contenders.append(_mars("none", length, tau=tau, cache="none", **fallback))
         for size in BLOCK_CACHE_SIZES if "block" in groups else ():
-            block = dict(cache="block", block_cache_size=size, **PAPER_RULE)  # the block cache reads every mask
-            contenders.append(_mars(f"block{size}", length, tau=tau, **block))
+            contenders.append(_mars(f"block{size}", length, tau=tau, cache="block", block_cache_size=size))
         if "cursor" in groups:  # the default decoder
             contenders.append(_mars("cursor", length, tau=tau, cache="cursor", **fallback))
         if "cursor-paper" in groups:  # every step reads its masks

@@ -1,12 +1,12 @@
-"""``marslm bench``'s cursor-auto group (adaptive width and the auto mask batch limit, the
-candidate default) and the fallback options of the other MARS contenders."""
+"""``marslm bench``'s groups that tell the fallback's levers apart (cursor-paper, cursor-adaptive,
+cursor-limit, cursor-auto: the default) and the fallback options of the other MARS contenders."""
 
 import json
 
 import pytest
 
 from marslm.cli import main
-from marslm.decode import costs
+from marslm.decode import PAPER_RULE, costs
 from marslm.errors import UserError
 from marslm.experiments.bench import default_contenders
 from marslm.experiments.bench_config import BenchConfig
@@ -16,46 +16,54 @@ def names(config: BenchConfig) -> list[str]:
     return [c.name for c in default_contenders(config)]
 
 
-def test_cursor_auto_runs_each_tau_with_adaptive_width_and_the_auto_limit():
-    groups = ["block", "cursor", "cursor-adaptive", "cursor-limit", "cursor-auto", "lossless"]
+def test_each_fallback_group_runs_each_tau_named_by_what_it_sets():
+    groups = ["block", "cursor", "cursor-paper", "cursor-adaptive", "cursor-limit", "cursor-auto", "lossless"]
     config = BenchConfig(model="m", ar_model="a", taus=[0.9, 0.8], contenders=groups)
-    assert names(config)[3:] == [
+    contenders = {c.name: c for c in default_contenders(config)}
+    assert list(contenders)[3:] == [  # cursor-auto is the default, so the cursor group's row
         "MARS cursor tau=0.9",
+        "MARS cursor paper-rule tau=0.9",
         "MARS cursor adaptive-width tau=0.9",
         "MARS cursor mask-limit=auto tau=0.9",
-        "MARS cursor adaptive-width mask-limit=auto tau=0.9",
         "MARS block16 tau=0.8",
         "MARS block32 tau=0.8",
         "MARS cursor tau=0.8",
+        "MARS cursor paper-rule tau=0.8",
         "MARS cursor adaptive-width tau=0.8",
         "MARS cursor mask-limit=auto tau=0.8",
-        "MARS cursor adaptive-width mask-limit=auto tau=0.8",
         "MARS lossless",
     ]
-    limit = {c.name: c for c in default_contenders(config)}["MARS cursor mask-limit=auto tau=0.8"]
-    assert (limit.decoder.adaptive_width, limit.decoder.mask_batch_limit) == (False, "auto")
-    auto = {c.name: c for c in default_contenders(config)}["MARS cursor adaptive-width mask-limit=auto tau=0.8"]
-    assert auto.options == {"tau": 0.8, "cache": "cursor", "adaptive_width": True, "mask_batch_limit": "auto"}
-    assert (auto.params.tau, auto.params.mode, auto.decoder.cache) == (0.8, "threshold", "cursor")
-    assert (auto.decoder.adaptive_width, auto.decoder.mask_batch_limit) == (True, "auto")
+    expected = {
+        "MARS cursor tau=0.8": (True, "auto"),
+        "MARS cursor paper-rule tau=0.8": (False, None),
+        "MARS cursor adaptive-width tau=0.8": (True, None),
+        "MARS cursor mask-limit=auto tau=0.8": (False, "auto"),
+    }
+    for name, setting in expected.items():
+        c = contenders[name]
+        assert (c.decoder.adaptive_width, c.decoder.mask_batch_limit) == setting, name
+        assert (c.params.tau, c.params.mode, c.decoder.cache) == (0.8, "threshold", "cursor")
+    assert contenders["MARS cursor paper-rule tau=0.8"].options == {"tau": 0.8, "cache": "cursor", **PAPER_RULE}
 
 
 def test_the_fallback_options_reach_every_contender_but_the_block_cache():
     groups = ["none", "block", "cursor", "cursor-adaptive", "cursor-auto", "lossless"]
-    fallback = dict(adaptive_width=True, mask_batch_limit=4)
-    config = BenchConfig(model="m", ar_model="a", taus=[0.9], contenders=groups, **fallback)
+    config = BenchConfig(model="m", ar_model="a", taus=[0.9], contenders=groups, mask_batch_limit=4)
     contenders = {c.name: c for c in default_contenders(config)}
-    assert list(contenders)[1:] == [  # cursor and cursor-adaptive now decode alike: one row
+    assert list(contenders)[1:] == [
         "MARS none adaptive-width mask-limit=4 tau=0.9",
         "MARS block16 tau=0.9",
         "MARS block32 tau=0.9",
         "MARS cursor adaptive-width mask-limit=4 tau=0.9",
-        "MARS cursor adaptive-width mask-limit=auto tau=0.9",
+        "MARS cursor adaptive-width tau=0.9",  # the groups that set their own ignore the flags
+        "MARS cursor tau=0.9",
         "MARS lossless adaptive-width mask-limit=4",
     ]
     block = contenders["MARS block16 tau=0.9"]
-    assert (block.decoder.adaptive_width, block.decoder.mask_batch_limit) == (False, None)
+    assert block.options == {"tau": 0.9, "cache": "block", "block_cache_size": 16}
     assert contenders["MARS lossless adaptive-width mask-limit=4"].decoder.mask_batch_limit == 4
+    paper = BenchConfig(model="m", ar_model="a", taus=[0.9], contenders=["cursor"], **PAPER_RULE)
+    assert [c.name for c in default_contenders(paper)][1:] == ["MARS cursor paper-rule tau=0.9"]
     with pytest.raises(UserError, match="mask_batch_limit must be an integer >= 1, auto"):
         BenchConfig(model="m", ar_model="a", mask_batch_limit="never")
 
@@ -79,7 +87,7 @@ def test_an_auto_limit_is_timed_in_the_warm_up_not_in_the_repeats(trained_dirs, 
     rows = json.loads(out.read_text())["rows"]
     assert {r["contender"] for r in rows} == {
         "HF generate (AR ckpt)",
-        "MARS cursor adaptive-width mask-limit=auto tau=0.9",
-        "MARS cursor adaptive-width mask-limit=auto tau=0.8",
+        "MARS cursor tau=0.9",
+        "MARS cursor tau=0.8",
     }
     assert all(r["tokens_per_forward"] >= 1.0 for r in rows)
