@@ -112,6 +112,8 @@ def servers(trained_dirs, tmp_path_factory):
             str(MAX_TOKENS_LIMIT),
             "--tau",
             "0.95",
+            "--mask-batch-limit",  # so that a request's text does not depend on its batch (adaptive
+            "off",  # width, the rest of the default fallback, is per row)
         ),
         "small": ServerProcess(model_dir, logs / "small.log", "--max-batch", "1", "--max-queue", "1"),
     }
@@ -325,6 +327,7 @@ def test_64_concurrent_requests_equal_offline_generate(main_url, messages, mars6
             max_new_tokens=n,
             block_size=extra.get("block_size"),
             mode=extra.get("mode", "threshold"),
+            mask_batch_limit=None,
         )
         assert response.choices[0].message.content == ref.texts[0], (n, extra)
         assert response.usage.completion_tokens == len(ref.token_ids[0])

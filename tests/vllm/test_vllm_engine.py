@@ -30,6 +30,7 @@ import pytest
 from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
+from marslm.decode import PAPER_RULE
 from marslm.errors import UserError
 from marslm.serve.vllm_launch import vllm_python
 from tests.trained import TRAIN_N
@@ -139,8 +140,8 @@ def marslm_oracle(trained_checkpoints, prompt, first_token, settings):
         mode=settings.get("mode", "threshold"),
         cache="none",
         use_last_mask=True,
-        adaptive_width=False,
         max_new_tokens=MAX_TOKENS - 1,
+        **PAPER_RULE,  # the plugin reads every mask at every step
         apply_chat_template=False,
     )
     return [first_token] + out.token_ids[0], 1 + out.forwards[0]
