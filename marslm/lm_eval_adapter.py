@@ -26,8 +26,10 @@ JSON; ours adds ``"marslm": {tau, block_size, ..., "tokens_per_forward", "forwar
 there. ``stats_path=FILE`` in ``--model_args`` also writes that dict to FILE.
 
 Model args: pretrained (required), tau (0.95), metric (prob), block_size (the trained B),
-cache (cursor), mode (threshold), max_gen_toks (256), max_length (the model's), dtype, device,
-batch_size (also lm-eval's ``--batch_size``), stats_path.
+cache (cursor), mode (threshold), adaptive_width and mask_batch_limit (N, auto or off; the
+decoder's fallback by default, ``adaptive_width=False,mask_batch_limit=off`` for the paper's rule,
+whose text does not depend on the batch or the machine), max_gen_toks (256), max_length (the
+model's), dtype, device, batch_size (also lm-eval's ``--batch_size``), stats_path.
 """
 
 from __future__ import annotations
@@ -45,9 +47,32 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry, register_model
 from tqdm import tqdm
 
+from .errors import UserError
+
 log = logging.getLogger("marslm")
 
 DEFAULT_BATCH_SIZE = 16
+
+
+def _fallback(adaptive_width, mask_batch_limit) -> dict:
+    """``DecoderOptions``' fallback fields from model args, which arrive as strings or as lm-eval's
+    guesses (bools, ints); unset keeps the decoder's default, and ``mask_batch_limit=off`` with
+    ``adaptive_width=False`` is the paper's rule."""
+    fields = {}
+    if adaptive_width is not None:
+        text = str(adaptive_width).lower()
+        if text not in ("true", "false"):
+            raise UserError(f"adaptive_width must be True or False, got {adaptive_width!r}")
+        fields["adaptive_width"] = text == "true"
+    if mask_batch_limit is not None:
+        text = str(mask_batch_limit)
+        fields["mask_batch_limit"] = None if text == "off" else text if text == "auto" else _integer(text)
+    return fields
+
+
+def _integer(text: str):
+    """An integer where ``text`` is one, else ``text`` itself, for ``DecoderOptions`` to refuse."""
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 class MarsLM(TemplateLM):
@@ -59,6 +84,8 @@ class MarsLM(TemplateLM):
         block_size: int | None = None,
         cache: str = "cursor",
         mode: str = "threshold",
+        adaptive_width: bool | str | None = None,
+        mask_batch_limit: int | str | None = None,
         max_gen_toks: int = 256,
         max_length: int | None = None,
         dtype: str | None = None,
@@ -78,7 +105,7 @@ class MarsLM(TemplateLM):
         self.params = DecodingParams(
             tau=float(tau), metric=metric, block_size=block_size, max_new_tokens=int(max_gen_toks), mode=mode
         ).validate(trained)
-        self.decoder = DecoderOptions(cache=cache)
+        self.decoder = DecoderOptions(cache=cache, **_fallback(adaptive_width, mask_batch_limit))
         self.model, self.tokenizer, _ = load_model(str(pretrained), dtype=dtype, device=_usable_device(device))
         self._device = next(self.model.parameters()).device
         self._max_gen_toks = int(max_gen_toks)

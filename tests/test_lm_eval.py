@@ -21,9 +21,11 @@ from lm_eval.api.registry import get_model  # noqa: E402
 
 from marslm.chat import encode_prompt  # noqa: E402
 from marslm.data import toy  # noqa: E402
+from marslm.decode import PAPER_RULE  # noqa: E402
+from marslm.errors import UserError  # noqa: E402
 from marslm.eval_sets import EvalSet  # noqa: E402
 from marslm.evaluate import evaluate  # noqa: E402
-from marslm.lm_eval_adapter import MarsLM  # noqa: E402
+from marslm.lm_eval_adapter import MarsLM, _fallback  # noqa: E402
 from tests.trained import TRAIN_N  # noqa: E402
 
 N_ITEMS = 16
@@ -92,6 +94,7 @@ def test_lm_eval_cli_matches_evaluate(trained_dirs, tmp_path):
         TOKENIZERS_PARALLELISM="false",
     )
     model_args = f"pretrained={mars},tau={SETTINGS['tau']},block_size={SETTINGS['block_size']},cache=cursor"
+    model_args += ",adaptive_width=False,mask_batch_limit=off"  # the paper's rule: text independent of timing
     run = subprocess.run(
         [
             sys.executable,
@@ -139,7 +142,21 @@ def test_lm_eval_cli_matches_evaluate(trained_dirs, tmp_path):
         max_new_tokens=SETTINGS["max_new_tokens"],
         batch_size=N_ITEMS,
         progress=False,
+        **PAPER_RULE,
     )["results"][0]
     assert accuracy == pytest.approx(reference["accuracy"]) and reference["accuracy"] > 0.25
     assert stats["tokens_per_forward"] == pytest.approx(reference["tokens_per_forward"])
     assert stats["answers"] == N_ITEMS and stats["block_size"] == SETTINGS["block_size"]
+
+
+def test_the_fallback_model_args_reach_the_decoder_settings():
+    assert _fallback(None, None) == {}  # the decoder's default
+    assert _fallback("False", "off") == PAPER_RULE
+    assert _fallback(True, 3) == {"adaptive_width": True, "mask_batch_limit": 3}  # lm-eval's own guesses
+    assert _fallback("true", "auto") == {"adaptive_width": True, "mask_batch_limit": "auto"}
+    with pytest.raises(UserError, match="adaptive_width must be True or False"):
+        _fallback("maybe", None)
+    from marslm.decode import DecoderOptions
+
+    with pytest.raises(UserError, match="mask_batch_limit must be"):
+        DecoderOptions(**_fallback(None, "-2"))
