@@ -66,14 +66,27 @@ class AdapterSpec:
         return {**asdict(self), "targets": list(self.targets)}
 
 
-def linear_targets(model) -> tuple[str, ...]:
-    """Every Linear inside the decoder layers, by name (the output projection is not one of them:
-    the fused loss runs it outside the model's forward)."""
+def linear_targets(model, modules: list[str] | None = None) -> tuple[str, ...]:
+    """Every Linear inside the decoder layers, by name, or those whose own name (the last part) is
+    one of ``modules``. The output projection is never one of them: the fused loss runs it outside
+    the model's forward."""
     layers = unwrap_model(model).get_decoder().layers
     prefix = _name_of(model, layers)
-    return tuple(
-        f"{prefix}.{name}" for name, module in layers.named_modules() if isinstance(module, nn.Linear) and name
-    )
+    names = [name for name, module in layers.named_modules() if isinstance(module, nn.Linear) and name]
+    if modules is not None:
+        check_linear_names(modules, {name.rsplit(".", 1)[-1] for name in names})
+        names = [name for name in names if name.rsplit(".", 1)[-1] in modules]
+    return tuple(f"{prefix}.{name}" for name in names)
+
+
+def check_linear_names(modules: list[str], present: set[str]) -> None:
+    """Refuse, in one line, a LoRA module name that no decoder Linear of the model has."""
+    unknown = [name for name in modules if name not in present]
+    if unknown:
+        raise UserError(
+            f"lora modules: this model's decoder layers have no Linear called {unknown[0]!r} "
+            f"(they have {', '.join(sorted(present))})"
+        )
 
 
 def _name_of(model, target: nn.Module) -> str:
@@ -117,12 +130,15 @@ class MaskAdapter(nn.Module):
         self._explicit_offsets = None
 
     @classmethod
-    def for_model(cls, model, mask_token_id: int, rank: int, rows: int, alpha: float | None = None) -> MaskAdapter:
-        """A fresh adapter for ``model``: LoRA factors ``b`` at zero (no change yet), mask rows at the
-        mask token's embedding where the model has one, else the mean embedding."""
+    def for_model(
+        cls, model, mask_token_id: int, rank: int, rows: int, alpha: float | None = None, modules=None
+    ) -> MaskAdapter:
+        """A fresh adapter for ``model``: LoRA factors ``b`` at zero (no change yet) on the decoder
+        Linears named in ``modules`` (all by default), mask rows at the mask token's embedding where
+        the model has one, else the mean embedding."""
         inner = unwrap_model(model)
         embedding = inner.get_input_embeddings().weight
-        targets = linear_targets(inner) if rank else ()
+        targets = linear_targets(inner, modules) if rank else ()
         modules = dict(inner.named_modules())
         shapes = {name: (modules[name].in_features, modules[name].out_features) for name in targets}
         spec = AdapterSpec(mask_token_id, embedding.shape[1], rows, rank, float(alpha or rank or 1), targets)

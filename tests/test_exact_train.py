@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from marslm.adapter import FILENAME as ADAPTER_FILE
 from marslm.config import MarsConfig
+from marslm.errors import UserError
 from marslm.training.config import TrainConfig
 from marslm.training.recipe import train
 from tests.test_train_reliability import run_cli
@@ -38,20 +39,35 @@ def _config(base, data, out, **options) -> TrainConfig:
 
 
 @pytest.mark.parametrize(
-    "options, rows, rank",
-    [({}, 4, 32), ({"mask_rows": "shared", "lora_rank": 0}, 1, 0), ({"lora_rank": 4, "block_size": 3}, 3, 4)],
+    "options, rows, rank, linears",
+    [
+        ({}, 4, 32, 14),
+        ({"mask_rows": "shared", "lora_rank": 0}, 1, 0, 0),
+        ({"lora_rank": 4, "block_size": 3}, 3, 4, 14),
+        ({"lora_modules": ["q_proj", "v_proj"]}, 4, 32, 4),  # two of each layer's seven
+    ],
 )
-def test_the_checkpoint_records_the_adapter_it_trained(tiny_model_dir, data, tmp_path, options, rows, rank):
+def test_the_checkpoint_records_the_adapter_it_trained(tiny_model_dir, data, tmp_path, options, rows, rank, linears):
     out = tmp_path / "out"
     summary = train(_config(tiny_model_dir, data, out, random_phase=True, masked_streams=2, **options))
     config = MarsConfig.load(out)
     assert config.exact and config.adapter["rows"] == rows and config.adapter["rank"] == rank
     saved = load_file(str(out / ADAPTER_FILE))
     assert saved["rows"].shape[0] == rows
-    assert len([k for k in saved if k.startswith("lora.")]) == (2 * 14 if rank else 0)
+    assert len([k for k in saved if k.startswith("lora.")]) == 2 * linears
+    assert len(config.adapter["targets"]) == linears
+    if "lora_modules" in options:
+        assert {t.rsplit(".", 1)[-1] for t in config.adapter["targets"]} == set(options["lora_modules"])
     assert not any(k.startswith("mars_adapter") for k in load_file(str(out / "model.safetensors")))
     assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
     assert summary.parameters == sum(t.numel() for t in load_file(str(out / "model.safetensors")).values())
+
+
+def test_a_lora_module_the_model_lacks_is_refused_in_one_line(tiny_model_dir, data, tmp_path):
+    with pytest.raises(UserError, match="no Linear called 'qkv_proj' \\(they have down_proj, ") as refused:
+        train(_config(tiny_model_dir, data, tmp_path / "out", lora_modules=["q_proj", "qkv_proj"]))
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_interrupted_exact_run_resumes_to_the_same_adapter(tiny_model_dir, data, tmp_path):

@@ -100,6 +100,15 @@ def test_lora_is_merged_into_a_plain_checkpoint(base, write_chat_jsonl, tmp_path
     assert changed and all(name.startswith(f"model.layers.{n - 1}.") for name in changed)
 
 
+def test_lora_modules_choose_the_linears_it_adapts(base, write_chat_jsonl, tmp_path):
+    pytest.importorskip("peft")
+    original, _ = load(base)
+    data = write_chat_jsonl(tmp_path / "d.jsonl", 6)
+    model = _train(base, data, tmp_path / "out", lora_rank=4, lora_modules=["q_proj", "down_proj"])
+    changed = _changed(_weights(original), _weights(model))
+    assert changed and {name.split(".")[-2] for name in changed} == {"q_proj", "down_proj"}
+
+
 def test_activation_checkpointing_trains(base, write_chat_jsonl, tmp_path):
     _train(base, write_chat_jsonl(tmp_path / "d.jsonl", 4), tmp_path / "out", gradient_checkpointing=True)
 

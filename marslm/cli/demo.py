@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
         "smollm2-fresh: its steps on twice the answers, one pass instead of two; smollm2-hold: those "
         "answers, twice the steps at a held learning rate and twice the adapter's rank (about 70 minutes "
         "after smollm2-fresh's distillation); smollm2-long: smollm2-hold for twice its steps, the learning "
-        "curve to 9,600 examples (about 2.2 hours after that distillation); "
+        "curve to 9,600 examples (about 2.2 hours after that distillation); smollm2-attn: smollm2-hold with "
+        "the adapter on the attention's Linears alone, fewer products per decoding step; "
         "smollm2-quick: the same plumbing in a few minutes, no quality claims",
     )
     demo.add_argument(

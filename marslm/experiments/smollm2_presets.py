@@ -98,6 +98,20 @@ SMOLLM2_PRESETS = {
         },
         curve_points=16,
     ),
+    # Whether the gated LoRA needs the MLP: smollm2-hold with the attention's Linears alone (4 of each
+    # layer's 7), so that a decoding step that reads masks runs 4/7 of the adapter's products.
+    "smollm2-attn": replace(
+        _RECIPE,
+        train_prompts="instructions:2400,toy:600",
+        train={
+            **_RECIPE.train,
+            "max_steps": 600,
+            "lr_schedule": "constant_with_warmup",
+            "lora_rank": 64,
+            "lora_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        },
+        curve_points=12,
+    ),
     # The test suite's end-to-end run: a few prompts, two steps; it checks the plumbing, not quality.
     "smollm2-quick": RealModelPreset(
         train_prompts="instructions:6,toy:2",

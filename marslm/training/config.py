@@ -14,7 +14,7 @@ from ..config import DEFAULT_BLOCK_SIZE, STAGES
 from ..data import TOY, check_mix
 from ..errors import UserError
 from ..files import output_directory
-from ..settings import check_count, check_range, flag_of, setting
+from ..settings import check_count, check_range, flag_of, setting, strings
 
 # Learning-rate schedules: Trainer's names for those that need nothing beyond the warmup and the
 # step count.
@@ -174,6 +174,14 @@ class TrainConfig:
         metavar="R",
     )
     lora_alpha: float | None = setting(None, "LoRA scaling alpha (default: 2x the rank)")
+    lora_modules: list[str] | None = setting(
+        None,
+        "the decoder Linears a LoRA adapts, by their own names, comma-separated (e.g. q_proj,k_proj,v_proj,"
+        "o_proj; default: every one). In exact mode each one adds small matrix products to every decoding "
+        "step that reads masks",
+        parse=strings,
+        metavar="NAMES",
+    )
     exact: bool = setting(
         False,
         "exact mode (stage mars): the model stays frozen and an adapter trains that acts only where the "
@@ -313,6 +321,8 @@ class TrainConfig:
             raise UserError(f"{flag('mask_only')} is for stage mars (stage ar reads no mask token)")
         if self.lora_alpha is not None:
             check_range(flag("lora_alpha"), self.lora_alpha, low=0, low_open=True)
+        if self.lora_modules is not None and not (self.lora_modules and all(self.lora_modules)):
+            raise UserError(f"{flag('lora_modules')} must name at least one Linear, got {self.lora_modules!r}")
 
     def _check_masking(self, flag) -> None:
         check_range(flag("offset_decay"), self.offset_decay, low=0, high=1)
@@ -362,8 +372,9 @@ class TrainConfig:
             return flag_of(TrainConfig, name)
 
         idle = []
-        if self._given("lora_alpha") and not (self.lora_rank or (self.exact and self.lora_rank is None)):
-            idle.append(f"{flag('lora_alpha')} does nothing without a {flag('lora_rank')} above 0")
+        for name in ("lora_alpha", "lora_modules"):
+            if self._given(name) and not (self.lora_rank or (self.exact and self.lora_rank is None)):
+                idle.append(f"{flag(name)} does nothing without a {flag('lora_rank')} above 0")
         if self._given("teacher_top_k") and not (self.soft_clean or self.soft_masked):
             idle.append(f"{flag('teacher_top_k')} does nothing without {flag('soft_clean')} or {flag('soft_masked')}")
         if self.freeze_embeddings and self.train_layers:

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from ..adapter import MaskAdapter, adapter_of
+from ..adapter import MaskAdapter, adapter_of, check_linear_names
 from ..config import MASK_TOKEN
 from ..errors import UserError
 from ..modeling import count_parameters
@@ -102,9 +102,10 @@ def train_embedding_rows(model, rows: list[int]) -> torch.nn.Parameter:
     return weight
 
 
-def apply_lora(model, rank: int, alpha: float | None, train_layers: int | None):
-    """LoRA adapters (peft) on every linear layer of the top ``train_layers`` decoder layers (all by
-    default); every other weight is frozen. :func:`merge_lora` folds them back in before saving."""
+def apply_lora(model, rank: int, alpha: float | None, train_layers: int | None, modules: list[str] | None = None):
+    """LoRA adapters (peft) on the linear layers named in ``modules`` (every one by default) of the
+    top ``train_layers`` decoder layers (all by default); every other weight is frozen.
+    :func:`merge_lora` folds them back in before saving."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -115,6 +116,9 @@ def apply_lora(model, rank: int, alpha: float | None, train_layers: int | None):
     linear = sorted(
         {name.rsplit(".", 1)[-1] for name, m in decoder_layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
     )
+    if modules is not None:
+        check_linear_names(modules, set(linear))
+        linear = sorted(modules)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha if alpha is not None else 2 * rank,
@@ -156,14 +160,18 @@ def trainable_part(model, cfg: TrainConfig, mask_id: int | None):
         model.requires_grad_(False)
         rank = EXACT_RANK if cfg.lora_rank is None else cfg.lora_rank
         rows = cfg.block_size if cfg.mask_rows == "per-offset" else 1
-        adapter = MaskAdapter.for_model(model, mask_id, rank=rank, rows=rows, alpha=cfg.lora_alpha)
+        adapter = MaskAdapter.for_model(
+            model, mask_id, rank=rank, rows=rows, alpha=cfg.lora_alpha, modules=cfg.lora_modules
+        )
         adapter.attach(model)
         mask_row = adapter.rows if cfg.mask_lr is not None else None
         log.warning(
-            "exact mode: the model is frozen; training an adapter of %s parameters (%d mask rows, gated LoRA rank %d)",
+            "exact mode: the model is frozen; training an adapter of %s parameters "
+            "(%d mask rows, gated LoRA rank %d on %d Linears)",
             f"{count_parameters(adapter):,}",
             rows,
             rank,
+            len(adapter.spec.targets),
         )
         return model, mask_row
     if cfg.mask_only:
@@ -176,7 +184,7 @@ def trainable_part(model, cfg: TrainConfig, mask_id: int | None):
         if cfg.freeze_embeddings and not cfg.train_layers:
             what += ", embeddings frozen"
         if cfg.lora_rank:
-            model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.train_layers)
+            model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.train_layers, cfg.lora_modules)
             what = f"LoRA rank {cfg.lora_rank} on the {what}"
         if cfg.mask_lr is not None and mask_id is not None:
             mask_row = train_embedding_rows(model, [mask_id])

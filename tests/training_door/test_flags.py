@@ -73,6 +73,7 @@ def _chat(path):
 IDLE = {
     "lora-alpha-without-rank": (dict(lora_alpha=8.0), "--lora-alpha does nothing without a --lora-rank"),
     "lora-alpha-exact-rank-0": (dict(exact=True, lora_rank=0, lora_alpha=8.0), "--lora-alpha does nothing"),
+    "lora-modules-without-rank": (dict(lora_modules=["q_proj"]), "--lora-modules does nothing without a --lora-rank"),
     "cut-answers-on-chat": (dict(data="chat", cut_answers=True), "--cut-answers does nothing: "),
     "cut-answers-on-toy": (dict(cut_answers=True), "--cut-answers does nothing: toy is not"),
     "cut-answers-retokenize": (dict(data="distill+", cut_answers=True, answer_ids=False), "with --retokenize"),
