@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from ..adapter import adapter_of
+
 log = logging.getLogger("marslm.decode")
 
 # Where a model keeps its measured step costs, by (block size, batch sizes): decoding calls that
@@ -32,7 +34,9 @@ def cost_curve(
     acceptance pays on a given machine. For each batch size and context length a cache is
     prefilled with ``context`` random tokens, then every width is fed on top of it and the cache
     is cropped back, the widths in turn within each repeat (interleaved), after a warm-up round.
-    Logits are computed for every fed column, as a MARS step reads them.
+    Logits are computed for every fed column, as a MARS step reads them. On an exact-mode model
+    every fed column after the first is the mask token, so that the adapter, which acts at masks
+    alone (adapter.py), costs what it does in a step.
     """
     from tqdm.auto import tqdm
     from transformers import DynamicCache
@@ -40,6 +44,8 @@ def cost_curve(
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
+    adapter = adapter_of(model)
+    mask_id = None if adapter is None else adapter.spec.mask_token_id
     rows = []
     bar = tqdm(
         total=len(batch_sizes) * len(contexts) * (repeats + 1) * len(widths), desc="cost curve", disable=not progress
@@ -54,6 +60,8 @@ def cost_curve(
             for round_ in range(repeats + 1):  # round 0: warm-up
                 for w in widths:
                     fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
+                    if mask_id is not None:
+                        fed[:, 1:] = mask_id
                     positions = (context + torch.arange(w, device=device)).expand(batch, -1)
                     if device.type == "cuda":
                         torch.cuda.synchronize()

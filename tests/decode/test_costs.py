@@ -60,3 +60,33 @@ def test_a_try_that_buys_enough_turns_masks_back_on():
     assert limit.limit == 8  # the try bought 3 tokens: the mean is 2.0
     limit.step(batch)
     assert batch.limits[-1] == 8
+
+
+def fed_to(model, call) -> list:
+    """Every forward's input ids while ``call()`` runs."""
+    fed = []
+    handle = model.register_forward_pre_hook(lambda _, args, kwargs: fed.append(kwargs["input_ids"]), with_kwargs=True)
+    try:
+        call()
+    finally:
+        handle.remove()
+    return fed
+
+
+def test_the_cost_curve_feeds_an_exact_model_masks_where_a_step_does(trained_dirs):
+    """The adapter acts at masks alone, so on random tokens its cost would go unmeasured."""
+    import marslm
+    from marslm.adapter import adapter_of
+    from marslm.decode.costs import cost_curve
+    from marslm.modeling import checkpoint_facts
+
+    model, _ = marslm.load(str(trained_dirs["dir"] / "exact"))
+    mask_id = adapter_of(model).spec.mask_token_id
+    fed = fed_to(model, lambda: cost_curve(model, widths=(1, 6), contexts=(8,), repeats=1, progress=False))
+    steps = [ids for ids in fed if ids.shape[1] in (1, 6)]
+    assert steps and all((ids[:, 1:] == mask_id).all() for ids in steps)
+    assert all((ids[:, :1] != mask_id).all() for ids in fed)
+    plain, tokenizer = marslm.load(str(trained_dirs["dir"] / "mars"))  # full mode: no adapter to engage
+    plain_mask = checkpoint_facts(plain, tokenizer).mask_token_id
+    fed = fed_to(plain, lambda: cost_curve(plain, widths=(6,), contexts=(8,), repeats=1, progress=False))
+    assert not any((ids[:, 1:] == plain_mask).all() for ids in fed)
