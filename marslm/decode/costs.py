@@ -39,11 +39,9 @@ def cost_curve(
     alone (adapter.py), costs what it does in a step.
     """
     from tqdm.auto import tqdm
-    from transformers import DynamicCache
 
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
     adapter = adapter_of(model)
     mask_id = None if adapter is None else adapter.spec.mask_token_id
     rows = []
@@ -52,28 +50,7 @@ def cost_curve(
     )
     for batch in batch_sizes:
         for context in contexts:
-            cache = DynamicCache(config=model.config)
-            prefix = torch.randint(vocab, (batch, context), generator=generator).to(device)
-            with torch.no_grad():
-                model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
-            times = {w: [] for w in widths}
-            for round_ in range(repeats + 1):  # round 0: warm-up
-                for w in widths:
-                    fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
-                    if mask_id is not None:
-                        fed[:, 1:] = mask_id
-                    positions = (context + torch.arange(w, device=device)).expand(batch, -1)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    started = time.perf_counter()
-                    with torch.no_grad():
-                        model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    if round_:
-                        times[w].append(time.perf_counter() - started)
-                    cache.crop(-w)
-                    bar.update(1)
+            times = _timed_widths(model, batch, context, widths, repeats, generator, mask_id, bar.update)
             base = statistics.median(times[widths[0]])
             for w in widths:
                 ms = statistics.median(times[w])
@@ -87,6 +64,40 @@ def cost_curve(
         "widths": list(widths),
         "rows": rows,
     }
+
+
+def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, tick) -> dict[int, list[float]]:
+    """Seconds of each width's forward over ``repeats`` rounds (after a warm-up round) on a cache of
+    ``context`` random tokens; every column after the first is ``mask_id`` where given."""
+    from transformers import DynamicCache
+
+    device, vocab = next(model.parameters()).device, model.config.vocab_size
+    cache = DynamicCache(config=model.config)
+    prefix = torch.randint(vocab, (batch, context), generator=generator).to(device)
+    with torch.no_grad():
+        model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+    times = {w: [] for w in widths}
+    for round_ in range(repeats + 1):  # round 0: warm-up
+        for w in widths:
+            fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
+            if mask_id is not None:
+                fed[:, 1:] = mask_id
+            positions = (context + torch.arange(w, device=device)).expand(batch, -1)
+            _synchronize(device)
+            started = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
+            _synchronize(device)
+            if round_:
+                times[w].append(time.perf_counter() - started)
+            cache.crop(-w)
+            tick(1)
+    return times
+
+
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def masked_step_costs(model, n_masks: int, batch_sizes, context: int = 64, repeats: int = 3) -> dict[int, float]:
