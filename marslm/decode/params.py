@@ -210,7 +210,8 @@ class DecoderOptions:
         ADAPTIVE_WIDTH,
         "rest a row from masks (1, 2, 4 .. 16 steps) after steps running that accepted none of them: "
         "cheaper where masks are rarely confident, but at tau < 1 it changes the text, not only the reach "
-        "(default: on; off with --mask-batch-limit off: every step reads its masks, the paper's rule)",
+        "(on by default; --no-adaptive-width with --mask-batch-limit off: every step reads its masks, as "
+        "the paper's rule does)",
     )
     mask_batch_limit: int | str | None = setting(
         MASK_BATCH_LIMIT,
