@@ -34,6 +34,7 @@ model's), dtype, device, batch_size (also lm-eval's ``--batch_size``), stats_pat
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -48,6 +49,7 @@ from lm_eval.api.registry import model_registry, register_model
 from tqdm import tqdm
 
 from .errors import UserError
+from .settings import int_or_auto
 
 log = logging.getLogger("marslm")
 
@@ -65,14 +67,11 @@ def _fallback(adaptive_width, mask_batch_limit) -> dict:
             raise UserError(f"adaptive_width must be True or False, got {adaptive_width!r}")
         fields["adaptive_width"] = text == "true"
     if mask_batch_limit is not None:
-        text = str(mask_batch_limit)
-        fields["mask_batch_limit"] = None if text == "off" else text if text == "auto" else _integer(text)
+        try:  # the command line's rule for N, auto or off
+            fields["mask_batch_limit"] = int_or_auto(str(mask_batch_limit))
+        except argparse.ArgumentTypeError as exc:
+            raise UserError(f"mask_batch_limit: {exc}") from None
     return fields
-
-
-def _integer(text: str):
-    """An integer where ``text`` is one, else ``text`` itself, for ``DecoderOptions`` to refuse."""
-    return int(text) if text.lstrip("-").isdigit() else text
 
 
 class MarsLM(TemplateLM):
