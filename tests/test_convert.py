@@ -130,6 +130,7 @@ def test_convert_refuses_an_unsupported_quantisation(tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_quick_demo_runs_every_stage_and_resumes(smollm2_dir, tmp_path):
     from marslm.experiments.demo_smollm2 import run_smollm2_demo
+    from marslm.experiments.smollm2_measure import format_report
 
     out = tmp_path / "demo"
     report = run_smollm2_demo(out, "smollm2-quick", progress=False, original=str(smollm2_dir))
@@ -138,6 +139,13 @@ def test_smollm2_quick_demo_runs_every_stage_and_resumes(smollm2_dir, tmp_path):
         assert result["tokens_per_forward"] >= 1.0 and 0.0 <= result["exact_match"] <= 1.0
         assert result["mean_matching_prefix"] <= result["mean_reference_length"]
     assert report["mars"]["tau=1"]["tokens_per_forward"] == 1.0
+    for result in report["mars"].values():  # the families split the prompts and their forwards
+        by_family = result["by_family"].values()
+        assert sum(f["n"] for f in by_family) == result["n"]
+        tokens, forwards = sum(f["tokens"] for f in by_family), sum(f["forwards"] for f in by_family)
+        assert tokens / forwards == pytest.approx(result["tokens_per_forward"])
+    assert all(f["tokens_per_forward"] == 1.0 for f in report["mars"]["tau=1"]["by_family"].values())
+    assert "tokens per forward by prompt family" in format_report(report)
     assert [p["step"] for p in report["learning_curve"]] == [0, 1, 2]
     assert [p["examples_seen"] for p in report["learning_curve"]] == [0, 4, 8]
     assert report["original"]["toy_accuracy"] is not None

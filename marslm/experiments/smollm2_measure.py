@@ -74,9 +74,37 @@ def decode_heldout(
         "decoding": DECODED_LABEL,
         "tokens_per_forward": out.tokens_per_forward,
         **agreement(out.token_ids, references),
+        "by_family": {
+            family: _family_result(out, rows, references) for family, rows in families(items).items()
+        },
         "texts": out.texts,
-        "token_ids": out.token_ids,
     }
+
+
+def _family_result(out, rows: list[int], references: list[list[int]]) -> dict:
+    tokens = sum(sum(out.accepted_per_step[i]) for i in rows)
+    forwards = sum(out.forwards[i] for i in rows)
+    return {
+        "n": len(rows),
+        "tokens": tokens,
+        "forwards": forwards,
+        "tokens_per_forward": tokens / forwards if forwards else 0.0,
+        **agreement([out.token_ids[i] for i in rows], [references[i] for i in rows]),
+    }
+
+
+def family_of(item: dict) -> str:
+    """``source/family``: distilled prompts' ids are ``<family>-<hash>`` (data/instructions.py, data/toy.py)."""
+    return f"{item['source']}/{item['id'].rsplit('-', 1)[0]}"
+
+
+def families(items: list[dict]) -> dict[str, list[int]]:
+    """Family -> the indices of its items, families sorted by name."""
+    rows: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        rows.setdefault(family_of(item), []).append(i)
+    return dict(sorted(rows.items()))
+
 
 
 CURVE_TAU = 0.95
@@ -185,12 +213,6 @@ def eval_stage(stages: Stages, mars: Path, out: Path, preset: RealModelPreset, i
         result = decode_heldout(model, tokenizer, items, tau, preset.max_new_tokens, block_size, preset.eval_batch)
         result["toy_accuracy"] = toy_accuracy(result["texts"])
         result["seconds"] = round(time.perf_counter() - started, 1)
-        for source in sorted({it["source"] for it in items}):
-            rows = [i for i, it in enumerate(items) if it["source"] == source]
-            result.setdefault("by_source", {})[source] = agreement(
-                [result["token_ids"][i] for i in rows], [items[i]["reference"][: preset.max_new_tokens] for i in rows]
-            )
-        result.pop("token_ids")
         done[key] = result
         store.save()
         stages.say(
@@ -309,6 +331,7 @@ def format_report(report: dict) -> str:
             f"| MARS B={report['block_size']} | {r['tau']:g} | {r['tokens_per_forward']:.2f} | "
             f"{100 * r['exact_match']:.1f}% | {r['mean_matching_prefix']:.1f} | {toy_acc} |"
         )
+    lines += _family_table(report["mars"])
     if report.get("probe"):
         lines += [
             "",
@@ -331,3 +354,18 @@ def format_report(report: dict) -> str:
             ),
         ]
     return "\n".join(lines)
+
+
+def _family_table(results: dict) -> list[str]:
+    """Tokens per forward (decoded, as above) per prompt family, one column per tau."""
+    results = [r for r in results.values() if "by_family" in r]
+    if not results:
+        return []
+    names = sorted({f for r in results for f in r["by_family"]})
+    head = "| family | prompts | " + " | ".join(f"tau {r['tau']:g}" for r in results) + " |"
+    lines = ["", f"tokens per forward by prompt family ({DECODED_LABEL}):", head, "|---|---|" + "---|" * len(results)]
+    for name in names:
+        n = next(r["by_family"][name]["n"] for r in results if name in r["by_family"])
+        cells = [f"{r['by_family'][name]['tokens_per_forward']:.2f}" if name in r["by_family"] else "-" for r in results]
+        lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
+    return lines

@@ -111,6 +111,19 @@ def test_learning_curve_steps_are_even_and_end_at_the_last_step():
     assert curve_steps(3, 6) == [1, 2, 3]
 
 
+def test_smollm2_prompts_are_grouped_by_source_and_family():
+    from marslm.experiments.smollm2_measure import families, family_of
+
+    items = [
+        {"source": "toy", "id": "lists-0a1b"},
+        {"source": "instructions", "id": "lists-9f9f"},
+        {"source": "instructions", "id": "word_problem-77aa"},
+        {"source": "toy", "id": "lists-c3c3"},
+    ]
+    assert family_of(items[2]) == "instructions/word_problem"
+    assert families(items) == {"instructions/lists": [1], "instructions/word_problem": [2], "toy/lists": [0, 3]}
+
+
 def test_demo_deletes_only_its_own_output_and_only_with_overwrite(tmp_path, monkeypatch, capsys):
     import marslm.experiments.demo as demo
     from marslm.errors import UserError
