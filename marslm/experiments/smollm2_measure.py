@@ -366,6 +366,8 @@ def _family_table(results: dict) -> list[str]:
     lines = ["", f"tokens per forward by prompt family ({DECODED_LABEL}):", head, "|---|---|" + "---|" * len(results)]
     for name in names:
         n = next(r["by_family"][name]["n"] for r in results if name in r["by_family"])
-        cells = [f"{r['by_family'][name]['tokens_per_forward']:.2f}" if name in r["by_family"] else "-" for r in results]
+        cells = [
+            f"{r['by_family'][name]['tokens_per_forward']:.2f}" if name in r["by_family"] else "-" for r in results
+        ]
         lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
     return lines
