@@ -74,9 +74,7 @@ def decode_heldout(
         "decoding": DECODED_LABEL,
         "tokens_per_forward": out.tokens_per_forward,
         **agreement(out.token_ids, references),
-        "by_family": {
-            family: _family_result(out, rows, references) for family, rows in families(items).items()
-        },
+        "by_family": {family: _family_result(out, rows, references) for family, rows in families(items).items()},
         "texts": out.texts,
     }
 
@@ -104,7 +102,6 @@ def families(items: list[dict]) -> dict[str, list[int]]:
     for i, item in enumerate(items):
         rows.setdefault(family_of(item), []).append(i)
     return dict(sorted(rows.items()))
-
 
 
 CURVE_TAU = 0.95
