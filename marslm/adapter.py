@@ -114,67 +114,6 @@ class _LoRA(nn.Module):
         return self._factors[1], self._factors[2]
 
 
-class _SharedInputs:
-    """Gated Linears handed the same input (a layer's q, k and v; its gate and up) share a decoding
-    step's first product: their ``a^T`` factors side by side, one product for the group instead of
-    one each. On a CPU a product this small costs about as much whatever its width, so the count of
-    products is what a step pays for. Which Linears share is learned from the first decoding
-    forward, by which of them were handed the same tensor; a Linear whose input is not its group's
-    in a later forward runs its own product, so the grouping changes the cost, never the result."""
-
-    def __init__(self, loras: list[_LoRA]):
-        self.loras = loras
-        self.groups: dict[int, tuple[int, slice, tuple[int, ...]]] | None = None  # i -> (leader, columns, members)
-        self._seen: list[tuple[int, torch.Tensor]] = []  # (Linear, its input) while learning the groups
-        self._joined: dict[int, tuple[tuple, torch.Tensor]] = {}  # leader -> (members' factors, a^T side by side)
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product) of the last group
-
-    def down(self, i: int, x: torch.Tensor, picked: torch.Tensor, scale: float) -> torch.Tensor:
-        """``picked @ a_i^T``, where ``picked`` is Linear ``i``'s mask columns of its input ``x``."""
-        if self.groups is None:
-            self._seen.append((i, x))
-        entry = self.groups.get(i) if self.groups else None
-        if entry is None:
-            return picked @ self.loras[i].factors(scale)[0]
-        leader, columns, members = entry
-        if i == leader:
-            self._last = (x, picked @ self._joined_factor(leader, members, scale))
-        elif self._last is None or self._last[0] is not x:
-            return picked @ self.loras[i].factors(scale)[0]
-        return self._last[1][..., columns]
-
-    def _joined_factor(self, leader: int, members: tuple[int, ...], scale: float) -> torch.Tensor:
-        factors = tuple(self.loras[m].factors(scale)[0] for m in members)
-        kept = self._joined.get(leader)
-        if kept is None or any(a is not b for a, b in zip(kept[0], factors)):
-            kept = self._joined[leader] = (factors, torch.cat(factors, dim=-1))
-        return kept[1]
-
-    def end_forward(self) -> None:
-        self._last = None
-        if self.groups is None and self._seen:
-            self.groups = _groups_by_input(self._seen, [lora.a.shape[0] for lora in self.loras])
-        self._seen = []
-
-
-def _groups_by_input(seen: list[tuple[int, torch.Tensor]], ranks: list[int]) -> dict:
-    """Runs of consecutive Linears handed the same tensor -> each member's (leader, its columns in
-    the group's product, the members)."""
-    runs: list[list[int]] = []
-    for k, (i, x) in enumerate(seen):
-        if k and x is seen[k - 1][1]:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    groups = {}
-    for run in (r for r in runs if len(r) > 1):
-        start = 0
-        for i in run:
-            groups[i] = (run[0], slice(start, start + ranks[i]), tuple(run))
-            start += ranks[i]
-    return groups
-
-
 class MaskAdapter(nn.Module):
     """Mask rows and gated LoRA weights; :meth:`attach` hooks them into a model."""
 
@@ -187,7 +126,6 @@ class MaskAdapter(nn.Module):
             _LoRA(*shapes.get(name, (1, 1)), spec.rank) for name in (spec.targets if spec.rank else ())
         )
         self._handles: list = []
-        self._shared = _SharedInputs(list(self.lora))
         self._gate = None  # (flat indices of the mask positions, their offsets) during one forward
         self._explicit_offsets = None
 
@@ -230,9 +168,8 @@ class MaskAdapter(nn.Module):
             embedding.register_forward_pre_hook(self._valid_ids),
             embedding.register_forward_hook(self._put_rows),
         ]
-        self._shared = _SharedInputs(list(self.lora))
-        for i, name in enumerate(self.spec.targets if self.spec.rank else ()):
-            self._handles.append(modules[name].register_forward_hook(self._gated_update(i)))
+        for name, lora in zip(self.spec.targets if self.spec.rank else (), self.lora):
+            self._handles.append(modules[name].register_forward_hook(self._gated_update(lora)))
 
     def detach(self, model) -> None:
         for handle in self._handles:
@@ -268,7 +205,6 @@ class MaskAdapter(nn.Module):
 
     def _forget_masks(self, module, args, output):
         self._gate = None
-        self._shared.end_forward()
 
     def _valid_ids(self, module, args):
         # the mask id may lie past the embedding's last row; the row put there replaces the lookup
@@ -282,8 +218,7 @@ class MaskAdapter(nn.Module):
         rows = self.rows[self._gate.offsets].to(output.dtype)
         return flat.index_copy(0, self._gate.index, rows).reshape(output.shape)
 
-    def _gated_update(self, i: int):
-        lora = self.lora[i]
+    def _gated_update(self, lora: _LoRA):
         scale = self.spec.alpha / self.spec.rank
 
         def hook(module, args, output):
@@ -296,13 +231,11 @@ class MaskAdapter(nn.Module):
             if gate.tail and x.shape[:-1] == gate.shape and not torch.is_grad_enabled():
                 # decoding: the masks are each row's last columns, so the update is one fused
                 # multiply-add into a slice of the output, with no gather, scatter or copy
-                b_t = lora.factors(scale)[1]
+                a_t, b_t = lora.factors(scale)
                 if len(x) == 1:
-                    down = self._shared.down(i, x, x[0, -gate.tail :], scale)
-                    output[0, -gate.tail :].addmm_(down, b_t)
+                    output[0, -gate.tail :].addmm_(x[0, -gate.tail :] @ a_t, b_t)
                 else:
-                    down = self._shared.down(i, x, x[:, -gate.tail :], scale)
-                    output[:, -gate.tail :].baddbmm_(down, b_t.expand(len(x), -1, -1))
+                    output[:, -gate.tail :].baddbmm_(x[:, -gate.tail :] @ a_t, b_t.expand(len(x), -1, -1))
                 return output
             picked = x.reshape(-1, x.shape[-1])[gate.index]
             update = (picked.to(lora.a.dtype) @ lora.a.T @ lora.b.T) * scale

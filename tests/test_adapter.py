@@ -141,7 +141,7 @@ def test_a_second_adapter_is_refused(model_and_adapter):
 
 def test_decoding_fast_path_equals_the_general_path(model_and_adapter):
     """A decoding step's masks are each row's last columns: without autograd the update is added to
-    that slice in place; it must give what the gather/scatter path (taken under autograd) gives."""
+    that slice in float32; it must give what the gather/scatter path (taken under autograd) gives."""
     model, adapter, mask_id = model_and_adapter
     adapter.attach(model)
     ids = torch.cat([torch.randint(0, 100, (2, 7)), torch.full((2, 4), mask_id)], dim=1)
@@ -153,58 +153,19 @@ def test_decoding_fast_path_equals_the_general_path(model_and_adapter):
 
 
 def test_fast_path_follows_weights_changed_in_place(model_and_adapter):
-    """The factors the fast path keeps, and the ones Linears that read one input share, are rebuilt
-    when an optimizer step changes the weights."""
+    """The float32 factors the fast path keeps are rebuilt when an optimizer step changes the weights."""
     model, adapter, mask_id = model_and_adapter
     adapter.attach(model)
     ids = torch.cat([torch.randint(0, 100, (1, 5)), torch.full((1, 3), mask_id)], dim=1)
-    _logits(model, ids)  # learns which Linears share an input
     before = _logits(model, ids)
     with torch.no_grad():
         for lora in adapter.lora:
-            lora.a.mul_(0.5)
-            lora.b.mul_(4.0)
+            lora.b.mul_(2.0)
     after = _logits(model, ids)
     with torch.enable_grad():
         general = model(input_ids=ids).logits.detach()
     assert not torch.allclose(after[:, 5:], before[:, 5:])
     torch.testing.assert_close(after, general, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("batch", [1, 2])
-def test_linears_that_read_one_input_share_its_first_product(model_and_adapter, batch):
-    """From the second decoding forward on, a layer's q, k and v (and its gate and up) run one
-    product for the input they share, and the step still equals the general path."""
-    model, adapter, mask_id = model_and_adapter
-    adapter.attach(model)
-    ids = torch.cat([torch.randint(0, 100, (batch, 6)), torch.full((batch, 3), mask_id)], dim=1)
-    first = _logits(model, ids)
-    groups = adapter._shared.groups
-    leaf = [name.rsplit(".", 1)[-1] for name in adapter.spec.targets]
-    assert sorted({tuple(leaf[m] for m in members) for _, _, members in groups.values()}) == [
-        ("gate_proj", "up_proj"),
-        ("q_proj", "k_proj", "v_proj"),
-    ]
-    assert len({members for _, _, members in groups.values()}) == 2 * 2  # two groups in each of two layers
-    shared = _logits(model, ids)
-    with torch.enable_grad():
-        general = model(input_ids=ids).logits.detach()
-    torch.testing.assert_close(shared, general, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(shared, first, rtol=1e-5, atol=1e-5)
-
-
-def test_a_linear_not_handed_its_groups_input_runs_its_own_product():
-    loras = [adapter_mod._LoRA(8, 5, 2) for _ in range(3)]
-    shared = adapter_mod._SharedInputs(loras)
-    x, other = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
-    for i in range(3):
-        shared.down(i, x, x[0, -2:], 1.0)
-    shared.end_forward()
-    assert {i: members for i, (_, _, members) in shared.groups.items()} == {i: (0, 1, 2) for i in range(3)}
-    with torch.no_grad():
-        shared.down(0, x, x[0, -2:], 1.0)
-        torch.testing.assert_close(shared.down(1, other, other[0, -2:], 1.0), other[0, -2:] @ loras[1].a.T)
-        torch.testing.assert_close(shared.down(2, x, x[0, -2:], 1.0), x[0, -2:] @ loras[2].a.T)
 
 
 @pytest.mark.parametrize(
