@@ -14,7 +14,7 @@ that is cut off still reports; a stage that fails records its error and the next
   convert      the GGUF -> a plain HF checkpoint (marslm.convert; --dry-run then keeps 2 layers)
   distill      the original's greedy answers to the held-out prompts, then to as many training
                prompts as --distill-min allows (marslm.distill, batched)
-  train_exact  exact mode (the SmolLM2 preset's recipe: gated LoRA rank 32, random phases, lr 1e-3),
+  train_exact  exact mode (smollm2-r32's recipe: gated LoRA rank 32, random phases, lr 1e-3),
   train_full   full MARS (every weight, lr 5e-5): each --train-steps steps or --train-min minutes,
                bf16, FlexAttention, target-only logits; the probe on a few held-out answers at the
                start and along the way (learning_curve)

@@ -141,7 +141,7 @@ def test_a_second_adapter_is_refused(model_and_adapter):
 
 def test_decoding_fast_path_equals_the_general_path(model_and_adapter):
     """A decoding step's masks are each row's last columns: without autograd the update is added to
-    that slice in float32; it must give what the gather/scatter path (taken under autograd) gives."""
+    that slice in place; it must give what the gather/scatter path (taken under autograd) gives."""
     model, adapter, mask_id = model_and_adapter
     adapter.attach(model)
     ids = torch.cat([torch.randint(0, 100, (2, 7)), torch.full((2, 4), mask_id)], dim=1)
@@ -153,7 +153,7 @@ def test_decoding_fast_path_equals_the_general_path(model_and_adapter):
 
 
 def test_fast_path_follows_weights_changed_in_place(model_and_adapter):
-    """The float32 factors the fast path keeps are rebuilt when an optimizer step changes the weights."""
+    """The factors the fast path keeps are rebuilt when an optimizer step changes the weights."""
     model, adapter, mask_id = model_and_adapter
     adapter.attach(model)
     ids = torch.cat([torch.randint(0, 100, (1, 5)), torch.full((1, 3), mask_id)], dim=1)
