@@ -70,7 +70,9 @@ _RECIPE = RealModelPreset(
     train=dict(max_steps=300, exact=True, learning_rate=1e-3, lora_rank=32, random_phase=True),
 )
 
-# smollm2-hold's settings: twice the answers, 600 steps at a rate held after the warmup, rank 64.
+# Twice the first recipe's prompts (the later presets' distilled answers, shared between their runs).
+_TWICE = "instructions:2400,toy:600"
+# smollm2-hold's settings: 600 steps at a rate held after the warmup, rank 64.
 _HELD = dict(max_steps=600, lr_schedule="constant_with_warmup", lora_rank=64)
 
 SMOLLM2_PRESETS = {
@@ -80,7 +82,7 @@ SMOLLM2_PRESETS = {
     # included, fits about 70 minutes on 2 cores.
     "smollm2": replace(
         _RECIPE,
-        train_prompts="instructions:2400,toy:600",
+        train_prompts=_TWICE,
         train={**_RECIPE.train, **_HELD, "lora_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         curve_points=12,
     ),
@@ -88,19 +90,17 @@ SMOLLM2_PRESETS = {
     "smollm2-r32": _RECIPE,
     # smollm2-r32's budget and schedule on twice the fresh answers: 2,400 examples in one pass
     # instead of two passes over 1,200, so the two curves differ only in whether answers repeat.
-    "smollm2-fresh": replace(_RECIPE, train_prompts="instructions:2400,toy:600", curve_points=12),
+    "smollm2-fresh": replace(_RECIPE, train_prompts=_TWICE, curve_points=12),
     # Whether the recipe or the data flattens the curve: smollm2-fresh's answers (so its distill
     # folder can be copied in), twice the steps, the rate held after the warmup and twice the rank.
-    "smollm2-hold": replace(
-        _RECIPE, train_prompts="instructions:2400,toy:600", train={**_RECIPE.train, **_HELD}, curve_points=12
-    ),
+    "smollm2-hold": replace(_RECIPE, train_prompts=_TWICE, train={**_RECIPE.train, **_HELD}, curve_points=12),
     # The learning curve to four times smollm2-r32's 2,400 examples: smollm2-hold's recipe for twice
     # its steps, 9,600 examples (four passes over the same answers, so its distill folder can be
     # copied in). Half the warmup share keeps the warmup at smollm2-hold's 30 steps, so the first
     # 600 steps are that run's.
     "smollm2-long": replace(
         _RECIPE,
-        train_prompts="instructions:2400,toy:600",
+        train_prompts=_TWICE,
         train={**_RECIPE.train, **_HELD, "max_steps": 1200, "warmup_ratio": 0.025},
         curve_points=16,
     ),
