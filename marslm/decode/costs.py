@@ -10,6 +10,7 @@ ratio to a one-token step. :func:`measured_mask_limit` times those costs once pe
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 
@@ -131,9 +132,12 @@ def measured_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimi
     return MaskBatchLimit(measured[block_size, sizes])
 
 
-# While masks pay at no batch size, one step in this many still reads them (where one row runs), so
-# that what they buy keeps being observed and a turn to text they predict well turns them back on.
+# Above the limit a step still reads masks now and then (a probe, MaskBatchLimit.probe_wait), so that
+# what they buy keeps being observed and a turn to text they predict well turns them back on: at
+# most one step in PROBE_EVERY, and probes' premium at most PROBE_SHARE of the time masks rest.
 PROBE_EVERY = 16
+PROBE_SHARE = 1 / 32
+PROBE_STEPS = 2  # a drafting row's drafts pay in the step after its masks
 
 
 class MaskBatchLimit:
@@ -141,35 +145,58 @@ class MaskBatchLimit:
 
     ``step_cost[b]``: a masked step's cost at batch size b, as a ratio to a one-token step. A
     masked step gives each row ``bought`` tokens on average (resting rows included: they pay the
-    step's width too), a running mean over recent masked steps, starting at ``prior``. Masks pay
-    at b while ``bought > step_cost[b]``; the limit is the largest measured b where they do, and 0
-    (no row reads masks) where they pay at none. A limit of 0 is lifted to the smallest measured
-    batch size for one step after ``PROBE_EVERY`` steps without masks: off the training
-    distribution a try costs a masked step's premium once in that many steps, where a floor of one
-    row would pay it on every step that one row runs alone.
+    step's width too), a running mean over recent masked steps that starts at ``prior``, which
+    weighs as one observation so that the first steps' tokens replace it quickly. Masks pay at b
+    while ``bought > step_cost[b]``; the limit is the largest measured b where they do, and 0 (no
+    row reads masks) where they pay at none.
+
+    Above the limit nothing would be observed, so a prior or a noisy cost could keep masks off
+    for good where they pay. So a batch larger than the limit still reads them in a probe of
+    ``PROBE_STEPS`` steps, after :meth:`probe_wait` steps without masks: a drafting row's first
+    masked step only drafts (it accepts one token), and what its drafts buy shows in the next.
     """
 
     def __init__(self, step_cost: dict[int, float], prior: float = 1.5, weight: float = 0.05):
         self.step_cost = dict(sorted(step_cost.items()))
         self.bought = prior
         self.weight = weight
+        self.observed = 0  # masked steps that observed rows
         self.steps_without_masks = 0
+        self._probe_steps = 0  # steps of the probe under way, 0 when none is
 
     def observe(self, rows: int, tokens: int) -> None:
         """A step that fed masks: ``rows`` rows accepted ``tokens`` tokens."""
         if rows:
-            self.bought += self.weight * (tokens / rows - self.bought)
+            self.observed += 1
+            weight = max(self.weight, 1 / (self.observed + 1))
+            self.bought += weight * (tokens / rows - self.bought)
 
     @property
     def limit(self) -> int:
         paying = [b for b, cost in self.step_cost.items() if cost < self.bought]
         return max(paying, default=0)
 
-    def next_limit(self) -> int:
-        """The limit for the next step: :attr:`limit`, or a probe's where masks have rested long enough."""
+    def cost_at(self, rows: int) -> float:
+        """The measured cost at the smallest measured batch size of at least ``rows`` (above them
+        all, the largest's)."""
+        return next((c for b, c in self.step_cost.items() if b >= rows), list(self.step_cost.values())[-1])
+
+    def probe_wait(self, rows: int) -> int:
+        """Steps without masks before a probe of ``rows`` rows: at least ``PROBE_EVERY``, and enough
+        that the probe's premium over one-token steps is at most ``PROBE_SHARE`` of their time."""
+        return max(PROBE_EVERY, math.ceil(PROBE_STEPS * (self.cost_at(rows) - 1) / PROBE_SHARE))
+
+    def next_limit(self, rows: int) -> int:
+        """The limit for the next step of ``rows`` rows: :attr:`limit`, or ``rows`` in a probe."""
         limit = self.limit
-        if limit == 0 and self.steps_without_masks >= PROBE_EVERY:
-            return min(self.step_cost)
+        if rows <= limit:
+            self._probe_steps = 0
+            return limit
+        if self._probe_steps < PROBE_STEPS and (self._probe_steps or self.steps_without_masks >= self.probe_wait(rows)):
+            self._probe_steps += 1
+            return rows
+        if self._probe_steps:  # a probe ended: the wait starts over
+            self._probe_steps = self.steps_without_masks = 0
         return limit
 
     def step(self, batch) -> list:
@@ -177,7 +204,7 @@ class MaskBatchLimit:
         observed; returns the rows that finished."""
         stats = batch.stats
         before = stats.masked_row_steps, stats.masked_row_tokens
-        batch.mask_batch_limit = self.next_limit()
+        batch.mask_batch_limit = self.next_limit(len(batch))
         finished = batch.step()
         rows = stats.masked_row_steps - before[0]
         self.observe(rows, stats.masked_row_tokens - before[1])

@@ -25,8 +25,13 @@ class GenerationResult:
     @property
     def tokens_per_forward(self) -> float:
         """Decoded tokens (stop tokens included) per forward, over all prompts."""
-        forwards = sum(self.forwards)
-        return sum(map(sum, self.accepted_per_step)) / forwards if forwards else 0.0
+        return self.tokens_per_forward_of(range(len(self.forwards)))
+
+    def tokens_per_forward_of(self, prompts) -> float:
+        """Decoded tokens (stop tokens included) per forward, over the prompts indexed by ``prompts``."""
+        prompts = list(prompts)
+        forwards = sum(self.forwards[i] for i in prompts)
+        return sum(sum(self.accepted_per_step[i]) for i in prompts) / forwards if forwards else 0.0
 
     @property
     def batch_forwards(self) -> int:

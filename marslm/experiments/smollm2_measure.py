@@ -80,13 +80,11 @@ def decode_heldout(
 
 
 def _family_result(out, rows: list[int], references: list[list[int]]) -> dict:
-    tokens = sum(sum(out.accepted_per_step[i]) for i in rows)
-    forwards = sum(out.forwards[i] for i in rows)
     return {
         "n": len(rows),
-        "tokens": tokens,
-        "forwards": forwards,
-        "tokens_per_forward": tokens / forwards if forwards else 0.0,
+        "tokens": sum(sum(out.accepted_per_step[i]) for i in rows),
+        "forwards": sum(out.forwards[i] for i in rows),
+        "tokens_per_forward": out.tokens_per_forward_of(rows),
         **agreement([out.token_ids[i] for i in rows], [references[i] for i in rows]),
     }
 

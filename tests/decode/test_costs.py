@@ -1,6 +1,8 @@
 """MaskBatchLimit: masks at a batch size while what they buy exceeds what they cost there."""
 
-from marslm.decode.costs import PROBE_EVERY, MaskBatchLimit
+import math
+
+from marslm.decode.costs import PROBE_EVERY, PROBE_SHARE, PROBE_STEPS, MaskBatchLimit
 from marslm.decode.rows import BatchStats
 
 
@@ -24,36 +26,43 @@ def test_what_masks_buy_is_a_running_mean():
 
 
 class _Batch:
-    """What MaskBatchLimit.step reads of a DecodeBatch: one row that reads its masks whenever the
-    limit lets it, accepting ``accept`` tokens in such a step."""
+    """What MaskBatchLimit.step reads of a DecodeBatch: ``rows`` rows that read their masks whenever
+    the limit lets them, accepting ``accept`` tokens each in such a step. ``drafting``: as a
+    drafting row's, a masked step right after one without masks accepts one token (it only drafts)."""
 
-    def __init__(self, accept: int):
+    def __init__(self, accept: int, rows: int = 1, drafting: bool = False):
         self.stats = BatchStats()
         self.mask_batch_limit = None
-        self.accept = accept
+        self.accept, self.rows, self.drafting = accept, rows, drafting
         self.limits = []
 
+    def __len__(self):
+        return self.rows
+
     def step(self):
+        masked = self.mask_batch_limit >= self.rows
+        drafts = self.limits and self.limits[-1] >= self.rows  # masks last step: drafts to verify now
         self.limits.append(self.mask_batch_limit)
-        if self.mask_batch_limit >= 1:
-            self.stats.masked_row_steps += 1
-            self.stats.masked_row_tokens += self.accept
+        if masked:
+            self.stats.masked_row_steps += self.rows
+            self.stats.masked_row_tokens += (self.accept if drafts or not self.drafting else 1) * self.rows
         return []
 
 
 def test_masks_that_pay_nowhere_rest_and_are_tried_once_in_probe_every_steps():
-    limit = MaskBatchLimit({1: 1.3, 8: 1.6}, prior=1.0, weight=0.5)
+    limit = MaskBatchLimit({1: 1.2, 8: 1.6}, prior=1.0, weight=0.5)
     batch = _Batch(accept=1)
-    for _ in range(3 * PROBE_EVERY + 3):
+    for _ in range(2 * PROBE_EVERY + 4):
         limit.step(batch)
     assert limit.limit == 0
     tried = [i for i, b in enumerate(batch.limits) if b >= 1]
-    assert tried == [PROBE_EVERY, 2 * PROBE_EVERY + 1, 3 * PROBE_EVERY + 2]  # each try, then 16 rests
-    assert batch.limits[tried[0]] == 1  # a try reads masks where one row runs, the cheapest step
+    assert tried == [16, 17, 34, 35]  # each try two steps, then 16 rests
+    assert PROBE_EVERY == 16
+    assert batch.limits[tried[0]] == 1  # a try reads masks at the batch size that runs
 
 
 def test_a_try_that_buys_enough_turns_masks_back_on():
-    limit = MaskBatchLimit({1: 1.3, 8: 1.6}, prior=1.0, weight=0.5)
+    limit = MaskBatchLimit({1: 1.2, 8: 1.6}, prior=1.0, weight=0.5)
     batch = _Batch(accept=3)
     for _ in range(PROBE_EVERY + 1):
         limit.step(batch)
@@ -90,3 +99,60 @@ def test_the_cost_curve_feeds_an_exact_model_masks_where_a_step_does(trained_dir
     plain_mask = checkpoint_facts(plain, tokenizer).mask_token_id
     fed = fed_to(plain, lambda: cost_curve(plain, widths=(6,), contexts=(8,), repeats=1, progress=False))
     assert not any((ids[:, 1:] == plain_mask).all() for ids in fed)
+
+
+def test_the_first_masked_steps_replace_the_prior():
+    """The prior weighs as one observation, so a few steps' tokens outweigh it."""
+    limit = MaskBatchLimit({1: 1.2, 8: 2.0}, prior=1.5, weight=0.05)
+    limit.observe(rows=8, tokens=24)
+    assert limit.bought == 2.25 and limit.limit == 8
+    for _ in range(50):
+        limit.observe(rows=8, tokens=8)
+    assert limit.bought < 1.1 and limit.limit == 0
+
+
+def test_a_batch_above_the_limit_is_probed_and_masks_that_pay_there_come_back():
+    """A prior (or a noisy cost) that puts the limit below the running batch size would leave masks
+    off there for good, with nothing observed: the batch reads them in a probe, which observes
+    that they pay, and then they stay on."""
+    limit = MaskBatchLimit({1: 1.2, 8: 1.6}, prior=1.5)
+    batch = _Batch(accept=3, rows=8)
+    assert limit.limit == 1
+    wait = limit.probe_wait(8)
+    for _ in range(wait + 3):
+        limit.step(batch)
+    assert batch.limits[:wait] == [1] * wait and batch.limits[wait] == 8
+    assert limit.limit == 8 and batch.limits[-1] == 8
+
+
+def test_a_probe_costs_at_most_its_share_of_the_time():
+    limit = MaskBatchLimit({1: 1.2, 8: 1.6, 32: 4.0}, prior=1.0)
+    assert limit.probe_wait(1) == PROBE_EVERY  # a cheap step: the floor
+    assert limit.probe_wait(20) == math.ceil(PROBE_STEPS * 3.0 / PROBE_SHARE)  # priced at the next measured size, 32
+    assert limit.probe_wait(64) == limit.probe_wait(32)  # above them all: the largest's cost
+    batch = _Batch(accept=1, rows=32)
+    for _ in range(3 * limit.probe_wait(32)):
+        limit.step(batch)
+    premium = sum(limit.cost_at(32) - 1 for b in batch.limits if b >= 32)
+    assert 1 <= sum(b >= 32 for b in batch.limits) and premium <= PROBE_SHARE * len(batch.limits)
+
+
+def test_a_drafting_batch_is_probed_for_two_steps():
+    """A drafting row's first masked step only drafts; the probe goes on to the step that verifies
+    the drafts, which shows what they buy."""
+    limit = MaskBatchLimit({1: 1.2, 8: 1.25}, prior=1.0, weight=0.5)
+    batch = _Batch(accept=3, rows=8, drafting=True)
+    for _ in range(PROBE_EVERY + 3):
+        limit.step(batch)
+    assert batch.limits[PROBE_EVERY : PROBE_EVERY + 3] == [8, 8, 8]
+    assert limit.bought == 2.5 and limit.limit == 8  # (1 + 2.0) / 2 after the probe, then 3
+
+
+def test_a_probe_that_observes_nothing_ends_and_the_wait_starts_over():
+    limit = MaskBatchLimit({1: 1.2, 8: 1.25}, prior=1.0)
+    batch = _Batch(accept=3, rows=8)
+    batch.step = lambda: batch.limits.append(batch.mask_batch_limit) or []  # one-token rows: nothing fed
+    for _ in range(2 * PROBE_EVERY + 4):
+        limit.step(batch)
+    probes = [i for i, b in enumerate(batch.limits) if b == 8]
+    assert probes == [PROBE_EVERY, PROBE_EVERY + 1, 2 * PROBE_EVERY + 2, 2 * PROBE_EVERY + 3]
