@@ -186,8 +186,11 @@ class DecodeBatch:
         logits = self._call(step.input_ids, step.position_ids, step.mask, self.kv, self._to_device(step.read_cols))
         candidates, accept, stopped, verified, mask_tokens, probs = self._accept(step, logits)
         if step.masks_per_group:
-            self.stats.masked_row_steps += len(self)
-            self.stats.masked_row_tokens += int(accept.sum())
+            # what a drafting row's masks buy shows when their drafts are verified: its first masked
+            # step after one without masks (it joined, or rested) only drafts, and counts nowhere
+            counted = ~self.rows.drafting | self.rows.read_masks
+            self.stats.masked_row_steps += int(counted.sum())
+            self.stats.masked_row_tokens += int(accept[counted].sum())
         seq_len_before = self.rows.seq_len
         self._record(step, candidates, accept, verified, mask_tokens, probs)
         self._commit(step, seq_len_before, verified)
@@ -341,6 +344,7 @@ class DecodeBatch:
         r.forwards = r.forwards + (accept > 0)
         r.last_accept = accept
         r.seq_len = r.seq_len + accept
+        r.read_masks = step.masks_read > 0
         if self.adaptive_width:
             tried, used = tries(r, step.masks_read, verified, accept)
             if tried.any() or r.pause.any():

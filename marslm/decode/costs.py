@@ -153,7 +153,7 @@ class MaskBatchLimit:
     Above the limit nothing would be observed, so a prior or a noisy cost could keep masks off
     for good where they pay. So a batch larger than the limit still reads them in a probe of
     ``PROBE_STEPS`` steps, after :meth:`probe_wait` steps without masks: a drafting row's first
-    masked step only drafts (it accepts one token), and what its drafts buy shows in the next.
+    masked step only drafts (DecodeBatch counts it nowhere), and what its drafts buy shows in the next.
     """
 
     def __init__(self, step_cost: dict[int, float], prior: float = 1.5, weight: float = 0.05):

@@ -42,8 +42,10 @@ class FinishedRow:
 class BatchStats:
     forwards: int = 0  # model calls
     peak_cache_slots: int = 0  # widest the cache got, holes included
-    masked_row_steps: int = 0  # rows that took part in steps that fed masks, summed over those steps
-    masked_row_tokens: int = 0  # and the tokens they accepted there
+    # rows that took part in steps that fed masks, summed over those steps (DecodeBatch.step: a
+    # drafting row only where its last step read masks too), and the tokens they accepted there
+    masked_row_steps: int = 0
+    masked_row_tokens: int = 0
     drafter_forwards: int = 0  # a separate draft model's calls (draft_model.py); forwards counts the target's
 
 
@@ -73,6 +75,7 @@ class RowState:
     last_accept: np.ndarray  # tokens accepted in the last step
     misses: np.ndarray  # adaptive width: steps running whose masks were all refused
     pause: np.ndarray  # adaptive width: steps left that read no masks
+    read_masks: np.ndarray  # whether the row read masks in its last step (a drafting row: drafted)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -133,6 +136,7 @@ class RowState:
             last_accept=zeros,
             misses=zeros,
             pause=zeros,
+            read_masks=np.zeros(n, bool),
         )
 
     def extend(self, new: RowState) -> None:

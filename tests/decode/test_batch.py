@@ -268,3 +268,15 @@ def test_stats_count_what_masked_steps_bought(trained_checkpoints, prompts):
     assert stats.masked_row_tokens <= sum(map(len, out.token_ids)) + len(prompts[:3])  # stop tokens count
     plain = generate(model, tokenizer, prompts[:3], tau=1.0, max_new_tokens=32).stats
     assert plain.masked_row_steps == plain.masked_row_tokens == 0
+
+
+def test_a_drafting_rows_first_masked_step_counts_nowhere(trained_checkpoints, prompts):
+    """What a lossless row's masks buy shows in the step that verifies their drafts: its first step,
+    which only drafts, counts nowhere (so a probe of one masked step does not read as buying one
+    token); its later steps count, drafts kept or not."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    out = generate(model, tokenizer, prompts[:1], mode="lossless", max_new_tokens=32, **PAPER_RULE)
+    assert out.stats.masked_row_steps == out.forwards[0] - 1
+    assert out.stats.masked_row_tokens == sum(out.accepted_per_step[0][1:])
+    threshold = generate(model, tokenizer, prompts[:1], tau=0.7, max_new_tokens=32, **PAPER_RULE)
+    assert threshold.stats.masked_row_steps == threshold.forwards[0]

@@ -28,7 +28,7 @@ def test_what_masks_buy_is_a_running_mean():
 class _Batch:
     """What MaskBatchLimit.step reads of a DecodeBatch: ``rows`` rows that read their masks whenever
     the limit lets them, accepting ``accept`` tokens each in such a step. ``drafting``: as a
-    drafting row's, a masked step right after one without masks accepts one token (it only drafts)."""
+    drafting row's, a masked step right after one without masks counts nowhere (it only drafts)."""
 
     def __init__(self, accept: int, rows: int = 1, drafting: bool = False):
         self.stats = BatchStats()
@@ -43,9 +43,9 @@ class _Batch:
         masked = self.mask_batch_limit >= self.rows
         drafts = self.limits and self.limits[-1] >= self.rows  # masks last step: drafts to verify now
         self.limits.append(self.mask_batch_limit)
-        if masked:
+        if masked and (drafts or not self.drafting):
             self.stats.masked_row_steps += self.rows
-            self.stats.masked_row_tokens += (self.accept if drafts or not self.drafting else 1) * self.rows
+            self.stats.masked_row_tokens += self.accept * self.rows
         return []
 
 
@@ -145,7 +145,7 @@ def test_a_drafting_batch_is_probed_for_two_steps():
     for _ in range(PROBE_EVERY + 3):
         limit.step(batch)
     assert batch.limits[PROBE_EVERY : PROBE_EVERY + 3] == [8, 8, 8]
-    assert limit.bought == 2.5 and limit.limit == 8  # (1 + 2.0) / 2 after the probe, then 3
+    assert limit.bought == 2.5 and limit.limit == 8  # the probe's second step: 2.0; then 2.5
 
 
 def test_a_probe_that_observes_nothing_ends_and_the_wait_starts_over():
