@@ -138,6 +138,7 @@ def measured_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimi
 PROBE_EVERY = 16
 PROBE_SHARE = 1 / 32
 PROBE_STEPS = 2  # a drafting row's drafts pay in the step after its masks
+PRIOR_WEIGHT = 4  # observations the prior counts as
 
 
 class MaskBatchLimit:
@@ -146,7 +147,8 @@ class MaskBatchLimit:
     ``step_cost[b]``: a masked step's cost at batch size b, as a ratio to a one-token step. A
     masked step gives each row ``bought`` tokens on average (resting rows included: they pay the
     step's width too), a running mean over recent masked steps that starts at ``prior``, which
-    weighs as one observation so that the first steps' tokens replace it quickly. Masks pay at b
+    weighs as ``PRIOR_WEIGHT`` observations: a call's first steps move it, one of them alone does not,
+    and a batch probed above the limit (below) turns masks on in a probe or two where they pay. Masks pay at b
     while ``bought > step_cost[b]``; the limit is the largest measured b where they do, and 0 (no
     row reads masks) where they pay at none.
 
@@ -168,7 +170,7 @@ class MaskBatchLimit:
         """A step that fed masks: ``rows`` rows accepted ``tokens`` tokens."""
         if rows:
             self.observed += 1
-            weight = max(self.weight, 1 / (self.observed + 1))
+            weight = max(self.weight, 1 / (self.observed + PRIOR_WEIGHT))
             self.bought += weight * (tokens / rows - self.bought)
 
     @property

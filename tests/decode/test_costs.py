@@ -2,7 +2,7 @@
 
 import math
 
-from marslm.decode.costs import PROBE_EVERY, PROBE_SHARE, PROBE_STEPS, MaskBatchLimit
+from marslm.decode.costs import PRIOR_WEIGHT, PROBE_EVERY, PROBE_SHARE, PROBE_STEPS, MaskBatchLimit
 from marslm.decode.rows import BatchStats
 
 
@@ -102,10 +102,10 @@ def test_the_cost_curve_feeds_an_exact_model_masks_where_a_step_does(trained_dir
 
 
 def test_the_first_masked_steps_replace_the_prior():
-    """The prior weighs as one observation, so a few steps' tokens outweigh it."""
-    limit = MaskBatchLimit({1: 1.2, 8: 2.0}, prior=1.5, weight=0.05)
+    """The prior weighs as PRIOR_WEIGHT observations: a few steps' tokens outweigh it."""
+    limit = MaskBatchLimit({1: 1.2, 8: 1.7}, prior=1.5, weight=0.05)
     limit.observe(rows=8, tokens=24)
-    assert limit.bought == 2.25 and limit.limit == 8
+    assert limit.bought == (PRIOR_WEIGHT * 1.5 + 3) / (PRIOR_WEIGHT + 1) and limit.limit == 8
     for _ in range(50):
         limit.observe(rows=8, tokens=8)
     assert limit.bought < 1.1 and limit.limit == 0
