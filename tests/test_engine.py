@@ -313,7 +313,7 @@ def test_an_auto_limit_reads_no_masks_where_they_cannot_pay(mars64, long_prompt,
     (limit 0), no step of several rows reads masks; with costs below it (the control), they do."""
     model, tokenizer = mars64
     engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit="auto", max_batch=4))
-    engine.mask_limit = MaskBatchLimit({1: cost, 2: cost, 4: cost})  # set before start(): nothing is timed
+    engine.mask_limit = MaskBatchLimit({1: cost, 2: cost, 4: cost}, most=9)  # set before start(): nothing is timed
     batch, real_step, steps = engine._batch, engine._batch.step, []
 
     def recorded_step():

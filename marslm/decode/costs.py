@@ -129,7 +129,7 @@ def measured_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimi
             ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
             MaskBatchLimit(costs).limit,
         )
-    return MaskBatchLimit(measured[block_size, sizes])
+    return MaskBatchLimit(measured[block_size, sizes], most=2 * block_size + 1)
 
 
 # Above the limit a step still reads masks now and then (a probe, MaskBatchLimit.probe_wait), so that
@@ -147,23 +147,27 @@ class MaskBatchLimit:
     ``step_cost[b]``: a masked step's cost at batch size b, as a ratio to a one-token step. A
     masked step gives each row ``bought`` tokens on average (resting rows included: they pay the
     step's width too), a running mean over recent masked steps that starts at ``prior``, which
-    weighs as ``PRIOR_WEIGHT`` observations: a call's first steps move it, one of them alone does not,
-    and a batch probed above the limit (below) turns masks on in a probe or two where they pay. Masks pay at b
-    while ``bought > step_cost[b]``; the limit is the largest measured b where they do, and 0 (no
-    row reads masks) where they pay at none.
+    weighs as ``PRIOR_WEIGHT`` observations: a call's first steps move it, one of them alone does
+    not. Masks pay at b while ``bought > step_cost[b]``; the limit is the largest measured b where
+    they do, and 0 (no row reads masks) where they pay at none.
 
     Above the limit nothing would be observed, so a prior or a noisy cost could keep masks off
     for good where they pay. So a batch larger than the limit still reads them in a probe of
-    ``PROBE_STEPS`` steps, after :meth:`probe_wait` steps without masks: a drafting row's first
-    masked step only drafts (DecodeBatch counts it nowhere), and what its drafts buy shows in the next.
+    ``PROBE_STEPS`` steps: at once while nothing has been observed (the prior is a guess), then
+    after each :meth:`probe_wait` steps without masks. Two steps, because a drafting row's first
+    masked step only drafts (DecodeBatch counts it nowhere) and what its drafts buy shows in the next.
+    No probe where a masked step costs ``most`` one-token steps or more: the most tokens a masked
+    step can give a row (2B + 1: its drafts, the AR token and a group of masks) would not pay for it.
     """
 
-    def __init__(self, step_cost: dict[int, float], prior: float = 1.5, weight: float = 0.05):
+    def __init__(self, step_cost: dict[int, float], prior: float = 1.5, weight: float = 0.05, most: float = math.inf):
         self.step_cost = dict(sorted(step_cost.items()))
+        self.most = most
         self.bought = prior
         self.weight = weight
         self.observed = 0  # masked steps that observed rows
-        self.steps_without_masks = 0
+        # the prior is a guess: a batch above its limit is probed at once, then after each wait
+        self.steps_without_masks = math.inf
         self._probe_steps = 0  # steps of the probe under way, 0 when none is
 
     def observe(self, rows: int, tokens: int) -> None:
@@ -194,7 +198,8 @@ class MaskBatchLimit:
         if rows <= limit:
             self._probe_steps = 0
             return limit
-        if self._probe_steps < PROBE_STEPS and (self._probe_steps or self.steps_without_masks >= self.probe_wait(rows)):
+        waited = self.steps_without_masks >= self.probe_wait(rows) and self.cost_at(rows) < self.most
+        if self._probe_steps < PROBE_STEPS and (self._probe_steps or waited):
             self._probe_steps += 1
             return rows
         if self._probe_steps:  # a probe ended: the wait starts over

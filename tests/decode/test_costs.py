@@ -41,7 +41,7 @@ class _Batch:
 
     def step(self):
         masked = self.mask_batch_limit >= self.rows
-        drafts = self.limits and self.limits[-1] >= self.rows  # masks last step: drafts to verify now
+        drafts = bool(self.limits) and self.limits[-1] >= self.rows  # masks last step: drafts to verify now
         self.limits.append(self.mask_batch_limit)
         if masked and (drafts or not self.drafting):
             self.stats.masked_row_steps += self.rows
@@ -56,8 +56,8 @@ def test_masks_that_pay_nowhere_rest_and_are_tried_once_in_probe_every_steps():
         limit.step(batch)
     assert limit.limit == 0
     tried = [i for i, b in enumerate(batch.limits) if b >= 1]
-    assert tried == [16, 17, 34, 35]  # each try two steps, then 16 rests
-    assert PROBE_EVERY == 16
+    # the prior is a guess: a try at once, then one after each PROBE_EVERY steps at rest; two steps each
+    assert tried == [0, 1, PROBE_EVERY + 2, PROBE_EVERY + 3]
     assert batch.limits[tried[0]] == 1  # a try reads masks at the batch size that runs
 
 
@@ -111,18 +111,16 @@ def test_the_first_masked_steps_replace_the_prior():
     assert limit.bought < 1.1 and limit.limit == 0
 
 
-def test_a_batch_above_the_limit_is_probed_and_masks_that_pay_there_come_back():
+def test_a_batch_above_the_limit_is_probed_and_masks_that_pay_there_come_on():
     """A prior (or a noisy cost) that puts the limit below the running batch size would leave masks
-    off there for good, with nothing observed: the batch reads them in a probe, which observes
-    that they pay, and then they stay on."""
+    off there for good, with nothing observed: the batch reads them in a probe, at once while the
+    limit has observed nothing, which observes that they pay; then they stay on."""
     limit = MaskBatchLimit({1: 1.2, 8: 1.6}, prior=1.5)
     batch = _Batch(accept=3, rows=8)
     assert limit.limit == 1
-    wait = limit.probe_wait(8)
-    for _ in range(wait + 3):
+    for _ in range(4):
         limit.step(batch)
-    assert batch.limits[:wait] == [1] * wait and batch.limits[wait] == 8
-    assert limit.limit == 8 and batch.limits[-1] == 8
+    assert batch.limits == [8, 8, 8, 8] and limit.limit == 8
 
 
 def test_a_probe_costs_at_most_its_share_of_the_time():
@@ -137,14 +135,23 @@ def test_a_probe_costs_at_most_its_share_of_the_time():
     assert 1 <= sum(b >= 32 for b in batch.limits) and premium <= PROBE_SHARE * len(batch.limits)
 
 
+def test_no_probe_where_no_masked_step_could_pay():
+    limit = MaskBatchLimit({1: 1.2, 8: 9.0}, prior=1.5, most=9)
+    batch = _Batch(accept=9, rows=8)
+    for _ in range(3 * limit.probe_wait(8)):
+        limit.step(batch)
+    assert set(batch.limits) == {1}
+    assert MaskBatchLimit({1: 1.2, 8: 8.9}, prior=1.5, most=9).next_limit(8) == 8
+
+
 def test_a_drafting_batch_is_probed_for_two_steps():
     """A drafting row's first masked step only drafts; the probe goes on to the step that verifies
     the drafts, which shows what they buy."""
     limit = MaskBatchLimit({1: 1.2, 8: 1.25}, prior=1.0, weight=0.5)
     batch = _Batch(accept=3, rows=8, drafting=True)
-    for _ in range(PROBE_EVERY + 3):
+    for _ in range(3):
         limit.step(batch)
-    assert batch.limits[PROBE_EVERY : PROBE_EVERY + 3] == [8, 8, 8]
+    assert batch.limits == [8, 8, 8]
     assert limit.bought == 2.5 and limit.limit == 8  # the probe's second step: 2.0; then 2.5
 
 
@@ -155,4 +162,4 @@ def test_a_probe_that_observes_nothing_ends_and_the_wait_starts_over():
     for _ in range(2 * PROBE_EVERY + 4):
         limit.step(batch)
     probes = [i for i, b in enumerate(batch.limits) if b == 8]
-    assert probes == [PROBE_EVERY, PROBE_EVERY + 1, 2 * PROBE_EVERY + 2, 2 * PROBE_EVERY + 3]
+    assert probes == [0, 1, PROBE_EVERY + 2, PROBE_EVERY + 3]
