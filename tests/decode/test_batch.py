@@ -130,9 +130,11 @@ def test_max_new_tokens_and_eos(trained_checkpoints, prompts):
 
 
 def test_continuous_refill_equals_one_batch(trained_checkpoints, prompts):
+    """Under adaptive width, which is per row; the auto limit's text follows the batch (costs.py)."""
     model, tokenizer = trained_checkpoints["mars64"]
-    all_at_once = generate(model, tokenizer, prompts, tau=0.9, max_new_tokens=40)
-    two_at_a_time = generate(model, tokenizer, prompts, tau=0.9, max_new_tokens=40, batch_size=2)
+    per_row = dict(tau=0.9, max_new_tokens=40, mask_batch_limit=None)
+    all_at_once = generate(model, tokenizer, prompts, **per_row)
+    two_at_a_time = generate(model, tokenizer, prompts, batch_size=2, **per_row)
     assert two_at_a_time.token_ids == all_at_once.token_ids
 
 
