@@ -25,6 +25,7 @@ import marslm  # noqa: E402
 from marslm.decode import costs  # noqa: E402
 from marslm.eval_sets import load_eval_set  # noqa: E402
 from marslm.modeling import checkpoint_facts  # noqa: E402
+from marslm.settings import ints, strings  # noqa: E402
 
 
 def parse_costs(text: str) -> dict[int, float]:
@@ -41,9 +42,9 @@ def main() -> None:
         default="1:1.27,2:1.3,4:1.3,8:1.43",
         help="fixed masked step costs, batch:ratio,... (every batch size measured must be named)",
     )
-    parser.add_argument("--data", default="toy,reworded", help="eval sets (default toy,reworded)")
-    parser.add_argument("--modes", default="threshold,lossless,hybrid")
-    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--data", type=strings, default="toy,reworded", help="eval sets (default toy,reworded)")
+    parser.add_argument("--modes", type=strings, default="threshold,lossless,hybrid")
+    parser.add_argument("--batch-sizes", type=ints, default="1,8")
     parser.add_argument("--n", type=int, default=32)
     parser.add_argument("--tau", type=float, default=0.95)
     args = parser.parse_args()
@@ -57,10 +58,10 @@ def main() -> None:
     print(f"decoder: {marslm.__file__}\ncosts: {fixed}")
     print("| data | mode | batch | forwards | masked forwards | columns fed | tok/row-fwd |")
     print("|---|---|---|---|---|---|---|")
-    for data in args.data.split(","):
+    for data in args.data:
         prompts = [e.messages for e in load_eval_set(data, args.n).examples]
-        for batch in map(int, args.batch_sizes.split(",")):
-            for mode in args.modes.split(","):
+        for batch in args.batch_sizes:
+            for mode in args.modes:
                 fed.clear()
                 tokens = forwards = 0
                 for start in range(0, len(prompts), batch):
