@@ -150,8 +150,7 @@ def _check_block_size(block_size: int) -> None:
 
 def decode_step_mask(
     slot_valid: np.ndarray,
-    pending_valid: np.ndarray,
-    draft_valid: np.ndarray,
+    real_valid: np.ndarray,
     group_sees: np.ndarray,
     group_valid: np.ndarray,
     n_masks: int,
@@ -159,16 +158,17 @@ def decode_step_mask(
 ) -> np.ndarray | None:
     """Mask for one decoding forward over a (possibly empty) KV cache, built on the host.
 
-    A step feeds, per row, ``[pending | draft | group_0 | ... | group_{G-1}]``:
+    A step feeds, per row, ``[real | group_0 | ... | group_{G-1}]``:
 
-    - pending: tokens not yet in the cache, attended causally;
-    - draft: proposed tokens (lossless mode), causal after the pending ones;
-    - groups of ``n_masks`` masks; group g sees the first ``group_sees[g]`` drafts, is causal
-      inside itself and invisible to everything else (the paper, section 4.6). The threshold
-      mode is the special case of no draft and one group.
+    - real: the row's tokens not yet in the cache, then its drafts to verify (lossless mode),
+      packed to the left and attended causally;
+    - groups of ``n_masks`` masks; group g sees the first ``group_sees[g]`` real tokens (those not
+      cached, then as many drafts as it was placed after), is causal inside itself and invisible
+      to everything else (the paper, section 4.6). The threshold mode is the special case of no
+      draft and one group.
 
     slot_valid ``[batch, S]``: cached slots holding a committed token of that row (ragged
-    acceptance leaves holes). pending_valid ``[batch, Wp]``, draft_valid ``[batch, K]``,
+    acceptance leaves holes). real_valid ``[batch, Wr]`` (valid columns first),
     group_sees / group_valid ``[batch, G]``. numpy arrays: the decoding loop keeps its row state
     on the host (as vLLM's input batch does) and ships the finished mask in one copy.
 
@@ -178,41 +178,34 @@ def decode_step_mask(
     holes, no padding): the model's own causal mask is then the same, and transformers skips it
     for a one-token step, as in HF ``generate``.
     """
-    batch, width_pending = pending_valid.shape
-    draft_width, groups = draft_valid.shape[1], group_sees.shape[1]
-    if groups == 1 and np.array_equal(draft_valid, np.arange(draft_width) < group_sees):
-        # One mask group that sees every valid draft (threshold mode has none): the whole fed
-        # block is plain causal attention over its valid tokens. The common case, and a hot path
-        # on small models.
-        fed_valid = np.concatenate([pending_valid, draft_valid, group_valid.repeat(n_masks, axis=1)], axis=1)
+    if group_sees.shape[1] == 1 and np.array_equal(group_sees[:, 0], real_valid.sum(axis=1)):
+        # One mask group that sees every real token (threshold mode, or one group after the whole
+        # draft): the fed block is plain causal attention over its valid tokens. The common case,
+        # and a hot path on small models.
+        fed_valid = np.concatenate([real_valid, group_valid.repeat(n_masks, axis=1)], axis=1)
         if causal_as_none and slot_valid.all() and fed_valid.all():
             return None
         return causal_step_mask(slot_valid, fed_valid)
-    return _grouped_step_mask(slot_valid, pending_valid, draft_valid, group_sees, group_valid, n_masks)
+    return _grouped_step_mask(slot_valid, real_valid, group_sees, group_valid, n_masks)
 
 
-def _grouped_step_mask(slot_valid, pending_valid, draft_valid, group_sees, group_valid, n_masks):
-    """decode_step_mask's general case: several mask groups, each seeing its own prefix of the draft."""
-    batch, width_pending = pending_valid.shape
-    draft_width, groups = draft_valid.shape[1], group_sees.shape[1]
-    seg = np.repeat([0, 1, 2], [width_pending, draft_width, groups * n_masks])
-    idx = np.concatenate([np.arange(width_pending), np.arange(draft_width), np.tile(np.arange(n_masks), groups)])
-    grp = np.concatenate([np.full(width_pending + draft_width, -1), np.repeat(np.arange(groups), n_masks)])
-    fed_valid = np.concatenate([pending_valid, draft_valid, np.repeat(group_valid, n_masks, axis=1)], axis=1)
-    sees = np.concatenate(
-        [np.zeros((batch, width_pending + draft_width), np.int64), np.repeat(group_sees, n_masks, axis=1)], axis=1
-    )
+def _grouped_step_mask(slot_valid, real_valid, group_sees, group_valid, n_masks):
+    """decode_step_mask's general case: several mask groups, each seeing its own prefix of the real tokens."""
+    batch, width_real = real_valid.shape
+    groups = group_sees.shape[1]
+    is_mask = np.repeat([False, True], [width_real, groups * n_masks])
+    idx = np.concatenate([np.arange(width_real), np.tile(np.arange(n_masks), groups)])
+    grp = np.concatenate([np.full(width_real, -1), np.repeat(np.arange(groups), n_masks)])
+    fed_valid = np.concatenate([real_valid, np.repeat(group_valid, n_masks, axis=1)], axis=1)
+    sees = np.concatenate([np.zeros((batch, width_real), np.int64), np.repeat(group_sees, n_masks, axis=1)], axis=1)
 
-    q_seg, k_seg = seg[:, None], seg[None, :]
-    causal_within = (idx[None, :] <= idx[:, None]) & (q_seg == k_seg)
-    pending_keys = (k_seg == 0) & ((q_seg > 0) | causal_within)
-    draft_keys = (k_seg == 1) & (q_seg == 1) & causal_within
-    mask_keys = (k_seg == 2) & (grp[None, :] == grp[:, None]) & causal_within
-    fed = (pending_keys | draft_keys | mask_keys)[None]
-    # A group sees the drafts it was placed after; that depends on the row.
-    group_to_draft = (q_seg == 2)[None] & (k_seg == 1)[None] & (idx[None, None, :] < sees[:, :, None])
-    width = len(seg)
-    fed = ((fed | group_to_draft) & fed_valid[:, None, :]) | _identity(width)
+    causal_within = (idx[None, :] <= idx[:, None]) & (grp[None, :] == grp[:, None])
+    # a real token sees the real tokens up to itself; a mask those of its own group up to itself
+    fed = causal_within[None]
+    # and a group the real tokens it was placed after, which depends on the row
+    group_to_real = is_mask[None, :, None] & ~is_mask[None, None, :] & (idx[None, None, :] < sees[:, :, None])
+    width = len(idx)
+    fed = ((fed | group_to_real) & fed_valid[:, None, :]) | _identity(width)
     cached = np.broadcast_to(slot_valid[:, None, :], (batch, width, slot_valid.shape[1]))
     return np.concatenate([cached, fed], axis=-1)[:, None]
 

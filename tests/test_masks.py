@@ -147,8 +147,9 @@ def test_two_stream_batch_with_arbitrary_boundaries(B):
 
 # ------------------------------------------------------------------ decode_step_mask
 #
-# A decoding forward feeds [pending | drafts | group_0 .. group_{G-1}] per row. Threshold mode is
-# no drafts and one group of masks; the lossless (speculative) mode adds drafts and K+1 groups.
+# A decoding forward feeds [real | group_0 .. group_{G-1}] per row, real = the tokens not cached
+# then the drafts. Threshold mode is no drafts and one group of masks; the lossless (speculative)
+# mode adds drafts and, with draft groups, K+1 groups.
 
 
 def bools(rows):
@@ -160,8 +161,7 @@ def threshold_step_mask(slot_valid, pending_valid, n_masks, group_valid=None):
     return decode_step_mask(
         slot_valid,
         pending_valid,
-        draft_valid=np.zeros((batch, 0), bool),
-        group_sees=np.zeros((batch, 1), np.int64),
+        group_sees=pending_valid.sum(axis=1, keepdims=True),
         group_valid=np.ones((batch, 1), bool) if group_valid is None else group_valid,
         n_masks=n_masks,
     )
@@ -217,9 +217,8 @@ def test_decode_step_mask_draft_groups():
     slot_valid = bools([[1, 1]])
     mask = decode_step_mask(
         slot_valid,
-        bools([[1]]),
-        draft_valid=bools([[1, 1]]),
-        group_sees=np.array([[0, 1, 2]]),
+        bools([[1, 1, 1]]),
+        group_sees=np.array([[1, 2, 3]]),
         group_valid=bools([[1, 1, 1]]),
         n_masks=2,
     )
@@ -246,9 +245,8 @@ def test_decode_step_mask_one_group_after_its_drafts():
     causal over its valid tokens; row 1's second draft is padding and nobody sees it."""
     mask = decode_step_mask(
         bools([[1], [1]]),
-        bools([[1], [1]]),
-        draft_valid=bools([[1, 1], [1, 0]]),
-        group_sees=np.array([[2], [1]]),
+        bools([[1, 1, 1], [1, 1, 0]]),
+        group_sees=np.array([[3], [2]]),
         group_valid=bools([[1], [1]]),
         n_masks=2,
     )
@@ -269,12 +267,12 @@ def test_decode_step_mask_one_group_after_its_drafts():
 def test_decode_step_mask_plain_causal_can_be_left_to_the_model():
     full = threshold_step_mask(bools([[1, 1]]), bools([[1, 1]]), n_masks=2)
     assert np.array_equal(full[0, 0], np.tri(4, 6, 2, dtype=bool))
-    args = dict(draft_valid=np.zeros((1, 0), bool), group_sees=np.zeros((1, 1), np.int64), n_masks=2)
-    ones = bools([[1]])
-    assert decode_step_mask(bools([[1, 1]]), bools([[1, 1]]), group_valid=ones, causal_as_none=True, **args) is None
+    args = dict(group_valid=bools([[1]]), n_masks=2, causal_as_none=True)
+    two = np.array([[2]])
+    assert decode_step_mask(bools([[1, 1]]), bools([[1, 1]]), group_sees=two, **args) is None
     # a hole in the cache, or a padding column, needs the explicit mask
-    assert decode_step_mask(bools([[1, 0]]), bools([[1, 1]]), group_valid=ones, causal_as_none=True, **args) is not None
-    assert decode_step_mask(bools([[1, 1]]), bools([[1, 0]]), group_valid=ones, causal_as_none=True, **args) is not None
+    assert decode_step_mask(bools([[1, 0]]), bools([[1, 1]]), group_sees=two, **args) is not None
+    assert decode_step_mask(bools([[1, 1]]), bools([[1, 0]]), group_sees=np.array([[1]]), **args) is not None
 
 
 # ------------------------------------------------------------------ for_attention

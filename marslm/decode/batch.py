@@ -2,7 +2,8 @@
 
 One step, for every row at once, in four phases:
 
-    inputs  feed [pending | draft | mask group(s)]; pending = tokens whose keys/values are not cached
+    inputs  feed [pending, draft | mask group(s)]; pending = tokens whose keys/values are not cached,
+            draft = tokens to verify, packed after them per row
     accept  threshold rows: a confident left-to-right prefix of [AR token, mask predictions]
             lossless rows:  the drafts the AR outputs confirm, then the AR token after them
             hybrid rows:    as lossless, then the confident prefix of the group verification selected
@@ -369,10 +370,11 @@ class DecodeBatch:
         r = self.rows
         if step.masks_per_group:
             self.kv.crop(-step.groups * step.masks_per_group)
-        kept = np.where(r.drafting, verified, 0)[:, None]
-        kept_drafts = (np.arange(step.draft_valid.shape[1]) < kept) & step.draft_valid
-        r.slot_valid = np.concatenate([r.slot_valid, step.pending_valid, kept_drafts], axis=1)
-        r.cached_len = seq_len_before + kept_drafts.sum(axis=1)
+        kept = np.where(r.drafting, verified, 0)
+        real_width = step.real_valid.shape[1]
+        kept_real = step.real_valid & (np.arange(real_width) < (step.pending_len + kept)[:, None])
+        r.slot_valid = np.concatenate([r.slot_valid, kept_real], axis=1)
+        r.cached_len = seq_len_before + kept
         self._maybe_compact()
 
     def _draw(self, probs: torch.Tensor, selected: np.ndarray) -> np.ndarray:

@@ -167,14 +167,8 @@ class DraftModelDecoder:
         input_ids = pending + drafts + [self.mask_token_id] * (groups * n_masks)
         positions = list(range(cached, length)) + list(range(length, length + k))
         positions += [length + g + c for g in range(groups) for c in range(n_masks)]
-        mask = decode_step_mask(
-            np.ones((1, cached), bool),
-            np.ones((1, len(pending)), bool),
-            np.ones((1, k), bool),
-            sees,
-            np.ones((1, groups), bool),
-            n_masks,
-        )
+        real, valid = np.ones((1, len(pending) + k), bool), np.ones((1, groups), bool)
+        mask = decode_step_mask(np.ones((1, cached), bool), real, len(pending) + sees, valid, n_masks)
         logits = self.model(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),

@@ -164,3 +164,31 @@ def test_the_vllm_plugin_refuses_hybrid():
     with pytest.raises(ParamError, match="not served by the vLLM plugin") as info:
         check_request({"mode": "hybrid", "tau": 0.9})
     assert info.value.param == "mode"
+
+
+def test_a_step_packs_each_rows_uncached_tokens_and_drafts_together():
+    """A row that accepted three tokens last step and drafts one is as wide as a row that accepted
+    one and drafts three: both feed four real tokens, at consecutive positions, then the masks."""
+    from marslm.decode.inputs import step_inputs
+
+    prompts = [list(range(100, 110)), list(range(200, 210))]
+    settings = [DecodingParams(mode="hybrid", tau=0.9, block_size=4, max_new_tokens=8)] * 2
+    rows = RowState.joining(prompts, settings, [0, 1], pad_id=0, use_last_mask=True, slots=10, device="cpu")
+    rows.cached_len = np.array([7, 9])  # three tokens and one not cached
+    rows.slot_valid[0, :7] = rows.slot_valid[1, :9] = True
+    rows.draft, rows.draft_len = np.array([[51, 0, 0], [61, 62, 63]]), np.array([1, 3])
+    masks = np.array([4, 4])
+    step = step_inputs(rows, masks, draft_groups=False, pad_id=0, mask_token_id=9)
+    assert step.input_ids.tolist() == [[107, 108, 109, 51, 9, 9, 9, 9], [209, 61, 62, 63, 9, 9, 9, 9]]
+    assert step.position_ids.tolist() == [[7, 8, 9, 10, 11, 12, 13, 14], [9, 10, 11, 12, 13, 14, 15, 16]]
+    # read: the AR output at the last token not cached, each draft's (a padding draft's: any), the masks
+    assert step.read_cols[:, [0, 1]].tolist() == [[2, 3], [0, 1]] and step.read_cols[1, 1:4].tolist() == [1, 2, 3]
+    assert step.read_cols[:, 4:].tolist() == [[4, 5, 6, 7]] * 2
+    assert (step.mask[:, 0, :, 10:] == np.tri(8, dtype=bool)).all()  # causal over every fed token
+    with_groups = step_inputs(rows, masks, draft_groups=True, pad_id=0, mask_token_id=9)
+    fed = with_groups.mask[:, 0, :, 10:]
+    # row 1's group 2 (after two of its drafts) sees its token not cached and those two drafts
+    group2 = 4 + 2 * 4
+    assert fed[1, group2, :4].tolist() == [True, True, True, False]
+    # row 0's groups 0 and 1 see its three tokens not cached, and then its one draft
+    assert fed[0, 4, :4].tolist() == [True, True, True, False] and fed[0, 8, :4].all()
