@@ -58,7 +58,7 @@ from .rules import (
     tries,
     verify_drafts,
 )
-from .sampling import sampling_probs, speculative_accept
+from .sampling import sampling_probs
 
 SLOT_CACHE_MODES = ("none", "cursor")  # the cache policies DecodeBatch runs (block: block_cache.py)
 
@@ -107,7 +107,7 @@ class DecodeBatch:
         self.stats = BatchStats()
         self.draws = RowDraws(self.device, seed)
         self.kv: SlotCache | None = None
-        self.rows = RowState.empty(self.device)
+        self.rows = RowState.empty()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -127,10 +127,10 @@ class DecodeBatch:
             prompts,
             settings,
             request_ids,
+            self.draws.row_seeds([s.seed for s in settings]),
             pad_id=self.pad_id,
             use_last_mask=self.use_last_mask,
             slots=self.rows.slot_valid.shape[1],
-            device=self.device,
         )
         self.rows.extend(joining)
         if self.kv is not None:
@@ -294,7 +294,7 @@ class DecodeBatch:
         tokens, accept = threshold_accept(predicted, conf, r, step.masks_read, first_mask, step.masks_per_group)
         sampling = (r.temperature > 0) & ~r.lossless
         if probs is not None and sampling.any():
-            tokens[:, 0] = np.where(sampling, self._draw(probs[:, 0], sampling), tokens[:, 0])
+            tokens[:, 0] = np.where(sampling, self._draw(probs[:, 0], sampling, r.seq_len), tokens[:, 0])
         return pad_cols(tokens, width), accept
 
     def _hybrid(self, step: StepInputs, conf, mask_tokens, verified, candidates, accept):
@@ -316,20 +316,19 @@ class DecodeBatch:
         return np.where(hybrid[:, None], extended, candidates), np.where(hybrid, longer, accept)
 
     def _lossless(self, step: StepInputs, predicted, probs, width):
-        """The drafts the AR outputs confirm (greedy: equal to; sampling: speculative sampling),
-        then the AR token after them. Returns how many drafts each row verified, and the candidates."""
+        """The drafts the AR outputs confirm, then the AR token after them. Greedy, an AR output is
+        the argmax; sampling, it is the race winner at its position (draws.py), which a draft
+        drawn with the same noise matches where it is the sample. Returns how many drafts each
+        row verified, and the candidates."""
         r, draft_width = self.rows, self.rows.draft.shape[1]
-        verified, correction = verify_drafts(predicted[:, : draft_width + 1], r.draft, step.draft_valid)
-        speculative = (r.temperature > 0) & r.lossless
-        if probs is not None and speculative.any():
-            q = r.draft_q
-            if q.shape[1] != draft_width:  # no row drew its draft by sampling: nothing reads q
-                q = probs.new_zeros(len(r), draft_width, probs.shape[-1])
-            uniform = self.draws.uniforms(speculative, r.draft_len, draft_width, r.generators)
-            draft, draft_len = self._to_device(r.draft), self._to_device(r.draft_len)
-            kept, next_probs = speculative_accept(probs[:, : draft_width + 1], q, draft, draft_len, uniform)
-            verified = np.where(speculative, kept.cpu().numpy(), verified)
-            correction = np.where(speculative, self._draw(next_probs, speculative), correction)
+        ar = predicted[:, : draft_width + 1].copy()
+        racing, draft = (r.temperature > 0) & r.lossless, pad_cols(r.draft, draft_width + 1)
+        for j in range(draft_width + 1) if probs is not None else ():
+            if not racing.any():  # a column is raced only while every draft before it was kept
+                break
+            ar[:, j] = np.where(racing, self._draw(probs[:, j], racing, r.seq_len + j), ar[:, j])
+            racing &= (j < r.draft_len) & (ar[:, j] == draft[:, j])
+        verified, correction = verify_drafts(ar, r.draft, step.draft_valid)
         return verified, lossless_candidates(r.draft, verified, correction, width)
 
     def _record(self, step: StepInputs, candidates, accept, verified, mask_tokens, probs) -> None:
@@ -352,7 +351,7 @@ class DecodeBatch:
                 r.misses, r.pause = back_off(r.misses, r.pause, tried, used)
         # what a hybrid row accepted past its AR token (a row cut short by a stop or its length finishes)
         taken = np.where(r.hybrid, np.maximum(accept - verified - 1, 0), 0)
-        r.draft, r.draft_len, r.draft_q = next_draft(
+        r.draft, r.draft_len = next_draft(
             r,
             mask_tokens,
             verified,
@@ -377,8 +376,10 @@ class DecodeBatch:
         r.cached_len = seq_len_before + kept
         self._maybe_compact()
 
-    def _draw(self, probs: torch.Tensor, selected: np.ndarray) -> np.ndarray:
-        return self.draws.tokens(probs, selected, self.rows.generators, self.rows.request_ids)
+    def _draw(self, probs: torch.Tensor, selected: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One token per selected entry of ``probs`` (rows, or a row's candidates), each raced at
+        its position (draws.py)."""
+        return self.draws.tokens(probs, selected, self.rows.seeds, positions, self.rows.request_ids)
 
     # ------------------------------------------------------------------ rows finishing
     def _pop(self, finished: np.ndarray, stopped: np.ndarray) -> list[FinishedRow]:

@@ -6,9 +6,10 @@ Each step, one row at a time:
              forward, a MARS model several, its confident masks under its own tau
     verify   one target forward over [pending | K drafts | K + 1 groups of masks]; group g sits
              after draft g and sees the prefix and drafts 1..g (masks.py's group layout)
-    accept   the drafts the target confirms (greedy: equal to its argmax; sampling: speculative
-             sampling, exact), then the target's token after them; then, from group j (j drafts
-             kept), a confident left-to-right prefix of its mask predictions under the row's tau
+    accept   the drafts the target confirms (greedy: equal to its argmax; sampling: equal to its
+             race winner at that position, draws.py, exact), then the target's token after them;
+             then, from group j (j drafts kept), a confident left-to-right prefix of its mask
+             predictions under the row's tau
     commit   both caches keep only the accepted tokens: the target drops masks and rejected
              drafts, the drafter crops back to the longest prefix it shares with the output
 
@@ -31,11 +32,10 @@ from ..errors import UserError
 from ..masks import decode_step_mask, for_attention
 from ..settings import check_count
 from .drafters import ARDrafter, MarsDrafter, confident_masks, crop_to, probs
-from .draws import row_generator, shared_generator
+from .draws import RowDraws
 from .params import DEFAULT_DRAFT_TAU, MAX_DRAFT_TOKENS, DecodingParams, check_draft_tau
 from .rows import BatchStats, FinishedRow
 from .rules import cut_at_stop, verify_drafts
-from .sampling import speculative_accept
 
 
 def check_drafter(params: DecodingParams, decoder, target, drafting, mask_token_id) -> ARDrafter:
@@ -130,14 +130,14 @@ def output_rows(model) -> int:
 
 class DraftModelDecoder:
     """Decodes rows with ``drafter`` proposing ``num_draft_tokens`` per step and ``model`` verifying.
-    Rows that name no seed draw from one generator of ``seed``, as a batch's do (draws.py)."""
+    Rows that name no seed sample with ``seed`` and a count, as a batch's do (draws.py)."""
 
     def __init__(
         self, model, drafter: ARDrafter, num_draft_tokens: int, *, mask_token_id, stop_ids, use_last_mask, seed=None
     ):
         self.model, self.drafter, self.k = model, drafter, num_draft_tokens
         self.device = next(model.parameters()).device
-        self.generator = shared_generator(self.device, seed)
+        self.draws = RowDraws(self.device, seed)
         self.mask_token_id = mask_token_id  # None: an AR target, plain speculative decoding
         self.stop_ids = np.array(stop_ids, dtype=np.int64)
         self.use_last_mask = use_last_mask
@@ -178,39 +178,23 @@ class DraftModelDecoder:
         ).logits[0]
         return logits[len(pending) - 1 :]
 
-    def _accept(self, logits, drafts, q, n_masks, params: DecodingParams, generator):
+    def _accept(self, logits, drafts, n_masks, params: DecodingParams, race, position: int):
         """The step's tokens (kept drafts, the target's token, group j's confident masks) and how
-        many drafts were kept."""
+        many drafts were kept. The target's outputs are its argmax, or sampling its race winners
+        from ``position`` on (``race(probs, positions)``, draws.py)."""
         k = len(drafts)
         if params.temperature > 0:
-            kept, token = self._verify_sampling(logits[: k + 1], drafts, q, params, generator)
+            ar = race(probs(logits[: k + 1], params, self.device), range(position, position + k + 1))
         else:
-            kept, token = self._verify_greedy(logits[: k + 1], drafts)
-        tokens = drafts[:kept] + [token]
+            ar = logits[: k + 1].argmax(-1)
+        draft = np.array([drafts], np.int64).reshape(1, k)
+        kept, correction = verify_drafts(ar.cpu().numpy()[None], draft, np.ones(draft.shape, bool))
+        kept = int(kept[0])
+        tokens = drafts[:kept] + [int(correction[0])]
         if n_masks:  # group j = kept sits after the kept drafts: its masks follow the target's token
             group = logits[k + 1 + kept * n_masks : k + 1 + (kept + 1) * n_masks]
             tokens += confident_masks(group, params.tau, params.metric)
         return tokens, kept
-
-    def _verify_greedy(self, ar_logits, drafts):
-        """Drafts kept while equal to the target's argmax, then the target's token after them."""
-        draft = np.array([drafts], np.int64).reshape(1, len(drafts))
-        kept, correction = verify_drafts(ar_logits.argmax(-1).cpu().numpy()[None], draft, np.ones(draft.shape, bool))
-        return int(kept[0]), int(correction[0])
-
-    def _verify_sampling(self, ar_logits, drafts, q, params: DecodingParams, generator):
-        """Speculative sampling: the kept drafts and the token after them are distributed as the
-        target's samples."""
-        k = len(drafts)
-        p = probs(ar_logits, params, self.device)
-        if q is None:
-            q = p.new_zeros(0, p.shape[-1])
-        # the drafter scores no id past its rows (check_drafter_vocabulary): probability 0 there
-        q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
-        draft = torch.tensor([drafts], device=self.device, dtype=torch.long).reshape(1, k)
-        uniform = torch.rand(1, k, generator=generator, device=self.device)
-        kept, next_p = speculative_accept(p[None], q[None], draft, torch.tensor([k], device=self.device), uniform)
-        return int(kept[0]), int(torch.multinomial(next_p[0], 1, generator=generator)[0])
 
 
 class DraftedRow:
@@ -218,13 +202,13 @@ class DraftedRow:
     the end, the server one step per engine turn. The decoder's drafter keeps one row's cache, so
     one row decodes at a time: starting a row resets the drafter.
 
-    The row samples from a generator of its own seed, else from the decoder's shared one.
+    The row samples with its own seed, else with the decoder's and a count (draws.py).
     ``params`` is read at every step, so a new tau (the server's default, moved) applies from the next.
     """
 
     def __init__(self, decoder: DraftModelDecoder, prompt: list[int], params: DecodingParams, request_id):
         self.decoder, self.params, self.request_id = decoder, params, request_id
-        self.generator = row_generator(params.seed, decoder.device) or decoder.generator
+        self.seed = int(decoder.draws.row_seeds([params.seed])[0])
         decoder.drafter.reset()
         self.prompt_len, self.ids = len(prompt), list(prompt)
         self.cache, self.cached = DynamicCache(), 0  # the target's keys/values of ids[:cached]
@@ -242,10 +226,10 @@ class DraftedRow:
         d, params, ids = self.decoder, self.params, self.ids
         room = params.max_new_tokens - (len(ids) - self.prompt_len)
         k, n_masks = min(d.k, room - 1), d.n_masks(params)
-        drafts, q = d.drafter.propose(ids, k, params, self.generator) if k > 0 else ([], None)
+        drafts = d.drafter.propose(ids, k, params, self._race) if k > 0 else []
         logits = d._verify_forward(self.cache, ids[self.cached :], self.cached, len(ids), drafts, n_masks)
         d.stats.forwards += 1
-        tokens, kept = d._accept(logits, drafts, q, n_masks, params, self.generator)
+        tokens, kept = d._accept(logits, drafts, n_masks, params, self._race, len(ids))
         accept, stop = cut_at_stop(np.array([tokens]), np.array([min(len(tokens), room)]), d.stop_ids)
         accept, self.stopped = int(accept[0]), bool(stop[0])
         self.cached = len(ids) + min(kept, accept)  # pending and the accepted drafts; no masks
@@ -254,6 +238,10 @@ class DraftedRow:
         self.accepted_per_step.append(accept)
         d.stats.drafter_forwards = d.drafter.forwards
         return tokens[: accept - self.stopped]
+
+    def _race(self, probs: torch.Tensor, positions) -> torch.Tensor:
+        """Drafter and target draw the token at a position with the same noise (draws.py)."""
+        return self.decoder.draws.race(probs, self.seed, positions)
 
     def result(self) -> FinishedRow:
         """The row as it stands: its answer so far (the stop token excluded) and its steps."""

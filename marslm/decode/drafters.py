@@ -7,9 +7,9 @@ cached (the text's, or the drafts of its previous forward) and, for a MARS draft
 masks after them, then keeps only the fed tokens' keys and values: masks are never cached. The
 output at the last fed token is a draft; a MARS drafter adds its masks' predictions after it, left
 to right while confident under its own tau (acceptance.py's rule, as the target's threshold mode
-applies it), so one forward can draft several tokens. Sampling, every draft is drawn from the
-distribution returned for it as q, whichever output it came from, so the target's speculative
-sampling stays exact (sampling.py: the rule holds for any q).
+applies it), so one forward can draft several tokens. Sampling, every draft is the race winner of
+the distribution of the output it came from, raced at its position with the noise the target
+races that position with (draws.py): the target's output is its own sample whatever is drafted.
 """
 
 from __future__ import annotations
@@ -48,20 +48,18 @@ class ARDrafter:
             self.cached = self.cached[:keep]
 
     @torch.no_grad()
-    def propose(self, ids: list[int], k: int, params: DecodingParams, generator):
-        """``k`` drafts after ``ids`` and, sampling, the ``[k, vocab]`` distributions drawn from."""
+    def propose(self, ids: list[int], k: int, params: DecodingParams, race) -> list[int]:
+        """``k`` drafts after ``ids``; sampling, each drawn by ``race(probs, positions)`` at its position."""
         self.rollback(ids)
         if len(self.cached) == len(ids):  # the last token must be fed to read its output
             self.rollback(ids[:-1])
-        drafts, dists, feed = [], [], ids[len(self.cached) :]
+        drafts, feed = [], ids[len(self.cached) :]
         while len(drafts) < k:
             logits = self._forward(feed)
             n = min(self._accepted(logits), k - len(drafts))
-            feed, q = draw(logits[:n], params, generator, self.device)
+            feed = draw(logits[:n], params, race, len(ids) + len(drafts), self.device)
             drafts += feed
-            if q is not None:
-                dists.append(q)
-        return drafts, (torch.cat(dists) if dists else None)
+        return drafts
 
     def _accepted(self, logits: torch.Tensor) -> int:
         """How many of a forward's outputs become drafts: the AR output's alone."""
@@ -104,13 +102,12 @@ def confident_masks(mask_logits: torch.Tensor, tau: float, metric: str) -> list[
     return predicted[0, : int(accept_length(conf, torch.tensor([tau]), code)[0]) - 1].tolist()
 
 
-def draw(logits: torch.Tensor, params: DecodingParams, generator, device) -> tuple[list[int], torch.Tensor | None]:
-    """One draft per row of ``logits`` ``[n, vocab]``: the argmax, or sampling a token from each
-    row's distribution, returned as q ``[n, vocab]``."""
+def draw(logits: torch.Tensor, params: DecodingParams, race, position: int, device) -> list[int]:
+    """One draft per row of ``logits`` ``[n, vocab]``, for the positions from ``position`` on: the
+    argmax, or sampling the race winner of each row's distribution (``race(probs, positions)``)."""
     if params.temperature <= 0:
-        return logits.argmax(-1).tolist(), None
-    q = probs(logits, params, device)
-    return torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q
+        return logits.argmax(-1).tolist()
+    return race(probs(logits, params, device), range(position, position + len(logits))).tolist()
 
 
 def probs(logits: torch.Tensor, params: DecodingParams, device) -> torch.Tensor:

@@ -10,7 +10,7 @@ cheaper in numpy than as torch ops, and a GPU would sync once per step anyway to
 accepted. The device runs the forward and turns each read column into a token and a confidence
 (sampling rows: probabilities too); the step's inputs and mask go out in one copy each. No Python
 loop runs over rows, positions or vocabulary per step, except to draw samples from per-request
-generators (draws.py). Rows persist in the cache's buffer: a leaving row's place goes to the last
+seeds, position by position (draws.py). Rows persist in the cache's buffer: a leaving row's place goes to the last
 row and a joining row takes a free one, so neither copies the whole cache (kv.py).
 """
 
@@ -21,7 +21,6 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from .draws import row_generator
 from .params import DecodingParams, metric_code
 
 
@@ -52,7 +51,7 @@ class BatchStats:
 @dataclass
 class RowState:
     request_ids: list
-    generators: list  # torch.Generator of the row's own seed, or None (the batch's generator)
+    seeds: np.ndarray  # what each row samples with (draws.py: its request's seed, or the decoder's)
     tokens: np.ndarray  # [rows, room] prompt, then accepted tokens
     prompt_len: np.ndarray
     seq_len: np.ndarray  # prompt + accepted
@@ -68,7 +67,6 @@ class RowState:
     hybrid: np.ndarray  # lossless verification, then threshold acceptance on the selected group
     draft: np.ndarray  # [rows, K] lossless and hybrid: tokens to verify
     draft_len: np.ndarray
-    draft_q: torch.Tensor  # [rows, K, vocab] lossless sampling: what the drafts were drawn from (device)
     accept_log: np.ndarray  # [rows, steps] tokens accepted per forward
     forwards: np.ndarray
     slot_valid: np.ndarray  # [rows, slots] which cache slots hold the row's keys/values
@@ -86,8 +84,8 @@ class RowState:
         return self.lossless | self.hybrid
 
     @classmethod
-    def empty(cls, device) -> RowState:
-        return cls.joining([], [], [], pad_id=0, use_last_mask=False, slots=0, device=device)
+    def empty(cls) -> RowState:
+        return cls.joining([], [], [], np.zeros(0, np.int64), pad_id=0, use_last_mask=False, slots=0)
 
     @classmethod
     def joining(
@@ -95,13 +93,14 @@ class RowState:
         prompts: list[list[int]],
         settings: list[DecodingParams],
         request_ids: list,
+        seeds: np.ndarray,
         *,
         pad_id: int,
         use_last_mask: bool,
         slots: int,
-        device,
     ) -> RowState:
-        """Rows for new requests (``settings`` verified), with ``slots`` cache slots, none valid."""
+        """Rows for new requests (``settings`` verified) sampling with ``seeds``, with ``slots``
+        cache slots, none valid."""
         long, n = np.int64, len(prompts)
         prompt_len = np.array([len(p) for p in prompts], long)
         max_new = np.array([s.max_new_tokens for s in settings], long)
@@ -113,7 +112,7 @@ class RowState:
         zeros = np.zeros(n, long)
         return cls(
             request_ids=list(request_ids),
-            generators=[row_generator(s.seed, device) for s in settings],
+            seeds=np.asarray(seeds, long),
             tokens=tokens,
             prompt_len=prompt_len,
             seq_len=prompt_len.copy(),
@@ -129,7 +128,6 @@ class RowState:
             hybrid=np.array([s.mode == "hybrid" for s in settings], bool),
             draft=np.zeros((n, 0), long),
             draft_len=zeros,
-            draft_q=torch.zeros(n, 0, 0, device=device),
             accept_log=np.zeros((n, int(max_new.max(initial=-1)) + 1), long),
             forwards=zeros,
             slot_valid=np.zeros((n, slots), bool),
@@ -155,32 +153,22 @@ class RowState:
         on_device = torch.from_numpy(order).to(device, non_blocking=True)
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, list):
-                setattr(self, f.name, [value[i] for i in order])
-            else:
-                setattr(self, f.name, value[on_device if isinstance(value, torch.Tensor) else order])
+            setattr(self, f.name, [value[i] for i in order] if isinstance(value, list) else value[order])
         return on_device
 
 
 def _cat_rows(old, new):
-    """Stack ``new`` rows under ``old`` (lists, numpy arrays or tensors), zero-padding trailing
-    dimensions to the wider of the two."""
+    """Stack ``new`` rows under ``old`` (lists or numpy arrays), zero-padding trailing dimensions
+    to the wider of the two."""
     if isinstance(old, list):
         return old + new
     shape = [max(a, b) for a, b in zip(old.shape[1:], new.shape[1:])]
-    if isinstance(old, np.ndarray):
 
-        def pad(a):
-            if list(a.shape[1:]) == shape:
-                return a
-            out = np.zeros((len(a), *shape), a.dtype)
-            out[(slice(None), *(slice(0, size) for size in a.shape[1:]))] = a
-            return out
+    def pad(a):
+        if list(a.shape[1:]) == shape:
+            return a
+        out = np.zeros((len(a), *shape), a.dtype)
+        out[(slice(None), *(slice(0, size) for size in a.shape[1:]))] = a
+        return out
 
-        return np.concatenate([pad(old), pad(new)])
-
-    def pad_tensor(t):
-        widths = [w for size, want in zip(reversed(t.shape[1:]), reversed(shape)) for w in (0, want - size)]
-        return torch.nn.functional.pad(t, widths) if any(widths) else t
-
-    return torch.cat([pad_tensor(old), pad_tensor(new)], dim=0)
+    return np.concatenate([pad(old), pad(new)])

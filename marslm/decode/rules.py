@@ -134,39 +134,37 @@ def back_off(misses, pause, tried, used):
 
 def next_draft(rows: RowState, mask_tokens, verified, masks_read, probs, *, draft_groups: bool, draw, taken=None):
     """Drafting rows' drafts for the next step, from the masks of the group that saw exactly the
-    drafts that were accepted (:func:`selected_group`): ``(draft, draft_len, draft_q)``.
+    drafts that were accepted (:func:`selected_group`): ``(draft, draft_len)``.
 
     ``taken``: ``[rows]`` masks of that group a hybrid row accepted after its AR token; its draft
-    is the rest of the group. Sampling rows draw their drafts from the masks' distributions
-    (``draw(probs, selected)``, one token per selected entry) and keep those distributions
-    (``draft_q``) for the next step's verification.
+    is the rest of the group. Sampling rows draw their drafts from the masks' distributions, each
+    at the position it drafts (``draw(probs, selected, positions)``, draws.py: with the noise the
+    next step's verification races that position with). Call it once the step's accepted tokens
+    are recorded (``rows.seq_len`` is where the draft starts).
     """
     n, groups, per_group = mask_tokens.shape
     if not rows.drafting.any():  # threshold rows never draft
-        if rows.draft.shape[1] or rows.draft_q.numel():
-            return np.zeros((n, 0), np.int64), np.zeros(n, np.int64), rows.draft_q.new_zeros(n, 0, 0)
-        return rows.draft, rows.draft_len, rows.draft_q
+        if rows.draft.shape[1]:
+            return np.zeros((n, 0), np.int64), np.zeros(n, np.int64)
+        return rows.draft, rows.draft_len
     group, usable = selected_group(rows, verified, groups, draft_groups=draft_groups)
     chosen = mask_tokens[np.arange(n), group]
     taken = np.zeros(n, np.int64) if taken is None else np.where(usable, taken, 0)
     if taken.any():  # a hybrid row's draft starts after the masks it accepted
         chosen = np.take_along_axis(chosen, np.minimum(np.arange(per_group) + taken[:, None], per_group - 1), axis=1)
     draft_len = np.where(usable, masks_read - taken, 0)
-    # only as wide as the longest usable draft: a column no row drafts would be fed as padding
-    width = int(draft_len.max())
-    draft_q = rows.draft_q.new_zeros(n, 0, 0) if rows.draft_q.numel() else rows.draft_q
-    speculative = rows.lossless & (rows.temperature > 0)
-    if probs is not None and speculative.any():
+    sampling = rows.lossless & (rows.temperature > 0)
+    if probs is not None and sampling.any():
         vocab = probs.shape[-1]
         mask_probs = probs[:, rows.draft.shape[1] + 1 :].reshape(n, groups, per_group, vocab)
         at = torch.from_numpy(group).to(probs.device)[:, None, None, None].expand(-1, 1, per_group, vocab)
         q = mask_probs.gather(1, at)[:, 0]
-        # each sampling row draws exactly its own draft's tokens: its samples do not depend on the batch
-        wanted = speculative[:, None] & (np.arange(per_group) < draft_len[:, None])
-        drawn = draw(q.reshape(n * per_group, vocab), wanted.reshape(-1))
-        chosen = np.where(speculative[:, None], drawn.reshape(n, per_group), chosen)
-        draft_q = q[:, :width]
-    return chosen[:, :width], draft_len, draft_q
+        wanted = sampling[:, None] & (np.arange(per_group) < draft_len[:, None])
+        positions = rows.seq_len[:, None] + np.arange(per_group)
+        drawn = draw(q.reshape(n * per_group, vocab), wanted.reshape(-1), positions.reshape(-1))
+        chosen = np.where(sampling[:, None], drawn.reshape(n, per_group), chosen)
+    # only as wide as the longest usable draft: a column no row drafts would be fed as padding
+    return chosen[:, : int(draft_len.max())], draft_len
 
 
 def compaction_order(slot_valid, cached_len) -> np.ndarray | None:

@@ -1,15 +1,8 @@
-"""Sampling at temperature > 0, and the speculative-sampling rule that keeps lossless mode exact.
+"""Sampling at temperature > 0: the probabilities a row samples from, per read column.
 
-Lossless decoding feeds the masks' predictions of one step as drafts in the next. Greedy, a draft
-is kept when it equals the AR argmax. Sampling, each draft is drawn from its mask's distribution q
-and the next forward's AR distribution p decides (Leviathan et al. 2023; Chen et al. 2023):
-
-    keep draft d with probability min(1, p(d) / q(d))
-    at the first draft not kept, draw from the residual  max(0, p - q) / sum(max(0, p - q))
-    if every draft was kept, draw the next token from p
-
-so every emitted token is distributed exactly as sampling the AR model alone. p and q go through
-the same temperature, top-k and top-p (:func:`sampling_probs`); the rule holds for any q.
+Temperature, top-k and top-p apply as transformers applies them. The draw itself is draws.py's
+(an exponential race keyed by position), which is also what keeps lossless mode exact: a draft
+and the AR token at its position race with the same noise, and a draft is kept where it won.
 """
 
 from __future__ import annotations
@@ -36,29 +29,3 @@ def sampling_probs(
         drop[..., 0] = False
         scores = scores.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     return scores.softmax(dim=-1)
-
-
-def speculative_accept(
-    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor, uniform: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """How many drafts each row keeps, and the distribution to draw the token after them from.
-
-    p ``[rows, K + 1, vocab]``: the AR distributions at the last real token and at each draft;
-    q ``[rows, K, vocab]``: the distributions the drafts were drawn from; draft ``[rows, K]``;
-    draft_len ``[rows]`` (drafts past it are padding); uniform ``[rows, K]`` in [0, 1).
-    """
-    rows, k = draft.shape
-    p_draft = p[:, :k].gather(-1, draft[..., None])[..., 0]
-    q_draft = q.gather(-1, draft[..., None])[..., 0]
-    keep = uniform * q_draft < p_draft  # u < p/q, without dividing by q
-    keep &= torch.arange(k, device=draft.device) < draft_len[:, None]
-    kept = keep.long().cumprod(dim=1).sum(dim=1)
-    at = kept[:, None, None].expand(-1, 1, p.shape[-1])
-    p_next = p.gather(1, at)[:, 0]
-    rejected = kept < draft_len
-    q_next = q.gather(1, at.clamp(max=max(k - 1, 0)))[:, 0] if k else torch.zeros_like(p_next)
-    residual = (p_next - q_next).clamp(min=0)
-    mass = residual.sum(dim=-1, keepdim=True)
-    # a residual with no mass can only come from p == q, where any draw from p is right
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
-    return kept, torch.where(rejected[:, None], residual, p_next)

@@ -64,8 +64,8 @@ class DraftedBatch:
     """At most one drafted row, behind a ``DecodeBatch``'s interface (``mask_batch_limit`` and the
     masked-step counts stay unset: a drafted server refuses ``--mask-batch-limit``).
 
-    Requests that name no seed draw from the decoder's one generator, of the server's ``seed``
-    (``served_drafter``), as a batch's do."""
+    Requests that name no seed sample with the server's ``seed`` (``served_drafter``) and a count,
+    as a batch's do (draws.py)."""
 
     mask_batch_limit = None
 

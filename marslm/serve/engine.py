@@ -31,7 +31,7 @@ cannot be drawn, fails its own request and the batch goes on. Only a step that f
 
 Greedy decoding is the default. At ``temperature`` > 0 threshold mode samples the AR token of each
 step (the masks keep the confidence rule) and lossless mode samples exactly from the AR model's
-distribution (speculative sampling); a request's ``seed`` makes its sample reproducible. Stop
+distribution (decode/draws.py); a request's ``seed`` makes its sample reproducible. Stop
 strings are matched here, on the decoded text, so a row ends at the step that produced one.
 """
 

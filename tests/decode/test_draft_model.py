@@ -32,8 +32,8 @@ class CheckedDrafter(ARDrafter):
     """Checks every proposal against the same drafter run from scratch, without a cache: a cache
     that kept a rejected draft's keys/values proposes something else."""
 
-    def propose(self, ids, k, params, generator):
-        drafts, q = super().propose(ids, k, params, generator)
+    def propose(self, ids, k, params, race):
+        drafts = super().propose(ids, k, params, race)
         self.proposals += 1
         fed = torch.tensor([ids + drafts[:-1]])
         with torch.no_grad():
@@ -41,7 +41,7 @@ class CheckedDrafter(ARDrafter):
         assert drafts == fresh
         assert len(self.cached) == len(ids) + k - 1
         assert_cache_of(self.cache, self.model, self.cached)  # no rejected draft's keys/values left
-        return drafts, q
+        return drafts
 
     def reset(self):
         super().reset()
@@ -161,7 +161,7 @@ def test_the_masks_read_are_those_of_the_group_verification_selected():
     rows = [3, 4, 6] + [5, 5] + [7, 8] + [1, 1]  # AR argmax at pending, draft 1, draft 2; groups 0, 1, 2
     logits = torch.nn.functional.one_hot(torch.tensor(rows), vocab).double() * 20
     params = DecodingParams(tau=0.5, block_size=3, max_new_tokens=10).validate()
-    tokens, kept = decoder._accept(logits, [3, 2], None, n_masks, params, None)
+    tokens, kept = decoder._accept(logits, [3, 2], n_masks, params, None, 0)
     assert (kept, tokens) == (1, [3, 4, 7, 8])
 
 

@@ -72,11 +72,13 @@ def test_a_group_without_the_kept_drafts_context_and_the_row_s_masks_bound_it():
 
 def test_the_next_draft_is_the_rest_of_the_selected_group():
     settings = [DecodingParams(mode="hybrid", tau=0.9, block_size=4).validate() for _ in range(2)]
-    rows = RowState.joining([[1, 2], [1, 2]], settings, [0, 1], pad_id=0, use_last_mask=False, slots=0, device="cpu")
+    rows = RowState.joining(
+        [[1, 2], [1, 2]], settings, [0, 1], np.zeros(2, np.int64), pad_id=0, use_last_mask=False, slots=0
+    )
     rows.draft, rows.draft_len = np.array([[5, 6], [5, 6]]), np.array([2, 2])
     mask_tokens = np.arange(2 * 3 * 3).reshape(2, 3, 3) + 100  # [rows, groups, masks]
     verified, taken = np.array([2, 1]), np.array([1, 0])
-    draft, draft_len, _ = next_draft(
+    draft, draft_len = next_draft(
         rows, mask_tokens, verified, np.array([3, 3]), None, draft_groups=True, draw=None, taken=taken
     )
     assert draft_len.tolist() == [2, 3]
@@ -173,7 +175,7 @@ def test_a_step_packs_each_rows_uncached_tokens_and_drafts_together():
 
     prompts = [list(range(100, 110)), list(range(200, 210))]
     settings = [DecodingParams(mode="hybrid", tau=0.9, block_size=4, max_new_tokens=8)] * 2
-    rows = RowState.joining(prompts, settings, [0, 1], pad_id=0, use_last_mask=True, slots=10, device="cpu")
+    rows = RowState.joining(prompts, settings, [0, 1], np.zeros(2, np.int64), pad_id=0, use_last_mask=True, slots=10)
     rows.cached_len = np.array([7, 9])  # three tokens and one not cached
     rows.slot_valid[0, :7] = rows.slot_valid[1, :9] = True
     rows.draft, rows.draft_len = np.array([[51, 0, 0], [61, 62, 63]]), np.array([1, 3])

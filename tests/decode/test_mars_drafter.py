@@ -46,10 +46,10 @@ def drafter(mars, tau):
 def test_at_tau_1_a_mars_drafter_drafts_greedy_ar_one_token_per_forward(mars, prompts):
     model, tokenizer, _, _ = mars
     one = drafter(mars, 1.0)
-    drafts, q = one.propose(prompts[0], 10, GREEDY, None)
+    drafts = one.propose(prompts[0], 10, GREEDY, None)
     expected = hf_greedy(model, tokenizer, prompts[:1], 10)[0]  # up to its EOS
     assert len(drafts) == 10 and drafts[: len(expected)] == expected
-    assert one.forwards == 10 and q is None
+    assert one.forwards == 10
 
 
 @pytest.mark.parametrize("tau", [0.9, 0.5])
@@ -60,7 +60,7 @@ def test_a_mars_drafter_drafts_what_threshold_decoding_of_the_same_model_emits(m
     forwards = 0
     for prompt in prompts:
         many = drafter(mars, tau)
-        drafts, _ = many.propose(prompt, 16, GREEDY, None)
+        drafts = many.propose(prompt, 16, GREEDY, None)
         expected = generate(model, tokenizer, [prompt], tau=tau, max_new_tokens=16).token_ids[0]
         assert len(drafts) == 16 and drafts[: len(expected)] == expected
         assert many.cached == (prompt + drafts)[: len(many.cached)]
@@ -73,15 +73,15 @@ class CheckedMarsDrafter(MarsDrafter):
     """Checks every proposal against a fresh drafter with an empty cache, and that its cache holds
     exactly a prefix of the text and drafts: a rejected draft, or a mask, left in it fails."""
 
-    def propose(self, ids, k, params, generator):
+    def propose(self, ids, k, params, race):
         self.rejected = getattr(self, "rejected", 0) + (self.cached != ids[: len(self.cached)])
-        drafts, q = super().propose(ids, k, params, generator)
+        drafts = super().propose(ids, k, params, race)
         fresh = MarsDrafter(self.model, self.mask_token_id, self.tau, self.n_masks)
-        assert drafts == fresh.propose(ids, k, params, generator)[0]
+        assert drafts == fresh.propose(ids, k, params, race)
         assert self.cached == (ids + drafts)[: len(self.cached)] and len(self.cached) >= len(ids)
         assert self.cache.get_seq_length() == len(self.cached)
         self.drafted = getattr(self, "drafted", 0) + k
-        return drafts, q
+        return drafts
 
 
 def test_a_rejected_draft_rolls_the_mars_drafter_cache_back(mars, trained_checkpoints, prompts):
@@ -116,14 +116,14 @@ def bad_mars(trained_checkpoints):
 
 
 class CountingMarsDrafter(MarsDrafter):
-    def propose(self, ids, k, params, generator):
+    def propose(self, ids, k, params, race):
         self.drafted = getattr(self, "drafted", 0) + k
-        return super().propose(ids, k, params, generator)
+        return super().propose(ids, k, params, race)
 
 
 def test_speculative_sampling_with_a_mars_drafter_is_the_target_distribution(tiny_vocab_model, other_vocab_model):  # noqa: F811
-    """The drafter samples its AR output and its confident masks, each from the q it returns: the
-    output is distributed as sampling the target alone (chi-square against the enumerated one)."""
+    """The drafter samples its AR output and its confident masks: the output is distributed as
+    sampling the target alone (chi-square against the enumerated one)."""
     exact = exact_distribution(tiny_vocab_model)
     mars_drafter = CountingMarsDrafter(other_vocab_model, MASK, 0.05, 2)  # every mask passes: q rows of masks
     decoder = DraftModelDecoder(
@@ -142,17 +142,26 @@ def test_speculative_sampling_with_a_mars_drafter_is_the_target_distribution(tin
         assert chi_square_p(observed, expected, DRAWS) > 1e-3, positions
 
 
-def test_the_draft_q_rows_are_the_distributions_drawn_from(other_vocab_model):
-    """Each draft's q row is its own output's sampling distribution: the AR output's, then each
-    confident mask's, not one row repeated."""
+def test_each_sampled_draft_is_its_own_outputs_race_winner_at_its_position(other_vocab_model):
+    """The AR output's distribution drafts the first position, then each confident mask's the
+    next, each raced with the noise of its own position (the noise the target races it with)."""
+    from marslm.decode.draws import RowDraws
+
     mars_drafter = MarsDrafter(other_vocab_model, MASK, 0.05, 2)
     params = DecodingParams(temperature=0.7, block_size=3, max_new_tokens=NEW, seed=1).validate()
-    drafts, q = mars_drafter.propose(PROMPT, 3, params, torch.Generator().manual_seed(0))
+    draws, raced = RowDraws("cpu"), []
+
+    def race(probs, positions):
+        raced.append((probs, list(positions)))
+        return draws.race(probs, 11, positions)
+
+    drafts = mars_drafter.propose(PROMPT, 3, params, race)
     with torch.no_grad():
         logits = other_vocab_model(input_ids=torch.tensor([PROMPT + [MASK, MASK]])).logits[0, len(PROMPT) - 1 :]
-    assert mars_drafter.forwards == 1 and q.shape == (3, logits.shape[-1])
-    torch.testing.assert_close(q, (logits.float() / 0.7).softmax(-1))
-    assert all(q[i, d] > 0 for i, d in enumerate(drafts))
+    q = (logits.float() / 0.7).softmax(-1)
+    assert mars_drafter.forwards == 1 and len(raced) == 1 and raced[0][1] == [3, 4, 5]
+    torch.testing.assert_close(raced[0][0], q)
+    assert drafts == [int(draws.race(q[i : i + 1], 11, [3 + i])[0]) for i in range(3)]
 
 
 def test_which_drafter_a_draft_model_makes(trained_checkpoints, bad_drafter):

@@ -52,10 +52,10 @@ def test_metric_codes_are_the_places_of_the_metric_names():
 def test_every_row_field_joins_and_leaves_together():
     """A field declared in RowState is stacked by ``extend`` and indexed by ``keep``: none is left behind."""
     params = DecodingParams(tau=0.9, max_new_tokens=5, seed=3).validate()
-    rows = RowState.empty("cpu")
-    join = dict(pad_id=0, use_last_mask=True, slots=0, device="cpu")
-    rows.extend(RowState.joining([[1, 2, 3], [4]], [params, params], ["a", "b"], **join))
-    rows.extend(RowState.joining([[5, 6]], [params], ["c"], **join))
+    rows = RowState.empty()
+    join = dict(pad_id=0, use_last_mask=True, slots=0)
+    rows.extend(RowState.joining([[1, 2, 3], [4]], [params, params], ["a", "b"], np.array([3, 3]), **join))
+    rows.extend(RowState.joining([[5, 6]], [params], ["c"], np.array([3]), **join))
     assert all(len(getattr(rows, f.name)) == 3 for f in dataclasses.fields(rows))
     rows.keep(np.array([0, 2]), "cpu")
     assert rows.request_ids == ["a", "c"] and rows.prompt_len.tolist() == [3, 2]

@@ -1,10 +1,12 @@
-"""Sampling: lossless mode at temperature > 0 samples exactly the AR model's distribution
-(speculative sampling), top-k / top-p as transformers applies them, reproducible seeds.
+"""Sampling: lossless mode at temperature > 0 samples exactly the AR model's distribution, top-k /
+top-p as transformers applies them, and a seed gives one text whatever the batch and whatever was
+drafted (draws.py: each position's draw is an exponential race of the row's seed and the position).
 
 The distribution test runs a tiny random model with a 6-token vocabulary: its distributions are
-spread out, and its masks (untrained) propose something quite unlike the AR model, so the
-acceptance rule's residual draws carry much of the probability mass. The exact distribution of
-the first three tokens is computed by enumeration and compared with a chi-square test.
+spread out, and its masks (untrained) propose something quite unlike the AR model, so many drafts
+are rejected and the target's own draws carry much of the probability mass. The exact
+distribution of the first three tokens is computed by enumeration and compared with a chi-square
+test.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from marslm.decode import DecodeBatch, DecodingParams
-from marslm.decode import sampling as sampling_module
+from marslm import generate
+from marslm.decode import PAPER_RULE, DecodeBatch, DecodingParams
+from marslm.decode import draws as draws_module
+from marslm.decode.rows import RowState
+from marslm.decode.rules import next_draft
 from marslm.decode.sampling import sampling_probs
 from tests.helpers import tiny_llama
 
@@ -90,22 +96,33 @@ def test_lossless_sampling_is_the_ar_distribution(tiny_vocab_model):
         assert chi_square_p(observed, expected, DRAWS) > 1e-3, positions
 
 
-def test_a_biased_acceptance_fails_the_same_test(tiny_vocab_model, monkeypatch):
-    """Redrawing a rejected draft from p instead of the residual max(0, p - q) biases the output
-    towards what the masks propose: the test above must see it."""
+def test_noise_shared_across_positions_fails_the_same_test(tiny_vocab_model, monkeypatch):
+    """Racing every position of a row with the same noise ties its tokens to each other: the test
+    above must see it."""
     exact = exact_distribution(tiny_vocab_model)
-    original = sampling_module.speculative_accept
-
-    def biased(p, q, draft, draft_len, uniform):
-        kept, _ = original(p, q, draft, draft_len, uniform)
-        return kept, p.gather(1, kept[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]
-
-    monkeypatch.setattr("marslm.decode.batch.speculative_accept", biased)
+    monkeypatch.setattr(draws_module, "position_seed", lambda seed, position: seed)
     samples = sample_lossless(tiny_vocab_model, DRAWS, seed=1)
     worst = min(
         chi_square_p(*marginals(samples, exact, positions), DRAWS) for positions in ((0, 1), (1, 2), (2,), (0, 1, 2))
     )
     assert worst < 1e-3
+
+
+def test_a_seed_gives_the_same_text_whatever_was_drafted(trained_checkpoints, prompts):
+    """Lossless sampling is plain sampling at the same seed, token for token, whether every step
+    drafts, rows rest from their drafts, or steps read no masks while the batch is above a limit:
+    the fallback's decisions (under the default auto limit, this machine's timings) cannot change
+    a seeded sample."""
+    model, tokenizer = trained_checkpoints["mars64"]
+    sampled = dict(temperature=1.0, top_p=0.95, seed=21, max_new_tokens=40)
+    plain = generate(model, tokenizer, prompts, **sampled).token_ids  # tau 1: one token per step
+    reach = []
+    decoders = (PAPER_RULE, dict(mask_batch_limit=None), dict(mask_batch_limit=1), {})  # {}: the default, auto
+    for decoder in decoders:
+        drafted = generate(model, tokenizer, prompts, mode="lossless", **sampled, **decoder)
+        assert drafted.token_ids == plain, decoder
+        reach.append(drafted.tokens_per_forward)
+    assert reach[0] > 1.1 and reach[2] < reach[0]  # drafts kept; fewer where the batch stays above the limit
 
 
 def test_a_seed_gives_the_same_sample_whatever_the_batch(tiny_vocab_model):
@@ -169,3 +186,27 @@ def test_settings_at_their_limits_decode_as_the_limit_does(tiny_vocab_model, mod
     sampled = run(temperature=1.0)
     for top_k in (2**63, 2**70):
         assert run(temperature=1.0, top_k=top_k) == sampled, top_k
+
+
+def test_a_sampled_draft_is_drawn_at_the_position_it_drafts():
+    """Draft j of a row whose text ends at seq_len drafts position seq_len + j, where the next step
+    races the target's token (batch.py): drawn with that position's noise, a draft the target
+    would sample is kept. Drawn at another position's, the text stays the target's (the test above)
+    but fewer drafts are kept."""
+    settings = [DecodingParams(mode="lossless", temperature=1.0, block_size=4, max_new_tokens=8).validate()] * 2
+    rows = RowState.joining(
+        [[1, 2], [1, 2, 3]], settings, [0, 1], np.array([5, 6]), pad_id=0, use_last_mask=False, slots=0
+    )
+    rows.seq_len = np.array([7, 9])
+    probs = torch.full((2, 1 + 3, VOCAB), 1 / VOCAB)  # the AR token's column, then one group of 3 masks
+    drawn_at = []
+
+    def draw(q, selected, positions):
+        drawn_at.append(positions.reshape(2, 3).tolist())
+        return np.zeros(len(selected), np.int64)
+
+    mask_tokens = np.zeros((2, 1, 3), np.int64)
+    _, draft_len = next_draft(
+        rows, mask_tokens, np.zeros(2, np.int64), np.array([3, 3]), probs, draft_groups=False, draw=draw
+    )
+    assert draft_len.tolist() == [3, 3] and drawn_at == [[[7, 8, 9], [9, 10, 11]]]
