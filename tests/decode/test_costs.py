@@ -2,6 +2,8 @@
 
 import math
 
+import torch
+
 from marslm.decode.costs import PRIOR_WEIGHT, PROBE_EVERY, PROBE_SHARE, PROBE_STEPS, MaskBatchLimit
 from marslm.decode.rows import BatchStats
 
@@ -163,3 +165,26 @@ def test_a_probe_that_observes_nothing_ends_and_the_wait_starts_over():
         limit.step(batch)
     probes = [i for i, b in enumerate(batch.limits) if b == 8]
     assert probes == [0, 1, PROBE_EVERY + 2, PROBE_EVERY + 3]
+
+
+def test_a_models_next_limit_starts_from_what_its_masks_bought(monkeypatch):
+    """A loop of short generate() calls does not relearn from the prior in each: the next limit of
+    the same model and key starts where the last one's mean ended, weighing as the prior did, and
+    still probes at once; another block size or model starts at the prior."""
+    from marslm.decode import costs
+
+    monkeypatch.setattr(costs, "masked_step_costs", lambda model, n_masks, sizes, **_: {b: 1.3 for b in sizes})
+    model, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    first = costs.measured_mask_limit(model, 4, 8)
+    assert first.bought == 1.5
+    for _ in range(6):
+        first.observe(rows=1, tokens=1)
+    assert first.limit == 0
+    second = costs.measured_mask_limit(model, 4, 8)
+    assert second.bought == first.bought and second.limit == 0 and second.observed == 0
+    assert second.next_limit(1) == 1  # nothing observed in this call yet: a probe at once
+    second.observe(rows=1, tokens=3)
+    assert second.bought == first.bought + (3 - first.bought) / (PRIOR_WEIGHT + 1)
+    assert costs.measured_mask_limit(model, 4, 8).bought == second.bought
+    assert costs.measured_mask_limit(model, 3, 8).bought == 1.5
+    assert costs.measured_mask_limit(other, 4, 8).bought == 1.5
