@@ -159,9 +159,10 @@ class MaskBatchLimit:
 
     Above the limit nothing would be observed, so a prior or a noisy cost could keep masks off
     for good where they pay. So a batch larger than the limit still reads them in a probe of
-    ``PROBE_STEPS`` steps: at once while this limit has observed nothing (its prior is a guess), then
-    after each :meth:`probe_wait` steps without masks. Two steps, because a drafting row's first
-    masked step only drafts (DecodeBatch counts it nowhere) and what its drafts buy shows in the next.
+    ``PROBE_STEPS`` steps: at once while this limit has observed nothing (its prior is a guess),
+    then after each :meth:`probe_wait` steps without masks. Two steps, because a drafting row's
+    first masked step only drafts (DecodeBatch counts it nowhere) and what its drafts buy shows in
+    the next.
     No probe where a masked step costs ``most`` one-token steps or more: the most tokens a masked
     step can give a row (2B + 1: its drafts, the AR token and a group of masks) would not pay for it.
     """

@@ -10,8 +10,8 @@ cheaper in numpy than as torch ops, and a GPU would sync once per step anyway to
 accepted. The device runs the forward and turns each read column into a token and a confidence
 (sampling rows: probabilities too); the step's inputs and mask go out in one copy each. No Python
 loop runs over rows, positions or vocabulary per step, except to draw samples from per-request
-seeds, position by position (draws.py). Rows persist in the cache's buffer: a leaving row's place goes to the last
-row and a joining row takes a free one, so neither copies the whole cache (kv.py).
+seeds, position by position (draws.py). Rows persist in the cache's buffer: a leaving row's place
+goes to the last row and a joining row takes a free one, so neither copies the whole cache (kv.py).
 """
 
 from __future__ import annotations
