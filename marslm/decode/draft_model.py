@@ -240,7 +240,9 @@ class DraftedRow:
         return tokens[: accept - self.stopped]
 
     def _race(self, probs: torch.Tensor, positions) -> torch.Tensor:
-        """Drafter and target draw the token at a position with the same noise (draws.py)."""
+        """Drafter and target draw the token at a position with the same noise (draws.py), over the
+        target's ids: a drafter that scores fewer (check_drafter_vocabulary) gives the rest 0."""
+        probs = torch.nn.functional.pad(probs, (0, output_rows(self.decoder.model) - probs.shape[-1]))
         return self.decoder.draws.race(probs, self.seed, positions)
 
     def result(self) -> FinishedRow:
