@@ -38,7 +38,6 @@ def position_seed(seed: int, position: int) -> int:
 
 class RowDraws:
     def __init__(self, device, seed: int | None = None):
-        self.device = device
         self.seed = torch.Generator().initial_seed() if seed is None else seed
         self.unseeded = 0  # seedless rows so far: the next one samples with seed + this
         self.generator = torch.Generator(device=device)
