@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from marslm import generate
-from marslm.decode import DecodingParams
+from marslm.decode import PAPER_RULE, DecodingParams
 from marslm.decode.draft_model import DraftModelDecoder, make_drafter
 from marslm.decode.drafters import ARDrafter, MarsDrafter
 from marslm.decode.params import DEFAULT_DRAFT_TAU
@@ -54,14 +54,15 @@ def test_at_tau_1_a_mars_drafter_drafts_greedy_ar_one_token_per_forward(mars, pr
 
 @pytest.mark.parametrize("tau", [0.9, 0.5])
 def test_a_mars_drafter_drafts_what_threshold_decoding_of_the_same_model_emits(mars, prompts, tau):
-    """Its forwards are the threshold mode's steps (pending tokens, then the masks, which no later
-    forward sees), so its drafts are that decoding's first tokens, in fewer forwards than tokens."""
+    """Its forwards are the threshold mode's steps under the paper's rule (pending tokens, then every
+    mask, which no later forward sees), so its drafts are that decoding's first tokens, in fewer
+    forwards than tokens."""
     model, tokenizer, _, _ = mars
     forwards = 0
     for prompt in prompts:
         many = drafter(mars, tau)
         drafts = many.propose(prompt, 16, GREEDY, None)
-        expected = generate(model, tokenizer, [prompt], tau=tau, max_new_tokens=16).token_ids[0]
+        expected = generate(model, tokenizer, [prompt], tau=tau, max_new_tokens=16, **PAPER_RULE).token_ids[0]
         assert len(drafts) == 16 and drafts[: len(expected)] == expected
         assert many.cached == (prompt + drafts)[: len(many.cached)]
         assert many.cache.get_seq_length() == len(many.cached)  # no mask's keys/values
