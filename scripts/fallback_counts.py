@@ -64,7 +64,8 @@ def main() -> None:
             for mode in args.modes:
                 fed.clear()
                 # each group is a workload of its own: what masks bought starts at the prior
-                vars(model).pop(getattr(costs, "BOUGHT_ATTR", ""), None)
+                for kept in ("LIMITS_ATTR", "BOUGHT_ATTR"):  # the limit, or an older decoder's mean
+                    vars(model).pop(getattr(costs, kept, ""), None)
                 tokens = forwards = 0
                 for start in range(0, len(prompts), batch):
                     out = marslm.generate(

@@ -21,11 +21,12 @@ from ..adapter import adapter_of
 log = logging.getLogger("marslm.decode")
 
 # Where a model keeps its measured step costs, by (block size, batch sizes): decoding calls that
-# share a model (repeated generate() calls, bench's repeats, an eval sweep's cells) time it once.
+# share a model (repeated generate() calls, bench's repeats, an eval sweep's cells) time them once.
 STEP_COSTS_ATTR = "_marslm_masked_step_costs"
-# And what its masks have been buying, by the same key: the next call's prior, so that a loop of
-# short calls does not relearn from a guess in each (a server's one limit learns across requests).
-BOUGHT_ATTR = "_marslm_masks_bought"
+# And its auto limits, by the same key and a workload (what decides what masks buy: mode, tau...):
+# calls of one workload go on learning in one limit, as a server's one limit does across requests,
+# so that a loop of short calls neither relearns from a guess nor probes at the start of each.
+LIMITS_ATTR = "_marslm_mask_limits"
 
 
 def cost_curve(
@@ -118,11 +119,11 @@ def limit_batch_sizes(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted({*(2**i for i in range(max_batch.bit_length())), max_batch}))
 
 
-def measured_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimit:
-    """``mask_batch_limit="auto"``: a masked step timed against a one-token step at each of
-    :func:`limit_batch_sizes`, once per model, block size and batch sizes (kept on the model), and
-    a fresh :class:`MaskBatchLimit` over those costs, whose running mean starts at what the last
-    one of this model and key had bought (at the prior the first time), and is kept for the next."""
+def measured_mask_limit(model, block_size: int, max_batch: int, workload: tuple = ()) -> MaskBatchLimit:
+    """``mask_batch_limit="auto"``: the model's :class:`MaskBatchLimit` for this block size, the
+    batch sizes of :func:`limit_batch_sizes` and ``workload``, made the first time and kept on the
+    model for the next call; over a masked step timed against a one-token step at each of those
+    batch sizes, once per model, block size and batch sizes."""
     sizes = limit_batch_sizes(max_batch)
     measured = vars(model).setdefault(STEP_COSTS_ATTR, {})
     if (block_size, sizes) not in measured:
@@ -133,8 +134,11 @@ def measured_mask_limit(model, block_size: int, max_batch: int) -> MaskBatchLimi
             ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
             MaskBatchLimit(costs).limit,
         )
-    memory = vars(model).setdefault(BOUGHT_ATTR, {}).setdefault((block_size, sizes), {})
-    return MaskBatchLimit(measured[block_size, sizes], most=2 * block_size + 1, memory=memory)
+    limits = vars(model).setdefault(LIMITS_ATTR, {})
+    key = (block_size, sizes, *workload)
+    if key not in limits:
+        limits[key] = MaskBatchLimit(measured[block_size, sizes], most=2 * block_size + 1)
+    return limits[key]
 
 
 # Above the limit a step still reads masks now and then (a probe, MaskBatchLimit.probe_wait), so that
@@ -151,11 +155,10 @@ class MaskBatchLimit:
 
     ``step_cost[b]``: a masked step's cost at batch size b, as a ratio to a one-token step. A
     masked step gives each row ``bought`` tokens on average (resting rows included: they pay the
-    step's width too), a running mean over recent masked steps that starts at ``prior`` (or at
-    what ``memory`` kept of an earlier limit's mean), which weighs as ``PRIOR_WEIGHT``
-    observations: a call's first steps move it, one of them alone does not. Masks pay at b while
-    ``bought > step_cost[b]``; the limit is the largest measured b where they do, and 0 (no row
-    reads masks) where they pay at none.
+    step's width too), a running mean over recent masked steps that starts at ``prior``, which
+    weighs as ``PRIOR_WEIGHT`` observations: the first steps move it, one of them alone does not.
+    Masks pay at b while ``bought > step_cost[b]``; the limit is the largest measured b where they
+    do, and 0 (no row reads masks) where they pay at none.
 
     Above the limit nothing would be observed, so a prior or a noisy cost could keep masks off
     for good where they pay. So a batch larger than the limit still reads them in a probe of
@@ -167,18 +170,10 @@ class MaskBatchLimit:
     step can give a row (2B + 1: its drafts, the AR token and a group of masks) would not pay for it.
     """
 
-    def __init__(
-        self,
-        step_cost: dict[int, float],
-        prior: float = 1.5,
-        weight: float = 0.05,
-        most: float = math.inf,
-        memory: dict | None = None,
-    ):
+    def __init__(self, step_cost: dict[int, float], prior: float = 1.5, weight: float = 0.05, most: float = math.inf):
         self.step_cost = dict(sorted(step_cost.items()))
         self.most = most
-        self.memory = memory  # where the running mean outlives this limit, as the next one's prior
-        self.bought = prior if memory is None else memory.get("bought", prior)
+        self.bought = prior
         self.weight = weight
         self.observed = 0  # masked steps that observed rows
         # the prior is a guess: a batch above its limit is probed at once, then after each wait
@@ -191,8 +186,6 @@ class MaskBatchLimit:
             self.observed += 1
             weight = max(self.weight, 1 / (self.observed + PRIOR_WEIGHT))
             self.bought += weight * (tokens / rows - self.bought)
-            if self.memory is not None:
-                self.memory["bought"] = self.bought
 
     @property
     def limit(self) -> int:

@@ -199,10 +199,12 @@ def _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_
 
 def _auto_mask_limit(model, params: DecodingParams, decoder: DecoderOptions, max_batch: int):
     """``mask_batch_limit="auto"``'s :class:`MaskBatchLimit` for up to ``max_batch`` rows, its step
-    costs timed once per model (costs.py); None for a fixed limit or where no step reads masks."""
+    costs timed once per model (costs.py), kept for the next call with these settings; None for a
+    fixed limit or where no step reads masks."""
     if decoder.mask_batch_limit != "auto" or params.one_token:
         return None
-    return measured_mask_limit(model, params.block_size, max_batch)
+    workload = (params.mode, params.tau, params.metric, params.temperature, decoder.draft_groups)
+    return measured_mask_limit(model, params.block_size, max_batch, workload)
 
 
 def _result(tokenizer, rows: list[FinishedRow], streams: dict, stats: BatchStats) -> GenerationResult:

@@ -16,7 +16,8 @@ TOKEN_PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15, 16, 17, 18]]  # f
 def mars64(trained_checkpoints):
     model, tokenizer = trained_checkpoints["mars64"]
     yield model, tokenizer
-    vars(model).pop(costs.STEP_COSTS_ATTR, None)  # a test's (fake) step costs reach no other test
+    for kept in (costs.STEP_COSTS_ATTR, costs.LIMITS_ATTR):  # a test's (fake) step costs reach no other test
+        vars(model).pop(kept, None)
 
 
 @pytest.fixture
