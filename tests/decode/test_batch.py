@@ -106,7 +106,9 @@ def test_stats_are_exact(trained_checkpoints, prompts, cache):
     model, tokenizer = trained_checkpoints["mars64"]
     counter = ForwardCounter(model)
     try:
-        out = generate(model, tokenizer, prompts, tau=0.8, cache=cache, block_cache_size=8, max_new_tokens=40)
+        # no auto limit: the forwards that time its step costs would count too
+        settings = dict(tau=0.8, cache=cache, block_cache_size=8, max_new_tokens=40, mask_batch_limit=None)
+        out = generate(model, tokenizer, prompts, **settings)
     finally:
         counter.handle.remove()
     assert out.batch_forwards == counter.calls
