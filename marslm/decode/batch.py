@@ -40,7 +40,7 @@ import torch
 from ..masks import for_attention
 from .acceptance import confidence
 from .draws import RowDraws
-from .inputs import StepInputs, prefill_inputs, step_inputs
+from .inputs import StepInputs, logits_to_keep, prefill_inputs, step_inputs
 from .kv import SlotCache
 from .params import ADAPTIVE_WIDTH, DecoderOptions, DecodingParams
 from .rows import BatchStats, FinishedRow, RowState
@@ -184,7 +184,9 @@ class DecodeBatch:
             return []
         self._prefill_joining()
         step = self._inputs()
-        logits = self._call(step.input_ids, step.position_ids, step.mask, self.kv, self._to_device(step.read_cols))
+        keep = logits_to_keep(step.read_cols, step.input_ids.shape[1])
+        keep = keep if isinstance(keep, int) else self._to_device(keep)
+        logits = self._call(step.input_ids, step.position_ids, step.mask, self.kv, keep)
         candidates, accept, stopped, verified, mask_tokens, probs = self._accept(step, logits)
         if step.masks_per_group:
             # what a drafting row's masks buy shows when their drafts are verified: its first masked

@@ -85,6 +85,16 @@ def step_inputs(
     )
 
 
+def logits_to_keep(read_cols: np.ndarray, width: int) -> int | np.ndarray:
+    """The model's ``logits_to_keep`` for a step that reads ``read_cols`` of ``width`` fed columns:
+    how many they are where every row reads its last ones (the model slices them, as in HF
+    ``generate``: the common case, and always at batch size 1), else the columns themselves."""
+    n = read_cols.shape[1]
+    if np.array_equal(read_cols, np.broadcast_to(np.arange(width - n, width), read_cols.shape)):
+        return n
+    return read_cols
+
+
 def prefill_inputs(rows: RowState, joining: np.ndarray, pad_id: int):
     """The prompts of the rows ``joining``, less their last token (it stays pending, so a joining
     row's first step is like any other): ``(input_ids, position_ids, mask, valid)``."""
