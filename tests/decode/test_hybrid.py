@@ -171,7 +171,7 @@ def test_the_vllm_plugin_refuses_hybrid():
 def test_a_step_packs_each_rows_uncached_tokens_and_drafts_together():
     """A row that accepted three tokens last step and drafts one is as wide as a row that accepted
     one and drafts three: both feed four real tokens, at consecutive positions, then the masks."""
-    from marslm.decode.inputs import step_inputs
+    from marslm.decode.inputs import logits_to_keep, step_inputs
 
     prompts = [list(range(100, 110)), list(range(200, 210))]
     settings = [DecodingParams(mode="hybrid", tau=0.9, block_size=4, max_new_tokens=8)] * 2
@@ -194,3 +194,13 @@ def test_a_step_packs_each_rows_uncached_tokens_and_drafts_together():
     assert fed[1, group2, :4].tolist() == [True, True, True, False]
     # row 0's groups 0 and 1 see its three tokens not cached, and then its one draft
     assert fed[0, 4, :4].tolist() == [True, True, True, False] and fed[0, 8, :4].all()
+    # rows that read different columns gather them; a row alone reads its last ones: their count
+    assert logits_to_keep(step.read_cols, 8) is step.read_cols
+    alone = step_inputs(
+        RowState.joining(prompts[:1], settings[:1], [0], np.zeros(1, np.int64), pad_id=0, use_last_mask=True, slots=0),
+        masks[:1],
+        draft_groups=False,
+        pad_id=0,
+        mask_token_id=9,
+    )
+    assert logits_to_keep(alone.read_cols, alone.input_ids.shape[1]) == 5  # the AR token's output and 4 masks'
