@@ -63,7 +63,7 @@ def main() -> None:
         for batch in args.batch_sizes:
             for mode in args.modes:
                 fed.clear()
-                # each group is a workload of its own: what masks bought starts at the prior
+                # each group is a workload of its own: its limit starts afresh, at the prior
                 for kept in ("LIMITS_ATTR", "BOUGHT_ATTR"):  # the limit, or an older decoder's mean
                     vars(model).pop(getattr(costs, kept, ""), None)
                 tokens = forwards = 0
