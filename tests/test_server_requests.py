@@ -25,7 +25,9 @@ def app(trained_checkpoints):
     from marslm.serve.app import create_app
 
     model, tokenizer = trained_checkpoints["mars64"]
-    engine = Engine(model, tokenizer, ServeConfig(max_batch=4))
+    # no auto limit, here or in the offline references: under it, text at tau < 1 follows which
+    # steps read masks, which it decides from this machine's timings and what it decoded before
+    engine = Engine(model, tokenizer, ServeConfig(max_batch=4, mask_batch_limit=None))
     engine.start(warmup=False)
     try:
         yield create_app(engine, "toy")
@@ -78,7 +80,9 @@ def test_a_model_name_that_is_not_unicode_is_model_not_found(app, caplog):
 
 def test_echo_puts_the_prompt_before_the_completion(app, trained_checkpoints):
     model, tokenizer = trained_checkpoints["mars64"]
-    ref = generate(model, tokenizer, [PROMPT], tau=0.95, max_new_tokens=6, apply_chat_template=False).texts[0]
+    ref = generate(
+        model, tokenizer, [PROMPT], tau=0.95, max_new_tokens=6, apply_chat_template=False, mask_batch_limit=None
+    ).texts[0]
     body = {"prompt": PROMPT, "max_tokens": 6, "tau": 0.95}
     plain = post(app, "/v1/completions", body).json()["choices"][0]["text"]
     echoed = post(app, "/v1/completions", {**body, "echo": True}).json()["choices"][0]["text"]
@@ -171,6 +175,7 @@ def test_a_hybrid_request_decodes_as_generate_does_and_its_refusals_are_named(ap
             tau=ServeConfig().tau if tau is None else tau,
             max_new_tokens=12,
             apply_chat_template=False,
+            mask_batch_limit=None,
         ).texts[0]
         body = {"prompt": PROMPT, "max_tokens": 12, "mode": "hybrid", **({} if tau is None else {"tau": tau})}
         response = post(app, "/v1/completions", body)
