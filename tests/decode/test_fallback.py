@@ -114,6 +114,19 @@ def test_the_step_costs_are_timed_once_per_model(tiny, monkeypatch):
     assert timed == [(block, (1, 2)), (2, (1, 2)), (block, (1, 2, 3))]
 
 
+def test_calls_of_one_workload_share_a_limit_and_other_workloads_have_their_own(tiny, monkeypatch):
+    """What masks buy depends on the mode and tau: a call goes on with the limit of earlier calls
+    with its settings, and another mode or tau starts afresh, over the same timed step costs."""
+    (model, tokenizer), prompts = tiny, TOKEN_PROMPTS
+    timed = fake_costs(monkeypatch, 1.2)
+    auto = dict(max_new_tokens=8, mask_batch_limit="auto")
+    for settings in (dict(tau=0.7), dict(tau=0.7), dict(tau=0.8), dict(tau=0.7, mode="lossless")):
+        generate(model, tokenizer, prompts[:1], **auto, **settings)
+    limits = vars(model)[costs.LIMITS_ATTR]
+    assert len(timed) == 1 and len(limits) == 3
+    assert sorted(key[2:4] for key in limits) == [("lossless", 0.7), ("threshold", 0.7), ("threshold", 0.8)]
+
+
 @pytest.mark.parametrize("limit", ["sometimes", "", 0, 2.5, True])
 def test_a_bad_batch_limit_is_refused_in_one_line(limit):
     with pytest.raises(UserError, match="mask_batch_limit must be an integer >= 1, auto or None") as refused:
