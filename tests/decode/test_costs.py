@@ -186,7 +186,7 @@ def test_a_models_limit_is_kept_for_its_next_call(monkeypatch):
 
 
 def test_a_loop_of_short_calls_probes_as_one_long_call_does(monkeypatch):
-    """Each generate() call makes a limit from what the model kept: the steps waited for a probe go
+    """Each generate() call goes on with the limit the model kept: the steps waited for a probe go
     on from call to call, so calls of a few steps, where masks do not pay, do not each start with
     a probe (the wait restarting in every call would make most of their masked steps probes)."""
     from marslm.decode import costs
