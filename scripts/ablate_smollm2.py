@@ -107,9 +107,9 @@ ARMS = {
 def run_arm(name: str, out: Path, demo: Path, steps: int, probe_limit: int | None) -> dict:
     import torch
 
+    from marslm.eval.probe import probe
+    from marslm.eval.probe_items import load_probe_items
     from marslm.modeling import checkpoint_facts, load_model
-    from marslm.probe import probe
-    from marslm.probe_items import load_probe_items
     from marslm.training.config import TrainConfig
     from marslm.training.recipe import train
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from marslm.decode import generate
-from marslm.eval_sets import load_eval_set
+from marslm.eval.sets import load_eval_set
 from marslm.modeling import load_model
 
 

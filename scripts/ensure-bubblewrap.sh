@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make sure bubblewrap is installed (Debian's `bubblewrap` package): marslm runs model-written code
-# (the toy suite's code family, HumanEval) inside it (marslm/sandbox.py), and refuses to run that
+# (the toy suite's code family, HumanEval) inside it (marslm/data/sandbox.py), and refuses to run that
 # code without it unless told --unsafe-exec. Does nothing when it is already there.
 # Needs root (or passwordless sudo) for apt-get; CI runs as root.
 set -euo pipefail

@@ -23,7 +23,7 @@ if "PYTHONPATH" not in os.environ:  # else the version named there
 
 import marslm  # noqa: E402
 from marslm.decode import costs  # noqa: E402
-from marslm.eval_sets import load_eval_set  # noqa: E402
+from marslm.eval.sets import load_eval_set  # noqa: E402
 from marslm.modeling import checkpoint_facts  # noqa: E402
 from marslm.settings import ints, strings  # noqa: E402
 

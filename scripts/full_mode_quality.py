@@ -89,10 +89,10 @@ def closeness(original_rows, rows, items) -> dict:
 def measure(models: dict[str, Path], demo: Path, toy: int, out: Path) -> dict:
     import torch
 
-    from marslm.eval_sets import load_eval_set
-    from marslm.evaluate import evaluate
+    from marslm.eval.evaluate import evaluate
+    from marslm.eval.probe_items import load_probe_items
+    from marslm.eval.sets import load_eval_set
     from marslm.modeling import load_model
-    from marslm.probe_items import load_probe_items
 
     sets = [load_eval_set("toy", n=toy), load_eval_set(f"answers:{demo / 'distill' / 'heldout.jsonl'}")]
     report, original_rows = {}, None
@@ -119,7 +119,7 @@ def measure(models: dict[str, Path], demo: Path, toy: int, out: Path) -> dict:
 
 
 def paired(report: dict) -> list[dict]:
-    from marslm.eval_report import paired_bootstrap
+    from marslm.eval.report import paired_bootstrap
 
     rows = []
     for a, b in (("mars", "original"), ("mars", "control"), ("control", "original")):

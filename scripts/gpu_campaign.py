@@ -299,7 +299,7 @@ def probe_stage(c: Campaign, arm: str) -> dict:
 
 def decode_stage(c: Campaign) -> dict:
     """Each trained arm against HF generate on the original, batch by batch, while time is left."""
-    from marslm.eval_sets import load_eval_set
+    from marslm.eval.sets import load_eval_set
     from marslm.experiments.bench import run_bench
     from marslm.experiments.bench_config import BenchConfig
     from marslm.modeling import load_model, resolve_device
@@ -341,8 +341,8 @@ def decode_stage(c: Campaign) -> dict:
 def tables(report: dict) -> str:
     """The campaign's numbers for people (docs/results.md): per arm its training, the probe and
     decoding speed, in the formats `marslm probe` and `marslm bench` print."""
+    from marslm.eval.probe_report import format_probe
     from marslm.experiments.bench_report import format_bench_table
-    from marslm.probe_report import format_probe
 
     sections = report["sections"]
     lines = [f"campaign: dry run {report['dry_run']}, {report['seconds']:.0f} s"]

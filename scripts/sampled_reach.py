@@ -22,7 +22,7 @@ if "PYTHONPATH" not in os.environ:  # else the version named there
 
 import marslm  # noqa: E402
 from marslm.decode import PAPER_RULE  # noqa: E402
-from marslm.eval_sets import load_eval_set  # noqa: E402
+from marslm.eval.sets import load_eval_set  # noqa: E402
 from marslm.settings import floats, ints, strings  # noqa: E402
 
 

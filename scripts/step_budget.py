@@ -19,7 +19,7 @@ import time
 
 from marslm.chat import encode_prompt
 from marslm.decode import generate
-from marslm.eval_sets import load_eval_set
+from marslm.eval.sets import load_eval_set
 from marslm.experiments.bench import _run_hf
 from marslm.modeling import load_model
 

@@ -14,9 +14,9 @@ import pytest
 
 import marslm.decode.generation as generation
 from marslm import cli
-from marslm.eval_report import format_table
-from marslm.evaluate import EvalConfig, is_one_token, model_reports, plan_cells
-from marslm.evaluate import sweep as sweep_config
+from marslm.eval.evaluate import EvalConfig, is_one_token, model_reports, plan_cells
+from marslm.eval.evaluate import sweep as sweep_config
+from marslm.eval.report import format_table
 
 SMALL = dict(n=6, seed=0, batch_size=6, max_new_tokens=24, progress=False)
 
@@ -235,7 +235,7 @@ def test_eval_cli_malformed_resume_file(trained_dirs, tmp_path):
 
 
 def test_paired_bootstrap_interval():
-    from marslm.eval_report import paired_bootstrap
+    from marslm.eval.report import paired_bootstrap
 
     assert paired_bootstrap([1, 0, 1, 1], [1, 0, 1, 1]) == (0.0, 0.0)
     assert paired_bootstrap([1] * 50, [0] * 50) == (100.0, 100.0)

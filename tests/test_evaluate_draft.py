@@ -15,7 +15,7 @@ import pytest
 import marslm.decode.generation as generation
 from marslm.decode.draft_options import DraftOptions
 from marslm.errors import UserError
-from marslm.evaluate import EvalConfig, sweep
+from marslm.eval.evaluate import EvalConfig, sweep
 from tests.test_evaluate import SMALL, run_cli
 
 

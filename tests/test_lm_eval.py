@@ -1,5 +1,5 @@
 """The lm-evaluation-harness adapter: in-process checks of each request type, and one end-to-end
-``python -m marslm.lm_eval_adapter`` run (a subprocess, offline) on the packaged toy-suite task,
+``python -m marslm.eval.lm_eval_adapter`` run (a subprocess, offline) on the packaged toy-suite task,
 exactly as the README writes it (no data file, no --include_path), whose accuracy and
 tokens/forward must equal ``evaluate()`` on the same items.
 """
@@ -23,9 +23,9 @@ from marslm.chat import encode_prompt  # noqa: E402
 from marslm.data import toy  # noqa: E402
 from marslm.decode import PAPER_RULE  # noqa: E402
 from marslm.errors import UserError  # noqa: E402
-from marslm.eval_sets import EvalSet  # noqa: E402
-from marslm.evaluate import evaluate  # noqa: E402
-from marslm.lm_eval_adapter import MarsLM, _fallback  # noqa: E402
+from marslm.eval.evaluate import evaluate  # noqa: E402
+from marslm.eval.lm_eval_adapter import MarsLM, _fallback  # noqa: E402
+from marslm.eval.sets import EvalSet  # noqa: E402
 from tests.trained import TRAIN_N  # noqa: E402
 
 N_ITEMS = 16
@@ -99,7 +99,7 @@ def test_lm_eval_cli_matches_evaluate(trained_dirs, tmp_path):
         [
             sys.executable,
             "-m",
-            "marslm.lm_eval_adapter",
+            "marslm.eval.lm_eval_adapter",
             "--model",
             "marslm",
             "--model_args",

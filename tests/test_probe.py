@@ -1,4 +1,4 @@
-"""The probe (marslm/probe.py) against a literal computation: what decoding feeds, one block at a time."""
+"""The probe (marslm/eval/probe.py) against a literal computation: what decoding feeds, one block at a time."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from marslm.chat import IGNORE, encode_conversation
 from marslm.cli import main
-from marslm.probe import Measurements, measure, probe, summarise
-from marslm.probe_items import ProbeItem, load_probe_items
+from marslm.eval.probe import Measurements, measure, probe, summarise
+from marslm.eval.probe_items import ProbeItem, load_probe_items
 from tests.helpers import chat_conversations
 
 B = 4

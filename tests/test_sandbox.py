@@ -1,4 +1,4 @@
-"""marslm.sandbox: model-written code cannot change the machine, reach the network, outlive its
+"""marslm.data.sandbox: model-written code cannot change the machine, reach the network, outlive its
 timeout or forge a pass. The attacks are the ones a probe of the earlier Python-level guard
 found to work, and the later probes' (the verdict token read back, a host unix socket, a user
 namespace of its own). Every test first checks that the attack would have worked without the
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from marslm import cli, sandbox
-from marslm.data import humaneval, toy
+from marslm import cli
+from marslm.data import humaneval, sandbox, toy
 
 MANY_PROCESSES = sandbox.Limits(processes=10**5)  # forks allowed: only the sandbox contains them
 

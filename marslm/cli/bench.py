@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..decode.draft_options import DraftOptions
-    from ..eval_sets import load_eval_set
+    from ..eval.sets import load_eval_set
     from ..experiments.bench import load_bench_models, run_bench
     from ..experiments.bench_config import BenchConfig
     from ..experiments.bench_report import format_bench_table

@@ -65,7 +65,7 @@ def add_unsafe_exec(parser) -> None:
 
 def code_execution(args, check_now: bool = False) -> None:
     """Apply --unsafe-exec; with ``check_now``, refuse before any slow work when code cannot run."""
-    from .. import sandbox
+    from ..data import sandbox
 
     sandbox.allow_unsafe_exec(args.unsafe_exec)
     if check_now:

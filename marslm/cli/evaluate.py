@@ -12,7 +12,7 @@ COMMAND = "eval"
 
 
 def add_parser(sub) -> None:
-    from ..evaluate import EvalConfig
+    from ..eval.evaluate import EvalConfig
     from ..settings import add_options
 
     ev = sub.add_parser(
@@ -56,8 +56,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..decode.draft_options import DraftOptions
-    from ..eval_report import format_markdown, format_table, labelled
-    from ..evaluate import EvalConfig, data_key, model_reports, sweep
+    from ..eval.evaluate import EvalConfig, data_key, model_reports, sweep
+    from ..eval.report import format_markdown, format_table, labelled
     from ..files import output_file, write_text_atomically
     from ..settings import from_args
 

@@ -6,7 +6,7 @@ COMMAND = "plot"
 
 
 def add_parser(sub) -> None:
-    from ..experiments.plots import IMAGE_NAME
+    from ..eval.plots import IMAGE_NAME
 
     plot = sub.add_parser(
         COMMAND,
@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..experiments.plots import load_series, plot_frontier
+    from ..eval.plots import load_series, plot_frontier
 
     out = plot_frontier(load_series(args.reports, args.baseline), args.out, title=args.title)
     print(f"wrote {out}")

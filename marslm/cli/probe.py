@@ -11,7 +11,7 @@ COMMAND = "probe"
 
 
 def add_parser(sub) -> None:
-    from ..probe_report import DEFAULT_TAUS
+    from ..eval.probe_report import DEFAULT_TAUS
 
     parser = sub.add_parser(
         COMMAND,
@@ -57,10 +57,10 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import logging
 
+    from ..eval.probe import probe, probe_clean
+    from ..eval.probe_items import load_probe_items
+    from ..eval.probe_report import format_probe
     from ..modeling import checkpoint_facts, load_model, model_context, resolve_device
-    from ..probe import probe, probe_clean
-    from ..probe_items import load_probe_items
-    from ..probe_report import format_probe
 
     _check(args)
     device = resolve_device(args.device)
@@ -125,9 +125,9 @@ def _check(args) -> None:
 def _probe_original(args, device, progress: bool) -> dict:
     import torch
 
+    from ..eval.probe import probe_clean
+    from ..eval.probe_items import load_probe_items
     from ..modeling import checkpoint_facts, load_model, model_context
-    from ..probe import probe_clean
-    from ..probe_items import load_probe_items
 
     original, original_tokenizer, _ = load_model(args.original, dtype="float32", device=device)
     return {

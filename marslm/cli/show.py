@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..decode.params import DecodingParams
-    from ..experiments.show import render_ansi, render_html, show_generation
+    from ..eval.show import render_ansi, render_html, show_generation
     from ..files import output_file, write_text_atomically
     from ..settings import from_args
     from .common import load_for_decoding

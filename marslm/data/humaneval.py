@@ -10,7 +10,7 @@ completion is that code on a fresh line, so it redefines the function after the 
 (the prompt's imports stay in scope); otherwise the response is taken as the body that
 continues the prompt, as a base model would write it.
 
-Programs run in marslm's sandbox (``marslm.sandbox``: bubblewrap, no network, a read-only file
+Programs run in marslm's sandbox (``marslm.data.sandbox``: bubblewrap, no network, a read-only file
 system, resource limits, a timeout), never in our process.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import sandbox
 from .jsonl import read_jsonl_records, require_strings
+from .sandbox import run_many_to_end
 from .toy import extract_code
 
 FAMILY = "humaneval"
@@ -87,4 +87,4 @@ def run_checks(problems: Sequence[dict], completions: Sequence[str], timeout: fl
         p["prompt"] + c + "\n" + p["test"] + "\n" + f"check({p['entry_point']})\n"
         for p, c in zip(problems, completions, strict=True)
     ]
-    return [output is not None for output in sandbox.run_many_to_end(programs, timeout)]
+    return [output is not None for output in run_many_to_end(programs, timeout)]

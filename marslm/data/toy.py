@@ -47,7 +47,7 @@ Design
   asked for (the final number; the JSON fields and values; the bullet count
   and words; the exact list; hidden unit tests), not by string equality with
   the reference, and near misses fail. Code runs in marslm's sandbox
-  (``marslm.sandbox``: an operating-system sandbox with no network, a
+  (``marslm.data.sandbox``: an operating-system sandbox with no network, a
   read-only file system and resource limits); the expected values stay
   outside it.
 """
@@ -62,7 +62,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .. import sandbox
+from .sandbox import run_many_to_end
 
 FAMILIES: tuple[str, ...] = ("arithmetic", "format", "lists", "code")
 SPLITS: tuple[str, ...] = ("train", "test")
@@ -847,7 +847,7 @@ def _draw_code(rng: random.Random) -> _Draw:
 
 # --- Running answers against hidden tests -----------------------------------
 #
-# The answer runs in marslm's sandbox (marslm/sandbox.py: bubblewrap, rlimits, a timeout), with a
+# The answer runs in marslm's sandbox (marslm/data/sandbox.py: bubblewrap, rlimits, a timeout), with a
 # driver that calls the function on each test's arguments and prints the results, each with its
 # exact type spelled out. The expected values never enter the sandbox: the comparison happens
 # here, on printed values, so neither an object with a forged __eq__ nor an early exit can pass.
@@ -902,7 +902,7 @@ def _score_code_batch(examples: Sequence[Example], responses: Sequence[str], tim
         _driver_program(extract_code(response), ex.meta["entry_point"], ex.meta["tests"])
         for ex, response in zip(examples, responses)
     ]
-    outputs = sandbox.run_many_to_end(programs, timeout)
+    outputs = run_many_to_end(programs, timeout)
     return [_passed(output, ex.meta["tests"]) for ex, output in zip(examples, outputs)]
 
 

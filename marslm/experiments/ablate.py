@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..eval_report import summarise_result
-from ..eval_sets import load_eval_set
-from ..evaluate import evaluate
+from ..eval.evaluate import evaluate
+from ..eval.report import summarise_result
+from ..eval.sets import load_eval_set
 from ..files import output_directory, read_json, write_json_atomically, write_text_atomically
 from ..training.recipe import train
 from .demo import build_base_model
@@ -110,7 +110,7 @@ def _train_configuration(config: Configuration, out: Path, preset: DemoPreset, p
 
 
 def jacobi_report(model, tokenizer, eval_set, window: int, max_new_tokens: int, model_name: str) -> dict:
-    """An eval report (one cell) for Jacobi decoding, shaped like :func:`marslm.evaluate.evaluate`'s."""
+    """An eval report (one cell) for Jacobi decoding, shaped like :func:`marslm.eval.evaluate.evaluate`'s."""
     from ..decode.jacobi import jacobi_generate
 
     prompts = [ex.messages for ex in eval_set.examples]
@@ -193,7 +193,7 @@ def _write_outputs(out: Path, reports: dict[str, dict], preset: DemoPreset, n_te
 
 
 def _plot(out: Path) -> Path:
-    from .plots import load_series, plot_frontier
+    from ..eval.plots import load_series, plot_frontier
 
     return plot_frontier(
         load_series([str(out / "ablation.json")]),

@@ -61,8 +61,8 @@ def _learning_curve_callback(preset: DemoPreset, ar, tokenizer_dir: Path, curve:
     """Evaluates greedy accuracy on held-out items a few times during AR training."""
     from transformers import AutoTokenizer
 
-    from ..eval_sets import load_eval_set
-    from ..evaluate import evaluate
+    from ..eval.evaluate import evaluate
+    from ..eval.sets import load_eval_set
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     eval_set = load_eval_set("toy", preset.curve_items, seed=preset.seed + 1)
@@ -96,7 +96,7 @@ def _one_token_gap(mars: dict, baseline: dict) -> tuple[float, dict, str]:
 
 def _interval(a: dict, b: dict) -> str:
     """The paired bootstrap interval of a - b over the test items, when both carry per-item scores."""
-    from ..eval_report import paired_bootstrap
+    from ..eval.report import paired_bootstrap
 
     if not a.get("correct") or len(a["correct"]) != len(b.get("correct") or []):
         return ""
@@ -290,8 +290,8 @@ def _train_stages(out: Path, preset: DemoPreset, configs: dict, stages: Stages) 
 def _evaluate_stages(out: Path, preset: DemoPreset, mars, progress: bool) -> dict:
     """Each checkpoint's report on the test split, by stage name, and the MARS checkpoint's with
     the paper's sampler; every model decodes at the MARS stage's block size and length."""
-    from ..eval_sets import load_eval_set
-    from ..evaluate import evaluate
+    from ..eval.evaluate import evaluate
+    from ..eval.sets import load_eval_set
     from ..modeling import load_model, resolve_device
 
     eval_set = load_eval_set("toy", preset.test_examples, seed=preset.seed)
@@ -329,7 +329,7 @@ def _evaluate_stages(out: Path, preset: DemoPreset, mars, progress: bool) -> dic
 
 
 def _results_table(reports: dict, block_size: int) -> str:
-    from ..eval_report import format_table
+    from ..eval.report import format_table
 
     mars = f"MARS B={block_size}"
     rows = {"AR SFT": reports["ar"], "AR control": reports["ar_control"], mars: reports["mars"]}

@@ -4,7 +4,7 @@
     2. distill     its greedy answers to the training prompts             -> OUT/distill/train.jsonl
                    and to held-out prompts (the references)               -> OUT/distill/heldout.jsonl
     3. train MARS  on its own answers, from OUT/original                  -> OUT/mars
-                   with a learning curve (the probe, marslm/probe.py, on held-out answers
+                   with a learning curve (the probe, marslm/eval/probe.py, on held-out answers
                    against examples seen)                                 -> OUT/learning_curve.json
     4. evaluate    MARS at several tau on the held-out prompts: decoded tokens per forward,
                    agreement with the original model's greedy answers, toy-suite accuracy

@@ -106,12 +106,12 @@ CURVE_TAU = 0.95
 
 
 def learning_curve_callback(stages: Stages, out: Path, preset: RealModelPreset, cfg, items: list[dict]):
-    """The probe (marslm/probe.py) on a few held-out answers during training: fidelity, tokens per
+    """The probe (marslm/eval/probe.py) on a few held-out answers during training: fidelity, tokens per
     forward teacher-forced (the paper's rule at tau 0.95, and lossless) and accuracy per mask offset."""
     from ..chat import stop_token_ids
     from ..distill import read_answers
-    from ..probe import probe
-    from ..probe_items import probe_item
+    from ..eval.probe import probe
+    from ..eval.probe_items import probe_item
 
     curve = StepPoints(out / "learning_curve.json")
     answers = read_answers(out / "distill" / "heldout.jsonl")
@@ -228,10 +228,10 @@ def probe_stage(
 
     from ..chat import stop_token_ids
     from ..distill import read_answers
+    from ..eval.probe import probe, probe_clean
+    from ..eval.probe_items import probe_item
     from ..files import read_json, write_json_atomically
     from ..modeling import checkpoint_facts, load_model, resolve_device
-    from ..probe import probe, probe_clean
-    from ..probe_items import probe_item
 
     path = out / "probe.json"
     if path.is_file():
@@ -276,7 +276,7 @@ def bench_stage(stages: Stages, mars: Path, original: Path, out: Path, preset: R
     held-out answers, scored as agreement with them): lossless and tau 0.95 against HF ``generate`` on the
     original, in float32 and bfloat16, at batch 1 and 8, each dtype's contenders interleaved
     (experiments/bench.py) -> OUT/bench.json. Each finished dtype is kept."""
-    from ..eval_sets import load_eval_set
+    from ..eval.sets import load_eval_set
     from ..modeling import load_model, resolve_device
     from .bench import run_bench
     from .bench_config import BenchConfig
@@ -309,7 +309,7 @@ def bench_stage(stages: Stages, mars: Path, original: Path, out: Path, preset: R
 
 
 def format_report(report: dict) -> str:
-    from ..probe_report import format_probe
+    from ..eval.probe_report import format_probe
 
     lines = [
         f"| model | tau | tok/fwd ({DECODED_LABEL}) | = original (exact) | matching prefix (tokens) | toy accuracy |",

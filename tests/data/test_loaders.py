@@ -11,7 +11,7 @@ import pytest
 
 from marslm.data import gsm8k, humaneval, load_conversations
 from marslm.errors import UserError
-from marslm.eval_sets import load_eval_set
+from marslm.eval.sets import load_eval_set
 
 
 def write_jsonl(path, records) -> str:

@@ -1,7 +1,7 @@
 """The off-distribution set: unseen content, unseen wording, the toy scorers still apply."""
 
 from marslm.data import reworded, toy
-from marslm.eval_sets import load_eval_set
+from marslm.eval.sets import load_eval_set
 
 
 def test_reworded_items_are_new_prompts_for_known_tasks():

@@ -136,7 +136,7 @@ def test_every_surface_takes_the_one_default(make_tiny_model, tiny_tokenizer):
 
     from marslm.cli import build_parser
     from marslm.decode import ADAPTIVE_WIDTH, MASK_BATCH_LIMIT, DecodeBatch, DecoderOptions
-    from marslm.evaluate import EvalConfig, plan_cells
+    from marslm.eval.evaluate import EvalConfig, plan_cells
     from marslm.experiments.bench_config import BenchConfig
     from marslm.serve.config import ServeConfig
     from marslm.serve.engine import Engine

@@ -13,7 +13,7 @@ import pytest
 
 from marslm import cli
 from marslm.errors import UserError
-from marslm.experiments.plots import load_series, pareto_front, plot_frontier
+from marslm.eval.plots import load_series, pareto_front, plot_frontier
 
 FAMILIES = ("arithmetic", "code", "format", "lists")
 

@@ -17,7 +17,7 @@ import pytest
 
 from marslm import cli
 from marslm.data import toy
-from marslm.experiments.show import (
+from marslm.eval.show import (
     BLUE_RAMP,
     GREEN_RAMP,
     Shown,

@@ -110,7 +110,7 @@ def test_a_literal_control_token_in_a_prompt_is_text(tiny_tokenizer):
 
 
 def test_the_probe_refuses_out_of_vocabulary_answer_ids_in_one_line(tiny_tokenizer):
-    from marslm.probe_items import probe_item
+    from marslm.eval.probe_items import probe_item
 
     record = _record(0, answer_ids=[20, len(tiny_tokenizer)])
     with pytest.raises(UserError, match=r"d\.jsonl:7: 'answer_ids' holds \d+; token ids are integers in 0\.\."):

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from .decode.draft_options import DraftOptions
-from .decode.params import (
+from ..decode.draft_options import DraftOptions
+from ..decode.params import (
     ADAPTIVE_WIDTH,
     CACHE_MODES,
     MASK_BATCH_LIMIT,
@@ -31,11 +31,11 @@ from .decode.params import (
     DecodingParams,
     check_tau,
 )
-from .errors import UserError
-from .eval_report import summarise_result
-from .eval_sets import EVAL_SOURCES, EvalSet, load_eval_set
-from .files import output_file, read_json, write_json_atomically
-from .settings import check_count, flag_of, floats, ints, setting, strings
+from ..errors import UserError
+from ..files import output_file, read_json, write_json_atomically
+from ..settings import check_count, flag_of, floats, ints, setting, strings
+from .report import summarise_result
+from .sets import EVAL_SOURCES, EvalSet, load_eval_set
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
 # mode, and a confident prediction has H well below 0.5.
@@ -150,8 +150,8 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
-    from .decode import generate
-    from .decode.generation import with_overrides
+    from ..decode import generate
+    from ..decode.generation import with_overrides
 
     params = params or DecodingParams(max_new_tokens=EVAL_MAX_NEW_TOKENS)
     params, decoder = with_overrides(params, decoder or DecoderOptions(), overrides)
@@ -195,7 +195,7 @@ def evaluate(
 
 def is_one_token(cell: dict) -> bool:
     """Whether a cell's setting is plain greedy AR decoding (decode.params.one_token)."""
-    from .decode.params import one_token
+    from ..decode.params import one_token
 
     return one_token(cell["tau"], cell.get("metric", "prob"), cell.get("mode", "threshold"))
 
@@ -295,7 +295,7 @@ def sweep(config: EvalConfig) -> dict:
     One-token cells of a model are decoded once and shared: whatever the block size or metric,
     their output is greedy AR decoding.
     """
-    from .modeling import load_model, resolve_device
+    from ..modeling import load_model, resolve_device
 
     device = resolve_device(config.device)
     eval_set = load_eval_set(config.data, config.n, seed=config.seed)
@@ -333,8 +333,8 @@ def sweep(config: EvalConfig) -> dict:
 def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict]]]:
     """Each model's report (found in ``reports`` or added to them) and its cells, every cell's
     settings checked against the checkpoint, as generate and serve check them, before any model loads."""
-    from .decode import ParamError
-    from .modeling import check_model_source, model_context, saved_config, saved_mask_token, trained_block_size
+    from ..decode import ParamError
+    from ..modeling import check_model_source, model_context, saved_config, saved_mask_token, trained_block_size
 
     drafter = config.drafting.draft_model
     for model in config.models + ([drafter] if drafter else []):

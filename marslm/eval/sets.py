@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 EVAL_SOURCES = (
     "toy, reworded, gsm8k:PATH, humaneval:PATH, answers:PATH, or a GSM8K/HumanEval/recorded-answers JSONL path"
@@ -32,29 +32,29 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
 
     Files give their first ``n`` records in file order; ``seed`` applies to ``toy`` and ``reworded``.
     """
-    from .sandbox import require_isolation
+    from ..data.sandbox import require_isolation
 
     if source == "toy":
-        from .data import toy
+        from ..data import toy
 
         require_isolation()  # its code family runs model-written code: refuse now, not after decoding
         return EvalSet("toy", toy.make_split("test", n, seed=seed), toy.score_many)
     if source == "reworded":  # off-distribution: toy arithmetic and lists, worded as training never does
-        from .data import reworded, toy
+        from ..data import reworded, toy
 
         return EvalSet("reworded", reworded.make_split(n, seed=seed), toy.score_many)
     kind, _, path = source.partition(":")
     if kind not in ("gsm8k", "humaneval", "answers") or not path:
         kind, path = _detect_eval_format(source), source
     if kind == "answers":
-        from .data import answers
+        from ..data import answers
 
         return EvalSet(source, answers.load_answers(path, n), answers.score_many)
     if kind == "gsm8k":
-        from .data import gsm8k
+        from ..data import gsm8k
 
         return EvalSet(source, gsm8k.load_gsm8k(path, n), gsm8k.score_many)
-    from .data import humaneval
+    from ..data import humaneval
 
     require_isolation()
 
@@ -62,8 +62,8 @@ def load_eval_set(source: str, n: int = 500, seed: int = 0) -> EvalSet:
 
 
 def _detect_eval_format(path: str) -> str:
-    from .data import answers, gsm8k, humaneval
-    from .data.jsonl import first_record
+    from ..data import answers, gsm8k, humaneval
+    from ..data.jsonl import first_record
 
     if not Path(path).is_file():
         raise UserError(f"unknown evaluation data {path!r} (use {EVAL_SOURCES})")

@@ -52,9 +52,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
-log = logging.getLogger("marslm.sandbox")
+log = logging.getLogger("marslm.data.sandbox")
 
 NOBODY = 65534
 WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # programs run at once by run_many_to_end

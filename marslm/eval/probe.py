@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .chat import IGNORE
-from .decode.params import PROB, one_token
-from .errors import UserError
+from ..chat import IGNORE
+from ..decode.params import PROB, one_token
+from ..errors import UserError
+from ..training.head_loss import logits_at
 from .probe_items import ProbeItem
 from .probe_report import DEFAULT_TAUS
-from .training.head_loss import logits_at
 
 
 @dataclass
@@ -68,7 +68,7 @@ def _gather(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _stats(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, ...]:
     """Top-1, its probability and the cross-entropy per kept column, a chunk at a time."""
-    from .decode.acceptance import confidence
+    from ..decode.acceptance import confidence
 
     tokens, confs, ces = [], [], []
     for i in range(0, len(logits), chunk):
@@ -104,9 +104,9 @@ def _forward(model, items: list[ProbeItem], block_size: int, mask_token_id: int 
     own column, so the padding would change no output the probe scores (its EOS targets are no
     reference's) and would only cost compute.
     """
-    from .masks import for_attention
-    from .training.collate import collate
-    from .training.objective import two_stream_batch
+    from ..masks import for_attention
+    from ..training.collate import collate
+    from ..training.objective import two_stream_batch
 
     examples = [
         {"input_ids": it.prompt_ids + it.answer_ids, "labels": [IGNORE] * len(it.prompt_ids) + it.answer_ids}

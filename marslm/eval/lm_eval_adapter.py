@@ -1,16 +1,16 @@
 """marslm as an lm-evaluation-harness model: ``--model marslm``.
 
-    python -m marslm.lm_eval_adapter --model marslm \\
+    python -m marslm.eval.lm_eval_adapter --model marslm \\
         --model_args pretrained=runs/demo/mars,tau=0.95,block_size=4,cache=cursor \\
         --tasks marslm_toy --apply_chat_template --output_path results/
 
-``marslm_toy`` (the embedded suite, ``marslm/lm_eval_tasks/``) is registered by the adapter itself;
+``marslm_toy`` (the embedded suite, ``marslm/eval/lm_eval_tasks/``) is registered by the adapter itself;
 lm-eval's own tasks (gsm8k, ...) need their datasets from the hub.
 
 lm-eval (0.4.x) finds models by name in its own registry and offers no plugin entry point, so
 the registration below must run before lm-eval resolves ``--model``: ``python -m
-marslm.lm_eval_adapter ARGS`` registers, then runs lm-eval's own command line with ARGS
-unchanged. From Python, ``import marslm.lm_eval_adapter`` before ``lm_eval.simple_evaluate(
+marslm.eval.lm_eval_adapter ARGS`` registers, then runs lm-eval's own command line with ARGS
+unchanged. From Python, ``import marslm.eval.lm_eval_adapter`` before ``lm_eval.simple_evaluate(
 model="marslm", ...)`` does the same.
 
 What goes where:
@@ -48,8 +48,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry, register_model
 from tqdm import tqdm
 
-from .errors import UserError
-from .settings import int_or_auto
+from ..errors import UserError
+from ..settings import int_or_auto
 
 log = logging.getLogger("marslm")
 
@@ -94,8 +94,8 @@ class MarsLM(TemplateLM):
         **unused,
     ) -> None:
         super().__init__()
-        from .decode import DecoderOptions, DecodingParams
-        from .modeling import checkpoint_block_size, load_model
+        from ..decode import DecoderOptions, DecodingParams
+        from ..modeling import checkpoint_block_size, load_model
 
         if unused:
             log.warning("marslm lm-eval adapter: ignoring model args %s", sorted(unused))
@@ -212,8 +212,8 @@ class MarsLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation: MARS decoding
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from .decode import TextStream, generate
-        from .decode.params import MAX_STOP_SEQUENCES
+        from ..decode import TextStream, generate
+        from ..decode.params import MAX_STOP_SEQUENCES
 
         # Requests with the same generation kwargs decode together (marslm refills the batch itself).
         groups: dict[str, list[int]] = defaultdict(list)
@@ -248,7 +248,7 @@ class MarsLM(TemplateLM):
             self.stats["forwards"] += sum(out.forwards)
         bar.close()
         if self.stats_path:
-            from .files import write_json_atomically
+            from ..files import write_json_atomically
 
             write_json_atomically(self.stats_path, self.summary())
         return texts
@@ -277,7 +277,7 @@ class MarsLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         """lm-eval merges this into ``results["config"]`` after the run, so the stats are complete."""
-        from .modeling import count_parameters
+        from ..modeling import count_parameters
 
         return {
             "model_num_parameters": count_parameters(self.model),
@@ -286,8 +286,8 @@ class MarsLM(TemplateLM):
         }
 
 
-# Register once: `python -m marslm.lm_eval_adapter` runs this file as __main__, and anything that
-# then imports marslm.lm_eval_adapter would otherwise try to register a second class.
+# Register once: `python -m marslm.eval.lm_eval_adapter` runs this file as __main__, and anything that
+# then imports marslm.eval.lm_eval_adapter would otherwise try to register a second class.
 if "marslm" not in model_registry:
     register_model("marslm")(MarsLM)
 
@@ -303,10 +303,10 @@ def _usable_device(device: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m marslm.lm_eval_adapter ARGS``: lm-eval's command line, with ``--model marslm`` known."""
+    """``python -m marslm.eval.lm_eval_adapter ARGS``: lm-eval's command line, with ``--model marslm`` known."""
     from lm_eval.__main__ import cli_evaluate
 
-    from .errors import UserError
+    from ..errors import UserError
     from .lm_eval_tasks import TASKS_DIR
 
     args = list(sys.argv[1:] if argv is None else argv)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from ..evaluate import is_one_token, model_reports
 from ..files import output_file, read_json
+from .evaluate import is_one_token, model_reports
 
 
 @dataclass
