@@ -120,7 +120,7 @@ class Campaign:
         return [self.made[n] for n in names]
 
     def preset(self):
-        from marslm.experiments.smollm2_presets import RealModelPreset
+        from marslm.demo.smollm2_presets import RealModelPreset
 
         p = self.plan
         return RealModelPreset(
@@ -187,8 +187,8 @@ def cut_layers(source: Path, target: Path, layers: int) -> Path:
 def distill_stage(c: Campaign) -> dict:
     """The held-out answers (the probe's references) whole, then training answers chunk by chunk
     until the stage's minutes are spent."""
+    from marslm.demo.smollm2_presets import heldout_spec
     from marslm.distill import distill, load_prompts, read_answers
-    from marslm.experiments.smollm2_presets import heldout_spec
     from marslm.modeling import load_model, resolve_device
 
     (original,) = c.needs("original")
@@ -258,9 +258,9 @@ def train_stage(c: Campaign, arm: str) -> dict:
 def train_arm(c: Campaign, arm: str, preset, original: Path, data: Path) -> dict:
     from dataclasses import asdict
 
-    from marslm.experiments.smollm2_measure import heldout_set, learning_curve_callback, learning_curve_points
-    from marslm.experiments.smollm2_presets import describe, training_config
-    from marslm.experiments.stages import Stages
+    from marslm.demo.smollm2_measure import heldout_set, learning_curve_callback, learning_curve_points
+    from marslm.demo.smollm2_presets import describe, training_config
+    from marslm.demo.stages import Stages
     from marslm.training.recipe import train
 
     out = arm_folder(c, arm)
@@ -288,8 +288,8 @@ def arm_folder(c: Campaign, arm: str) -> Path:
 
 
 def probe_stage(c: Campaign, arm: str) -> dict:
-    from marslm.experiments.smollm2_measure import heldout_set, probe_stage
-    from marslm.experiments.stages import Stages
+    from marslm.demo.smollm2_measure import heldout_set, probe_stage
+    from marslm.demo.stages import Stages
 
     model, original = c.needs(arm, "original")
     out, preset = arm_folder(c, arm), c.preset()
@@ -299,9 +299,9 @@ def probe_stage(c: Campaign, arm: str) -> dict:
 
 def decode_stage(c: Campaign) -> dict:
     """Each trained arm against HF generate on the original, batch by batch, while time is left."""
+    from marslm.bench.config import BenchConfig
+    from marslm.bench.speed import run_bench
     from marslm.eval.sets import load_eval_set
-    from marslm.experiments.bench import run_bench
-    from marslm.experiments.bench_config import BenchConfig
     from marslm.modeling import load_model, resolve_device
 
     (original,) = c.needs("original")
@@ -341,8 +341,8 @@ def decode_stage(c: Campaign) -> dict:
 def tables(report: dict) -> str:
     """The campaign's numbers for people (docs/results.md): per arm its training, the probe and
     decoding speed, in the formats `marslm probe` and `marslm bench` print."""
+    from marslm.bench.report import format_bench_table
     from marslm.eval.probe_report import format_probe
-    from marslm.experiments.bench_report import format_bench_table
 
     sections = report["sections"]
     lines = [f"campaign: dry run {report['dry_run']}, {report['seconds']:.0f} s"]

@@ -4,7 +4,7 @@
     python scripts/gpu_probe.py --dry-run --out probe.json  # tiny shapes, any machine (make test runs it)
 
 It needs nothing from the network: every model is a named shape with random weights
-(marslm.experiments.train_step.SHAPES) and the tokenizer is trained on the spot from the toy
+(marslm.bench.train_step.SHAPES) and the tokenizer is trained on the spot from the toy
 suite. A machine whose transformers is older than marslm's floor can be given a wheel:
 ``pip install --no-index --no-deps --target /tmp/site transformers-*.whl`` and
 ``PYTHONPATH=/tmp/site``. The JSON is rewritten after every section, so a run that is cut off
@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from marslm.experiments.train_step import build_shape, train_step_bench  # noqa: E402
+from marslm.bench.train_step import build_shape, train_step_bench  # noqa: E402
 
 FULL = {
     "deadline_s": 450,

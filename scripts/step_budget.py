@@ -17,10 +17,10 @@ import json
 import statistics
 import time
 
+from marslm.bench.speed import _run_hf
 from marslm.chat import encode_prompt
 from marslm.decode import generate
 from marslm.eval.sets import load_eval_set
-from marslm.experiments.bench import _run_hf
 from marslm.modeling import load_model
 
 MAX_NEW_TOKENS = 128

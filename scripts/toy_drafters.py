@@ -23,11 +23,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from marslm.demo.presets import DemoPreset, stage_configs
+from marslm.demo.stages import Stages
+from marslm.demo.toy import DEMO_MARKER
+from marslm.demo.toy_model import MODEL_SIZES, TinyModelSpec
 from marslm.errors import UserError
-from marslm.experiments.demo import DEMO_MARKER
-from marslm.experiments.demo_presets import DemoPreset, stage_configs
-from marslm.experiments.stages import Stages
-from marslm.experiments.toy_model import MODEL_SIZES, TinyModelSpec
 
 # --quick: enough to run every stage, nothing to learn from
 QUICK = dict(train_examples=64, batch_size=8, ar_steps=12, mars_steps=6)
@@ -60,7 +60,7 @@ def build_drafter(demo: Path, out: Path, preset: DemoPreset) -> Path:
     """The untrained drafter with the demo's tokenizer, saved like any checkpoint."""
     from transformers import AutoTokenizer
 
-    from marslm.experiments.toy_model import make_tiny_qwen2
+    from marslm.demo.toy_model import make_tiny_qwen2
     from marslm.modeling import count_parameters
 
     tokenizer = AutoTokenizer.from_pretrained(demo / "ar")

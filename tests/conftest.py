@@ -59,7 +59,7 @@ def make_tiny_model(tiny_tokenizer):
             return build_tiny_model(tiny_tokenizer, arch, attn, seed, vocab_size)
         if arch == "qwen2" and attn == "sdpa":
             # The package's own recipe, so the tests exercise what users get.
-            from marslm.experiments.toy_model import make_tiny_qwen2
+            from marslm.demo.toy_model import make_tiny_qwen2
 
             return make_tiny_qwen2(tiny_tokenizer, "test", seed=seed).eval()
         return build_tiny_model(tiny_tokenizer, arch, attn, seed)

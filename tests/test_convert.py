@@ -129,8 +129,8 @@ def test_convert_refuses_an_unsupported_quantisation(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_quick_demo_runs_every_stage_and_resumes(smollm2_dir, tmp_path):
-    from marslm.experiments.demo_smollm2 import run_smollm2_demo
-    from marslm.experiments.smollm2_measure import format_report
+    from marslm.demo.smollm2 import run_smollm2_demo
+    from marslm.demo.smollm2_measure import format_report
 
     out = tmp_path / "demo"
     report = run_smollm2_demo(out, "smollm2-quick", progress=False, original=str(smollm2_dir))

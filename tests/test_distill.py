@@ -7,7 +7,8 @@ import pytest
 import marslm
 from marslm.cli import main
 from marslm.data import instructions, load_conversations
-from marslm.distill import distill, done_ids, load_prompts, read_answers, unfinished_path
+from marslm.data.distilled import done_ids, read_answers, unfinished_path
+from marslm.distill import distill, load_prompts
 
 SPEC = "instructions:4,toy:2"
 

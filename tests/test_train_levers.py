@@ -147,7 +147,7 @@ def _distill_file(tokenizer, path, n=4):
     """A `marslm distill` output: answers whose ids are a split the tokenizer would not produce."""
     import json
 
-    from marslm.distill import unfinished_path
+    from marslm.data.distilled import unfinished_path
     from tests.helpers import chat_conversations
 
     finished, cut = [], []

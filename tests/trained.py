@@ -12,7 +12,7 @@ import pytest
 
 from marslm.data import toy
 from marslm.data.tokenizer import train_chat_tokenizer
-from marslm.experiments.toy_model import make_tiny_qwen2
+from marslm.demo.toy_model import make_tiny_qwen2
 from marslm.modeling import load_model
 from marslm.training.config import TrainConfig
 from marslm.training.recipe import train

@@ -1,7 +1,7 @@
 """The ``marslm`` command: one module per subcommand, its parser beside its handler.
 
 Each module has ``COMMAND``, ``add_parser(subparsers)`` and ``run(args) -> exit status``. The
-method's commands come first; the experiment commands (``marslm/experiments/``) after them.
+method's commands come first; the tooling commands (``marslm/demo/``, ``bench/``, ``eval/``) after them.
 Mistakes a user can fix (a bad path, a malformed file, a flag out of range) print one line to
 stderr and exit with status 2; nothing is half-written. Heavy imports (torch, transformers)
 happen inside the handlers, so ``marslm --help`` and argument errors answer at once.
@@ -18,7 +18,7 @@ from ..errors import UserError
 from .common import EXIT_USAGE
 
 METHOD = ("train", "generate", "evaluate", "serve", "convert", "distill", "probe")
-EXPERIMENTS = ("demo", "ablate", "bench", "loadtest", "plot", "show")
+TOOLING = ("demo", "ablate", "bench", "loadtest", "plot", "show")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,10 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="MARS: fine-tune a Hugging Face causal LM to emit several tokens per forward pass, "
         "and decode with it.",
         epilog="the method: train, generate, eval, serve, convert, distill, probe\n"
-        "experiments: demo, ablate, bench, loadtest, plot, show",
+        "tooling: demo, ablate, bench, loadtest, plot, show",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in METHOD + EXPERIMENTS:
+    for name in METHOD + TOOLING:
         import_module(f".{name}", __name__).add_parser(sub)
     return parser
 

@@ -11,7 +11,7 @@ COMMAND = "ablate"
 
 
 def add_parser(sub) -> None:
-    from ..experiments.demo_presets import DEMO_PRESETS
+    from ..demo.presets import DEMO_PRESETS
 
     ablate = sub.add_parser(
         COMMAND,
@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..experiments.ablate import run_ablation
+    from ..demo.ablate import run_ablation
 
     code_execution(args, check_now=True)
     run_ablation(args.out, args.preset, block_sizes=args.block_sizes, progress=not args.quiet)

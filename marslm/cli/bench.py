@@ -16,7 +16,7 @@ from .common import (
 )
 
 if TYPE_CHECKING:
-    from ..experiments.bench_config import BenchConfig
+    from ..bench.config import BenchConfig
 
 COMMAND = "bench"
 
@@ -24,7 +24,7 @@ COMMAND = "bench"
 def add_parser(sub) -> None:
     from dataclasses import fields
 
-    from ..experiments.bench_config import TRAIN_STEP_FIELDS, BenchConfig
+    from ..bench.config import TRAIN_STEP_FIELDS, BenchConfig
     from ..settings import add_options
 
     bench = sub.add_parser(
@@ -54,11 +54,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..bench.config import BenchConfig
+    from ..bench.report import format_bench_table
+    from ..bench.speed import load_bench_models, run_bench
     from ..decode.draft_options import DraftOptions
     from ..eval.sets import load_eval_set
-    from ..experiments.bench import load_bench_models, run_bench
-    from ..experiments.bench_config import BenchConfig
-    from ..experiments.bench_report import format_bench_table
     from ..settings import from_args
 
     code_execution(args)
@@ -79,8 +79,8 @@ def run(args) -> int:
 
 
 def _cost_curve(config: BenchConfig) -> int:
+    from ..bench.report import format_cost_curve
     from ..decode.costs import cost_curve
-    from ..experiments.bench_report import format_cost_curve
     from ..modeling import check_model_source, checkpoint_block_size, load_model, model_context, resolve_device
 
     check_model_source(config.model)
@@ -108,8 +108,8 @@ def _cost_curve(config: BenchConfig) -> int:
 
 
 def _train_step(config: BenchConfig) -> int:
+    from ..bench.train_step import build_shape, format_train_step, train_step_bench
     from ..config import MarsConfig
-    from ..experiments.train_step import build_shape, format_train_step, train_step_bench
     from ..modeling import check_model_source, checkpoint_block_size, resolve_device
     from ..training.surgery import enable_activation_checkpointing
 

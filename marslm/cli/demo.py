@@ -9,8 +9,8 @@ COMMAND = "demo"
 
 
 def add_parser(sub) -> None:
-    from ..experiments.demo_presets import DEMO_PRESETS
-    from ..experiments.smollm2_presets import SMOLLM2_PRESETS
+    from ..demo.presets import DEMO_PRESETS
+    from ..demo.smollm2_presets import SMOLLM2_PRESETS
 
     demo = sub.add_parser(
         COMMAND,
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..experiments.smollm2_presets import SMOLLM2_PRESETS
+    from ..demo.smollm2_presets import SMOLLM2_PRESETS
     from ..files import output_directory
 
     smollm2 = args.preset in SMOLLM2_PRESETS
@@ -60,11 +60,11 @@ def run(args) -> int:
         raise UserError("--overwrite is for the toy presets; the smollm2 presets resume (a new --out starts over)")
     code_execution(args, check_now=True)  # both score the toy suite's code items
     if smollm2:
-        from ..experiments.demo_smollm2 import run_smollm2_demo
+        from ..demo.smollm2 import run_smollm2_demo
 
         run_smollm2_demo(out, args.preset, progress=not args.quiet)
         return 0
-    from ..experiments.demo import run_demo
+    from ..demo.toy import run_demo
 
     run_demo(out, args.preset, overwrite=args.overwrite, progress=not args.quiet)
     return 0

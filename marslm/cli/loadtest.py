@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 from .common import add_unsafe_exec, code_execution, write_json
 
 if TYPE_CHECKING:
-    from ..experiments.loadtest import LoadtestConfig
+    from ..bench.loadtest import LoadtestConfig
 
 COMMAND = "loadtest"
 
 
 def add_parser(sub) -> None:
-    from ..experiments.loadtest import LoadtestConfig
+    from ..bench.loadtest import LoadtestConfig
     from ..settings import add_options
 
     lt = sub.add_parser(
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..experiments.loadtest import LoadtestConfig, format_table, run_loadtest
+    from ..bench.loadtest import LoadtestConfig, format_table, run_loadtest
     from ..settings import from_args
 
     config = from_args(LoadtestConfig, args)
@@ -43,9 +43,9 @@ def run(args) -> int:
 
 
 def _loadtest_vllm(args, config: LoadtestConfig) -> int:
-    from ..experiments.vllm_loadtest import format_table, run_vllm_bench
+    from ..bench.vllm_loadtest import format_table, run_vllm_bench
     from ..modeling import check_model_source
-    from ..serve.vllm_launch import vllm_python
+    from ..vllm.launch import vllm_python
 
     check_model_source(config.checkpoint)
     code_execution(args, check_now=True)  # the answers are scored, code included

@@ -58,7 +58,7 @@ def run(args) -> int:
 
 def _serve_vllm(model: str, config, vllm_args: list[str]) -> int:
     from ..serve.config import served_names
-    from ..serve.vllm_launch import exec_server, serve_command
+    from ..vllm.launch import exec_server, serve_command
 
     if config.tau_policy != "fixed":
         raise UserError("--tau-policy adaptive is marslm's engine; vLLM serves a fixed default tau")

@@ -34,7 +34,7 @@ def probe_item(record: dict, tokenizer, where: str = "record", stop_ids: list[in
     start = next(t for t, label in enumerate(enc.labels) if label != IGNORE)
     turn = enc.labels[start:]  # the assistant turn, through its end-of-turn token
     if "answer_ids" in record:
-        from ..distill import check_answer_ids
+        from ..data.distilled import check_answer_ids
 
         ids = record["answer_ids"]
         check_answer_ids(ids, where, len(tokenizer))
@@ -56,8 +56,8 @@ def load_probe_items(
     ``context`` (the model's) is refused, naming its line."""
     from itertools import chain
 
+    from ..data.distilled import unfinished_path
     from ..data.jsonl import in_id_order, read_jsonl_records
-    from ..distill import unfinished_path
 
     if not Path(path).is_file():
         raise UserError(f"data file not found: {path}")

@@ -353,7 +353,7 @@ class TrainConfig:
         # On the model's own answers the data's token and the model's distribution agree at the
         # argmax, so the anchor costs no learning and keeps the model closer (docs/results.md,
         # section 7). Exact mode and the mask row alone leave the clean stream's logits unchanged.
-        from ..distill import is_distill_file
+        from ..data.distilled import is_distill_file
 
         trains_weights = not (self.exact or self.mask_only)
         return self.stage == "mars" and trains_weights and is_distill_file(self.data)
@@ -366,7 +366,7 @@ class TrainConfig:
     def idle_flags(self) -> list[str]:
         """One line for each setting given that the others make do nothing: warnings, printed once
         every refusal has had its say (an error stays one line)."""
-        from ..distill import is_distill_file, unfinished_path
+        from ..data.distilled import is_distill_file, unfinished_path
 
         def flag(name):
             return flag_of(TrainConfig, name)

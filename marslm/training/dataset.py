@@ -22,7 +22,7 @@ def generated_answers(cfg: TrainConfig, vocab_size: int | None = None) -> list[d
     """The distill records of DATA (and of its cut answers with ``cut_answers``), each checked
     against the vocabulary, when DATA is a ``marslm distill`` file and ``answer_ids`` is on; None:
     train on the conversations' text."""
-    from ..distill import is_distill_file, read_answers
+    from ..data.distilled import is_distill_file, read_answers
 
     if not cfg.answer_ids or not is_distill_file(cfg.data):
         return None
@@ -54,7 +54,7 @@ def encoding_key(cfg: TrainConfig, tokenizer, stop_ids: list[int], eos_id: int) 
     """What the encoded examples depend on: the data's bytes, the tokenizer (cache.tokenizer_identity),
     the ids that end a turn and the settings that choose and cut examples. Two runs with the same
     key get the same examples."""
-    from ..distill import unfinished_path
+    from ..data.distilled import unfinished_path
 
     data = Path(cfg.data)
     files = [file_sha256(p) if p.is_file() else None for p in (data, unfinished_path(data))]

@@ -14,7 +14,7 @@ Install it into vLLM's own environment (``make vllm-env``) and serve a MARS chec
     serve.py             `python -m marslm.vllm.serve`, run inside vLLM's environment
 
 marslm's own side (finding that environment and starting servers there) is
-``marslm/serve/vllm_launch.py``; the load test against vLLM is ``marslm/experiments/vllm_loadtest.py``.
+``marslm/vllm/launch.py``; the load test against vLLM is ``marslm/bench/vllm_loadtest.py``.
 
 The plugin imports, of marslm, only modules that need no transformers (config, errors, the
 request checks of decode/params.py and the pure-torch acceptance rule), so it runs with the

@@ -22,7 +22,7 @@ COMMANDS = {
 @pytest.fixture
 def decoders(monkeypatch) -> list:
     """The DecoderOptions of every generate() call behind a command (bench holds its own name for it)."""
-    from marslm.experiments import bench
+    from marslm.bench import speed as bench
 
     seen = []
     real = generation.generate

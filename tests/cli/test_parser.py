@@ -11,11 +11,11 @@ import sys
 SCRIPT = """
 import json, sys
 from importlib import import_module
-from marslm.cli import METHOD, EXPERIMENTS, build_parser, main
+from marslm.cli import METHOD, TOOLING, build_parser, main
 
 build_parser()
 heavy = {"after the parser": [m for m in ("torch", "transformers") if m in sys.modules]}
-commands = [import_module(f"marslm.cli.{name}").COMMAND for name in METHOD + EXPERIMENTS]
+commands = [import_module(f"marslm.cli.{name}").COMMAND for name in METHOD + TOOLING]
 exits = {}
 for argv in [["--help"], ["train", "ar", "--no-such-flag"], ["train", "ar", "--block-size", "two"]] + [
     [command, "--help"] for command in commands
@@ -25,7 +25,7 @@ for argv in [["--help"], ["train", "ar", "--no-such-flag"], ["train", "ar", "--b
     except SystemExit as exc:
         exits[" ".join(argv)] = exc.code
 heavy["after the commands"] = [m for m in ("torch", "transformers") if m in sys.modules]
-print(json.dumps({"heavy": heavy, "exits": exits, "commands": len(METHOD + EXPERIMENTS)}))
+print(json.dumps({"heavy": heavy, "exits": exits, "commands": len(METHOD + TOOLING)}))
 """
 
 

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marslm.data.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_chat_tokenizer
-from marslm.experiments.toy_model import MODEL_SIZES, TinyModelSpec, make_tiny_qwen2
+from marslm.demo.toy_model import MODEL_SIZES, TinyModelSpec, make_tiny_qwen2
 from marslm.modeling import count_parameters
 
 ROUND_TRIP_TEXTS = [

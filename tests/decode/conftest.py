@@ -4,7 +4,7 @@ import pytest
 
 from marslm.chat import encode_prompt
 from marslm.data import toy
-from marslm.experiments.toy_model import make_tiny_qwen2
+from marslm.demo.toy_model import make_tiny_qwen2
 from tests.decode.test_sampling import VOCAB
 from tests.helpers import tiny_llama
 from tests.trained import TRAIN_N

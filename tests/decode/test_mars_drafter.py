@@ -111,7 +111,7 @@ def test_greedy_verification_with_a_mars_drafter_equals_hf_greedy(trained_checkp
 @pytest.fixture(scope="module")
 def bad_mars(trained_checkpoints):
     """A random model of the MARS tokenizer: the target's tokenizer names its mask token."""
-    from marslm.experiments.toy_model import make_tiny_qwen2
+    from marslm.demo.toy_model import make_tiny_qwen2
 
     return make_tiny_qwen2(trained_checkpoints["mars64"][1], "test", seed=5).double().eval()
 

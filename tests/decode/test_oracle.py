@@ -134,10 +134,10 @@ def test_every_surface_takes_the_one_default(make_tiny_model, tiny_tokenizer):
     ``ADAPTIVE_WIDTH`` and ``MASK_BATCH_LIMIT``: the fallback, which ``PAPER_RULE`` turns off."""
     import inspect
 
+    from marslm.bench.config import BenchConfig
     from marslm.cli import build_parser
     from marslm.decode import ADAPTIVE_WIDTH, MASK_BATCH_LIMIT, DecodeBatch, DecoderOptions
     from marslm.eval.evaluate import EvalConfig, plan_cells
-    from marslm.experiments.bench_config import BenchConfig
     from marslm.serve.config import ServeConfig
     from marslm.serve.engine import Engine
 

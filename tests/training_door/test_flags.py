@@ -55,7 +55,7 @@ def test_stage_ar_refuses_what_only_stage_mars_reads(tmp_path, flag, value):
 
 
 def _distill(path, unfinished: bool = False):
-    from marslm.distill import unfinished_path
+    from marslm.data.distilled import unfinished_path
 
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     path.write_text(json.dumps({"id": "p0", "messages": messages, "answer_ids": [20], "finished": True}) + "\n")

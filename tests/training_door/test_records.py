@@ -61,7 +61,7 @@ def test_a_missing_answer_ids_key_is_refused(tmp_path):
 
 @pytest.mark.parametrize("messages", [None, "hello", {"role": "user"}], ids=["missing", "a-string", "a-dict"])
 def test_a_cut_answer_without_a_messages_list_is_refused(tmp_path, messages):
-    from marslm.distill import unfinished_path
+    from marslm.data.distilled import unfinished_path
 
     data = _write(tmp_path / "d.jsonl", [_record(0)])
     cut = _record(1, finished=False, messages=messages)

@@ -32,7 +32,7 @@ from marslm.chat import encode_prompt
 from marslm.data import toy
 from marslm.decode import PAPER_RULE
 from marslm.errors import UserError
-from marslm.serve.vllm_launch import vllm_python
+from marslm.vllm.launch import vllm_python
 from tests.trained import TRAIN_N
 
 pytestmark = pytest.mark.slow

@@ -53,7 +53,7 @@ def test_bench_smoke(trained_dirs, tmp_path, capsys):
 
 
 def test_bench_contender_groups_and_interleaved_repeats(trained_dirs, tmp_path, capsys, monkeypatch):
-    from marslm.experiments import bench
+    from marslm.bench import speed as bench
 
     root = trained_dirs["dir"]
     out = tmp_path / "bench.json"
@@ -130,8 +130,8 @@ def test_cost_curve_runs_every_width_and_is_relative_to_one_token(trained_dirs, 
 
 
 def test_bench_config_checks_what_its_mode_reads_when_made():
+    from marslm.bench.config import BenchConfig
     from marslm.errors import UserError
-    from marslm.experiments.bench_config import BenchConfig
 
     refused = [
         (dict(model="m"), "--ar-model is required"),
@@ -154,8 +154,8 @@ def test_bench_config_checks_what_its_mode_reads_when_made():
 
 
 def test_contenders_carry_their_decoding_settings_built_once():
-    from marslm.experiments.bench import default_contenders
-    from marslm.experiments.bench_config import BenchConfig
+    from marslm.bench.config import BenchConfig
+    from marslm.bench.speed import default_contenders
 
     config = BenchConfig(model="m", ar_model="a", taus=[0.9], contenders=["block", "lossless-groups"], max_new_tokens=7)
     contenders = {c.name: c for c in default_contenders(config)}
@@ -175,8 +175,8 @@ def test_contenders_carry_their_decoding_settings_built_once():
 
 
 def test_hybrid_contenders_run_per_tau_with_and_without_draft_groups():
-    from marslm.experiments.bench import default_contenders
-    from marslm.experiments.bench_config import BenchConfig
+    from marslm.bench.config import BenchConfig
+    from marslm.bench.speed import default_contenders
 
     config = BenchConfig(model="m", ar_model="a", taus=[0.9, 0.8], contenders=["hybrid", "hybrid-groups"])
     contenders = {c.name: c for c in default_contenders(config)}

@@ -27,8 +27,8 @@ from ..chat import encode_prompt
 from ..decode import generate
 from ..decode.generation import with_overrides
 from ..decode.params import PAPER_RULE, DecoderOptions, DecodingParams
-from .bench_config import DRAFTER_GROUPS, BenchConfig
-from .bench_report import PAPER_REFERENCE, check_targets
+from .config import DRAFTER_GROUPS, BenchConfig
+from .report import PAPER_REFERENCE, check_targets
 
 BLOCK_CACHE_SIZES = (16, 32)  # the block contenders' --block-cache-size values
 

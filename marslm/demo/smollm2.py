@@ -61,7 +61,8 @@ def convert_stage(stages: Stages, out: Path, original: str | None) -> Path:
 def distill_stage(
     stages: Stages, original: Path, out: Path, preset: RealModelPreset, progress: bool
 ) -> tuple[Path, Path]:
-    from ..distill import distill, done_ids, load_prompts
+    from ..data.distilled import done_ids
+    from ..distill import distill, load_prompts
 
     jobs = (
         ("train", load_prompts(preset.train_prompts, "train", preset.seed), out / "distill" / "train.jsonl"),

@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marslm.cli import main
 from marslm.config import MarsConfig
+from marslm.demo.smollm2_presets import SMOLLM2_PRESETS, resolve_preset
 from marslm.errors import UserError
-from marslm.experiments.smollm2_presets import SMOLLM2_PRESETS, resolve_preset
 
 
 @pytest.mark.slow
@@ -72,7 +72,7 @@ def _report(ar, ar_families, mars, control=None):
 
 
 def test_check_results_judges_each_claim_at_its_edge():
-    from marslm.experiments.demo import check_results, format_checks
+    from marslm.demo.toy import check_results, format_checks
 
     families = {"arithmetic": 90.0, "lists": 60.0}
     # every claim met exactly at its threshold: equal overall, a family 2 points down, 2.0 tok/fwd, -2 points
@@ -104,7 +104,7 @@ def test_check_results_judges_each_claim_at_its_edge():
 
 
 def test_learning_curve_steps_are_even_and_end_at_the_last_step():
-    from marslm.experiments.stages import curve_steps
+    from marslm.demo.stages import curve_steps
 
     assert curve_steps(4000, 8) == [500, 1000, 1500, 2000, 2500, 3000, 3500, 4000]
     assert curve_steps(5500, 8) == [688, 1375, 2062, 2750, 3438, 4125, 4812, 5500]  # no extra point at 5496
@@ -112,7 +112,7 @@ def test_learning_curve_steps_are_even_and_end_at_the_last_step():
 
 
 def test_smollm2_prompts_are_grouped_by_source_and_family():
-    from marslm.experiments.smollm2_measure import families, family_of
+    from marslm.demo.smollm2_measure import families, family_of
 
     items = [
         {"source": "toy", "id": "lists-0a1b"},
@@ -125,7 +125,7 @@ def test_smollm2_prompts_are_grouped_by_source_and_family():
 
 
 def test_demo_deletes_only_its_own_output_and_only_with_overwrite(tmp_path, monkeypatch, capsys):
-    import marslm.experiments.demo as demo
+    import marslm.demo.toy as demo
     from marslm.errors import UserError
 
     def stop_before_training(out, preset):
@@ -166,7 +166,7 @@ def test_demo_deletes_only_its_own_output_and_only_with_overwrite(tmp_path, monk
 def _trained_configs(tmp_path, monkeypatch, preset: str) -> list:
     """The TrainConfig of each stage a demo at ``preset`` trains, in order, with training and
     evaluation replaced by stand-ins."""
-    import marslm.experiments.demo as demo
+    import marslm.demo.toy as demo
     import marslm.training.recipe as recipe
 
     class Trained(Exception):
@@ -218,7 +218,7 @@ def test_quick_preset_trains_each_stage_with_these_settings(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("name", sorted(SMOLLM2_PRESETS))
 def test_every_smollm2_preset_is_a_training_run_train_accepts(name, tmp_path):
-    from marslm.experiments.smollm2_presets import training_config
+    from marslm.demo.smollm2_presets import training_config
 
     cfg = training_config(
         SMOLLM2_PRESETS[name], tmp_path / "original", tmp_path / "train.jsonl", tmp_path / "mars", False
@@ -228,7 +228,7 @@ def test_every_smollm2_preset_is_a_training_run_train_accepts(name, tmp_path):
 
 
 def test_an_unknown_training_setting_in_a_preset_is_refused(tmp_path):
-    from marslm.experiments.smollm2_presets import training_config
+    from marslm.demo.smollm2_presets import training_config
 
     preset = resolve_preset("smollm2-quick", train={**SMOLLM2_PRESETS["smollm2-quick"].train, "lr_schedule": "wobbly"})
     with pytest.raises(UserError, match="lr_schedule|lr-schedule"):

@@ -1,4 +1,4 @@
-"""What the experiments' multi-stage runs share: the stage printer and its clock, a JSON store that
+"""What the demos' multi-stage runs share: the stage printer and its clock, a JSON store that
 keeps each finished result across interrupted runs, and a training callback at chosen steps.
 
 Torch-free at import: the CLI builds the demo's parser from modules that import this one.

@@ -40,7 +40,7 @@ def test_jacobi_equals_hf_greedy(trained_checkpoints):
 
 def _tiny() -> dict:
     """Overrides of the quick preset small enough to finish in about a minute on a busy 2-core machine."""
-    from marslm.experiments.demo_presets import DEMO_PRESETS
+    from marslm.demo.presets import DEMO_PRESETS
 
     quick = DEMO_PRESETS["quick"]
     return dict(
@@ -54,7 +54,7 @@ def _tiny() -> dict:
 
 @pytest.mark.slow
 def test_ablation_writes_every_configuration_and_resumes(tmp_path, monkeypatch, capsys):
-    import marslm.experiments.ablate as ablate
+    import marslm.demo.ablate as ablate
 
     out = tmp_path / "ablate"
     reports = ablate.run_ablation(out, preset="quick", block_sizes=(2, 4), progress=False, **_tiny())

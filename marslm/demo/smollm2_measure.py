@@ -13,7 +13,8 @@ from .stages import JsonStore, Stages, StepPoints, at_steps, curve_steps
 
 def heldout_set(out: Path, preset: RealModelPreset) -> list[dict]:
     """The held-out prompts with the original model's greedy answers, in prompt order."""
-    from ..distill import load_prompts, read_answers
+    from ..data.distilled import read_answers
+    from ..distill import load_prompts
 
     answers = read_answers(out / "distill" / "heldout.jsonl")
     return [
@@ -109,7 +110,7 @@ def learning_curve_callback(stages: Stages, out: Path, preset: RealModelPreset, 
     """The probe (marslm/eval/probe.py) on a few held-out answers during training: fidelity, tokens per
     forward teacher-forced (the paper's rule at tau 0.95, and lossless) and accuracy per mask offset."""
     from ..chat import stop_token_ids
-    from ..distill import read_answers
+    from ..data.distilled import read_answers
     from ..eval.probe import probe
     from ..eval.probe_items import probe_item
 
@@ -187,7 +188,7 @@ def eval_stage(stages: Stages, mars: Path, out: Path, preset: RealModelPreset, i
         return sum(verdicts) / len(verdicts)
 
     if "original" not in done:
-        from ..distill import read_answers
+        from ..data.distilled import read_answers
 
         answers = read_answers(out / "distill" / "heldout.jsonl")
         done["original"] = {
@@ -227,7 +228,7 @@ def probe_stage(
     import torch
 
     from ..chat import stop_token_ids
-    from ..distill import read_answers
+    from ..data.distilled import read_answers
     from ..eval.probe import probe, probe_clean
     from ..eval.probe_items import probe_item
     from ..files import read_json, write_json_atomically
@@ -275,11 +276,11 @@ def bench_stage(stages: Stages, mars: Path, original: Path, out: Path, preset: R
     """Decoding speed on held-out prompts of the training distribution (the first of the distilled
     held-out answers, scored as agreement with them): lossless and tau 0.95 against HF ``generate`` on the
     original, in float32 and bfloat16, at batch 1 and 8, each dtype's contenders interleaved
-    (experiments/bench.py) -> OUT/bench.json. Each finished dtype is kept."""
+    (bench/speed.py) -> OUT/bench.json. Each finished dtype is kept."""
+    from ..bench.config import BenchConfig
+    from ..bench.speed import run_bench
     from ..eval.sets import load_eval_set
     from ..modeling import load_model, resolve_device
-    from .bench import run_bench
-    from .bench_config import BenchConfig
 
     store = JsonStore(out / "bench.json", {})
     done = store.value
@@ -333,7 +334,7 @@ def format_report(report: dict) -> str:
             "probe (teacher-forced on the original's answers, marslm probe): " + format_probe(report["probe"]),
         ]
     for dtype, bench in (report.get("bench") or {}).items():
-        from .bench_report import format_bench_table
+        from ..bench.report import format_bench_table
 
         lines += ["", f"decoding speed, {dtype} (marslm bench, interleaved):", format_bench_table(bench)]
     curve = [p for p in report.get("learning_curve") or [] if "fidelity" in p]

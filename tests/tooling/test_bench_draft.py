@@ -10,10 +10,10 @@ import json
 
 import pytest
 
+from marslm.bench.config import CONTENDER_GROUPS, DRAFTER_GROUPS, BenchConfig
+from marslm.bench.speed import default_contenders
 from marslm.cli import main
 from marslm.errors import UserError
-from marslm.experiments.bench import default_contenders
-from marslm.experiments.bench_config import CONTENDER_GROUPS, DRAFTER_GROUPS, BenchConfig
 
 
 def bench_args(drafter_dirs, *extra):

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from ..serve.vllm_launch import serve_command
+from ..vllm.launch import serve_command
 
 if TYPE_CHECKING:
     from .loadtest import LoadtestConfig

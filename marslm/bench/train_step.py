@@ -22,7 +22,7 @@ import torch
 from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
 from ..modeling import count_parameters
-from .bench_config import SHAPES
+from .config import SHAPES
 
 
 def build_shape(name: str, layers: int | None = None, attention: str = "sdpa", dtype=torch.float32, device=None):

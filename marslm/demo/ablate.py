@@ -35,8 +35,8 @@ from ..eval.report import summarise_result
 from ..eval.sets import load_eval_set
 from ..files import output_directory, read_json, write_json_atomically, write_text_atomically
 from ..training.recipe import train
-from .demo import build_base_model
-from .demo_presets import DemoPreset, resolve_preset, stage_config, stage_configs
+from .presets import DemoPreset, resolve_preset, stage_config, stage_configs
+from .toy import build_base_model
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)
 MARS_TAUS = (1.0, 0.95, 0.9, 0.8)

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
+from marslm.bench.config import BenchConfig
+from marslm.bench.speed import default_contenders
 from marslm.cli import main
 from marslm.decode import PAPER_RULE, costs
 from marslm.errors import UserError
-from marslm.experiments.bench import default_contenders
-from marslm.experiments.bench_config import BenchConfig
 
 
 def names(config: BenchConfig) -> list[str]:

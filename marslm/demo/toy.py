@@ -28,7 +28,7 @@ from pathlib import Path
 from ..decode.params import PAPER_RULE
 from ..errors import UserError
 from ..files import make_directory, output_directory, write_json_atomically
-from .demo_presets import DemoPreset, resolve_preset, stage_configs
+from .presets import DemoPreset, resolve_preset, stage_configs
 from .stages import Stages, at_steps, curve_steps, say
 
 _say = partial(say, "demo")

@@ -9,9 +9,9 @@ import math
 import httpx
 import pytest
 
+from marslm.bench import loadtest
+from marslm.bench.loadtest import LoadtestConfig
 from marslm.errors import UserError
-from marslm.experiments import loadtest
-from marslm.experiments.loadtest import LoadtestConfig
 
 LOAD = "--requests, --repeats and every --concurrency value must be >= 1"
 
