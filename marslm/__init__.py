@@ -8,8 +8,8 @@ Heavy imports (torch, transformers) happen on first use, so ``marslm --help`` an
 errors answer at once.
 """
 
-from .config import MarsConfig
 from .errors import UserError
+from .mars_json import MarsConfig
 
 __version__ = "0.1.0"
 __all__ = [

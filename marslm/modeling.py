@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .config import FILENAME as CONFIG_FILENAME
-from .config import MASK_TOKEN, MarsConfig
 from .errors import UserError
+from .mars_json import FILENAME as CONFIG_FILENAME
+from .mars_json import MASK_TOKEN, MarsConfig
 from .unwrap import unwrap_model
 
 log = logging.getLogger("marslm")

@@ -19,10 +19,10 @@ import marslm
 from marslm import generate
 from marslm.adapter import adapter_of
 from marslm.chat import encode_prompt
-from marslm.config import MarsConfig
 from marslm.data import toy
 from marslm.decode import PAPER_RULE
 from marslm.errors import UserError
+from marslm.mars_json import MarsConfig
 from tests.helpers import hf_greedy
 from tests.trained import TRAIN_N
 

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from marslm.adapter import FILENAME as ADAPTER_FILE
-from marslm.config import MarsConfig
 from marslm.errors import UserError
+from marslm.mars_json import MarsConfig
 from marslm.training.config import TrainConfig
 from marslm.training.recipe import train
 from tests.test_train_reliability import run_cli

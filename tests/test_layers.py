@@ -32,7 +32,7 @@ FORBIDDEN = {
     ),
     "marslm.modeling": ("marslm.training", "marslm.decode", "marslm.serve", "marslm.experiments", "marslm.cli"),
     "marslm.unwrap": ("marslm",),
-    "marslm.config": ("marslm.training", "marslm.decode", "marslm.serve", "marslm.experiments", "marslm.cli"),
+    "marslm.mars_json": ("marslm.training", "marslm.decode", "marslm.serve", "marslm.experiments", "marslm.cli"),
 }
 
 

@@ -19,7 +19,7 @@ import torch
 
 from marslm import cli
 from marslm.chat import encode_conversation
-from marslm.config import MarsConfig
+from marslm.mars_json import MarsConfig
 from marslm.modeling import count_parameters
 from marslm.training.surgery import ensure_mask_token
 from tests.helpers import chat_conversations

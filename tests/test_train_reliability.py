@@ -43,7 +43,7 @@ def die(*_):
 
 from transformers import Trainer
 import marslm.training.trainer as trainer_module
-from marslm.config import MarsConfig
+from marslm.mars_json import MarsConfig
 
 def wrap(owner, name, before=None, after=None):
     original = getattr(owner, name)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
+from ..mars_json import DEFAULT_BLOCK_SIZE
 from ..modeling import count_parameters
 from .config import SHAPES
 

@@ -109,7 +109,7 @@ def _cost_curve(config: BenchConfig) -> int:
 
 def _train_step(config: BenchConfig) -> int:
     from ..bench.train_step import build_shape, format_train_step, train_step_bench
-    from ..config import MarsConfig
+    from ..mars_json import MarsConfig
     from ..modeling import check_model_source, checkpoint_block_size, resolve_device
     from ..training.surgery import enable_activation_checkpointing
 

@@ -98,7 +98,7 @@ def load_for_decoding(model_path: str, params, device: str = "auto", decoder=Non
     token, before the model loads, so that a refusal is the only line (loading warns about a
     checkpoint without marslm.json); a warning when an AR checkpoint is asked to accept untrained
     mask guesses."""
-    from ..config import MarsConfig
+    from ..mars_json import MarsConfig
     from ..modeling import (
         check_model_source,
         load_model,

@@ -15,8 +15,8 @@ import json
 import math
 from dataclasses import dataclass, replace
 
-from ..config import DEFAULT_BLOCK_SIZE
 from ..errors import UserError
+from ..mars_json import DEFAULT_BLOCK_SIZE
 from ..settings import int_or_auto, setting
 
 METRICS = ("prob", "entropy", "margin")

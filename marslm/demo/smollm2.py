@@ -140,7 +140,7 @@ def run_smollm2_demo(
     with stages.timed("bench"):
         benched = bench_stage(stages, mars, original_dir, out, preset, progress)
 
-    from ..config import MarsConfig
+    from ..mars_json import MarsConfig
 
     timings = stages.timings()
     report = {

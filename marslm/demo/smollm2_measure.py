@@ -164,7 +164,7 @@ def learning_curve_points(out: Path) -> list[dict]:
 def mask_token_of(model, tokenizer) -> int:
     """The mask id of a model in training: its adapter's (exact mode), else the tokenizer's."""
     from ..adapter import adapter_of
-    from ..config import MASK_TOKEN
+    from ..mars_json import MASK_TOKEN
 
     adapter = adapter_of(model)
     return adapter.spec.mask_token_id if adapter is not None else tokenizer.convert_tokens_to_ids(MASK_TOKEN)

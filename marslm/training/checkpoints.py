@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from ..config import MarsConfig
 from ..errors import UserError
 from ..files import read_json, write_json_atomically
+from ..mars_json import MarsConfig
 from ..settings import flag_of
 from .config import TrainConfig
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..config import DEFAULT_BLOCK_SIZE, STAGES
 from ..data import TOY, check_mix
 from ..errors import UserError
 from ..files import output_directory
+from ..mars_json import DEFAULT_BLOCK_SIZE, STAGES
 from ..settings import check_count, check_range, flag_of, setting, strings
 
 # Learning-rate schedules: Trainer's names for those that need nothing beyond the warmup and the

@@ -26,9 +26,9 @@ import torch
 
 from ..adapter import adapter_of, choose_mask_id
 from ..chat import end_of_turn_id, stop_token_ids
-from ..config import MASK_TOKEN, MarsConfig
 from ..data import load_conversations
 from ..errors import UserError
+from ..mars_json import MASK_TOKEN, MarsConfig
 from ..modeling import check_model_source, check_tokenizer, count_parameters, loading_errors
 from ..settings import flag_of
 from .cache import check_cache_dir

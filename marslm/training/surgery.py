@@ -11,8 +11,8 @@ import logging
 import torch
 
 from ..adapter import MaskAdapter, adapter_of, check_linear_names
-from ..config import MASK_TOKEN
 from ..errors import UserError
+from ..mars_json import MASK_TOKEN
 from ..modeling import count_parameters
 from .config import EXACT_RANK, TrainConfig
 

@@ -19,8 +19,8 @@ import json
 import math
 from pathlib import Path
 
-from ..config import MarsConfig
 from ..errors import UserError
+from ..mars_json import MarsConfig
 from .request_settings import PluginConfig, check_request
 
 PROPOSER = "marslm.vllm.proposer.MarsProposer"

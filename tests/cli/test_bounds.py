@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from marslm.config import MarsConfig
+from marslm.mars_json import MarsConfig
 from tests.cli.test_errors import assert_one_line_error, run
 
 HUGE = str(2**70)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from marslm.config import MarsConfig
+from marslm.mars_json import MarsConfig
 from tests.cli.test_bounds import no_model_loads  # noqa: F401 - a fixture
 from tests.cli.test_errors import assert_one_line_error, run
 

@@ -13,9 +13,9 @@ import pytest
 
 from marslm import generate
 from marslm.chat import encode_prompt, stop_token_ids
-from marslm.config import MarsConfig
 from marslm.data import toy
 from marslm.decode import PAPER_RULE
+from marslm.mars_json import MarsConfig
 from tests.decode.reference_sampler import reference_generate
 from tests.trained import TRAIN_N
 

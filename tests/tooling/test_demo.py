@@ -6,9 +6,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marslm.cli import main
-from marslm.config import MarsConfig
 from marslm.demo.smollm2_presets import SMOLLM2_PRESETS, resolve_preset
 from marslm.errors import UserError
+from marslm.mars_json import MarsConfig
 
 
 @pytest.mark.slow

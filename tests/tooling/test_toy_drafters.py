@@ -8,10 +8,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from marslm import generate
-from marslm.config import MarsConfig
 from marslm.demo.presets import resolve_preset
 from marslm.demo.toy import DEMO_MARKER
 from marslm.demo.toy_model import MODEL_SIZES
+from marslm.mars_json import MarsConfig
 from marslm.modeling import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
