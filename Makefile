@@ -55,9 +55,9 @@ runs/smollm2/config.json: | $(STAMP)
 	$(BIN)/marslm convert "$$($(BIN)/python -c 'from marslm.convert import smollm2_gguf; print(smollm2_gguf())')" \
 	    --output runs/smollm2 --overwrite
 
-# What a lent GPU machine needs for scripts/gpu_campaign.py, in one folder per device call (docs/gpu.md).
+# What an air-gapped GPU machine needs for marslm/demo/gpu_campaign.py, in one folder per device call (docs/gpu.md).
 gpu-kit: install
-	$(BIN)/python scripts/gpu_kit.py --out gpu-kit
+	$(BIN)/python -m marslm.demo.gpu_kit --out gpu-kit
 
 clean:
 	rm -rf gpu-kit $(VENV) $(VLLM_VENV) runs .pytest_cache

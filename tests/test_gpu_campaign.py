@@ -1,4 +1,4 @@
-"""scripts/gpu_campaign.py and its carry kit (scripts/gpu_kit.py): the rehearsal runs every stage
+"""marslm/demo/gpu_campaign.py and its carry kit (gpu_kit.py): the rehearsal runs every stage
 on a CPU from the same split parts, so the campaign cannot rot between the rare lent GPUs, and the
 kit fits what each device call may carry."""
 
@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from marslm.demo import gpu_campaign, gpu_kit
 
-import gpu_campaign  # noqa: E402
-import gpu_kit  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MODEL_STAGES = ["convert", "distill", "train_exact", "train_full", "probe_exact", "probe_full", "decode"]
 # transformers 5.24's wheel is 13 MiB; the stand-in leaves room for a later pin to grow
@@ -43,7 +41,7 @@ def marker_wheel(folder: Path) -> Path:
 def campaign(tmp_path: Path, kit: Path) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "campaign.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_campaign.py"), "--dry-run", "--kit", str(kit)]
+        [sys.executable, "-m", "marslm.demo.gpu_campaign", "--dry-run", "--kit", str(kit)]
         + ["--work", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True,
         text=True,
@@ -188,7 +186,7 @@ def test_the_campaign_refuses_a_machine_without_cuda_unless_dry(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_campaign.py"), "--out", str(tmp_path / "c.json")],
+        [sys.executable, "-m", "marslm.demo.gpu_campaign", "--out", str(tmp_path / "c.json")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,4 +1,4 @@
-"""scripts/gpu_probe.py --dry-run: the GPU probe runs end to end on tiny shapes, so it cannot rot
+"""marslm/bench/gpu_probe.py --dry-run: the GPU probe runs end to end on tiny shapes, so it cannot rot
 between the rare runs on a lent GPU machine."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_probe_dry_run_reports_every_section(tmp_path):
     out = tmp_path / "probe.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_probe.py"), "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "marslm.bench.gpu_probe", "--dry-run", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -42,7 +42,7 @@ def test_the_probe_refuses_a_machine_without_cuda_unless_dry(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_probe.py"), "--out", str(tmp_path / "p.json")],
+        [sys.executable, "-m", "marslm.bench.gpu_probe", "--out", str(tmp_path / "p.json")],
         capture_output=True,
         text=True,
         timeout=120,

