@@ -29,14 +29,9 @@ def add_parser(sub) -> None:
         "--preset",
         choices=sorted(DEMO_PRESETS) + sorted(SMOLLM2_PRESETS),
         default="default",
-        help="quick: a smoke run in minutes; default: the quoted numbers; plateau: an AR stage "
-        "trained to its plateau; short: AR stopped half way up its learning curve; smollm2: MARS on "
-        "SmolLM2-135M-Instruct in exact mode, the adapter on the attention's Linears, about 70 minutes on 2 "
-        "cores (needs `make smollm2`'s packages); smollm2-r32: the first recipe (rank 32 on every Linear, "
-        "300 steps on half the answers); smollm2-fresh: its steps on twice the answers, one pass instead of "
-        "two; smollm2-hold: those answers, twice the steps at a held learning rate and twice the rank, every "
-        "Linear (about 70 minutes after the distillation); smollm2-long: smollm2-hold for twice its steps, "
-        "the learning curve to 9,600 examples (about 2.2 hours after the distillation); "
+        help="quick: a smoke run in minutes; default: the quoted numbers; short: AR stopped half way up its "
+        "learning curve (the ablation's setting); smollm2: MARS on SmolLM2-135M-Instruct in exact mode, the "
+        "adapter on the attention's Linears, about 70 minutes on 2 cores (needs `make smollm2`'s packages); "
         "smollm2-quick: the same plumbing in a few minutes, no quality claims",
     )
     demo.add_argument(

@@ -137,9 +137,10 @@ def kit_stage(c: Campaign) -> dict:
 
 
 def environment_stage(c: Campaign) -> dict:
-    from ..bench import gpu_probe
     import torch
     import transformers
+
+    from ..bench import gpu_probe
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {**gpu_probe.environment(device), "transformers_from": transformers.__file__}
@@ -357,8 +358,9 @@ def tables(report: dict) -> str:
 
 def probe_sections(c: Campaign, report) -> None:
     """gpu_probe.py's sections, cheapest first, each when the seconds it needs are left."""
-    from ..bench import gpu_probe
     import torch
+
+    from ..bench import gpu_probe
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     plan = gpu_probe.DRY if c.dry_run else gpu_probe.FULL

@@ -70,19 +70,6 @@ DEMO_PRESETS = {
         after_ar=dict(max_steps=500, learning_rate=1e-3),
         mars=dict(block_size=4, ar_weight=2.0),
     ),
-    # An AR stage trained towards its plateau: its mixture draws format items 2x and list items 3x
-    # as often as arithmetic and code (the two families learned last; their items are short).
-    "plateau": DemoPreset(
-        model="quick",
-        vocab_size=1024,
-        train_examples=35000,
-        test_examples=500,
-        ar=dict(max_steps=4000, learning_rate=3e-3, data_mix={"format": 2.0, "lists": 3.0}),
-        after_ar=dict(max_steps=650, learning_rate=1e-3),
-        mars=dict(block_size=4, ar_weight=4.0),
-        curve_points=8,
-        curve_items=200,
-    ),
     # AR stopped half way up its learning curve, MARS twice as long: the ablation's setting.
     "short": DemoPreset(
         model="quick",

@@ -59,50 +59,26 @@ def training_config(preset: RealModelPreset, original: Path, data: Path, output:
     )
 
 
-# The first CPU recipe, the ablation's best exact arm (scripts/ablate_smollm2.py, docs/results.md
-# section 7): exact mode, so the original's outputs stay its own by construction. The presets after
-# it change one or two of its settings each.
-_RECIPE = RealModelPreset(
-    train_prompts="instructions:1200,toy:300",
-    heldout_instructions=48,
-    heldout_toy=32,
-    max_new_tokens=128,
-    train=dict(max_steps=300, exact=True, learning_rate=1e-3, lora_rank=32, random_phase=True),
-)
-
-# Twice the first recipe's prompts (the later presets' distilled answers, shared between their runs).
-_TWICE = "instructions:2400,toy:600"
-# smollm2-hold's settings: 600 steps at a rate held after the warmup, rank 64.
-_HELD = dict(max_steps=600, lr_schedule="constant_with_warmup", lora_rank=64)
-
 SMOLLM2_PRESETS = {
-    # The preset: smollm2-hold with the gated LoRA on the attention's Linears alone (4 of each
-    # layer's 7). It learns most of what smollm2-hold learns in half its training time, a decoding
-    # step that reads masks runs 4/7 of the adapter's products, and the whole run, distillation
-    # included, fits about 70 minutes on 2 cores.
-    "smollm2": replace(
-        _RECIPE,
-        train_prompts=_TWICE,
-        train={**_RECIPE.train, **_HELD, "lora_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    # The CPU recipe: exact mode (the original's outputs stay its own by construction), a gated
+    # LoRA of rank 64 on the attention's Linears, 600 steps at a rate held after the warmup, on the
+    # greedy answers to 3,000 prompts. About 70 minutes on 2 cores, distillation included; the
+    # recipes it replaced are in docs/log/.
+    "smollm2": RealModelPreset(
+        train_prompts="instructions:2400,toy:600",
+        heldout_instructions=48,
+        heldout_toy=32,
+        max_new_tokens=128,
+        train=dict(
+            max_steps=600,
+            exact=True,
+            learning_rate=1e-3,
+            lr_schedule="constant_with_warmup",
+            lora_rank=64,
+            lora_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            random_phase=True,
+        ),
         curve_points=12,
-    ),
-    # The first recipe as it was: rank 32 on every decoder Linear, cosine, 300 steps on 1,500 prompts.
-    "smollm2-r32": _RECIPE,
-    # smollm2-r32's budget and schedule on twice the fresh answers: 2,400 examples in one pass
-    # instead of two passes over 1,200, so the two curves differ only in whether answers repeat.
-    "smollm2-fresh": replace(_RECIPE, train_prompts=_TWICE, curve_points=12),
-    # Whether the recipe or the data flattens the curve: smollm2-fresh's answers (so its distill
-    # folder can be copied in), twice the steps, the rate held after the warmup and twice the rank.
-    "smollm2-hold": replace(_RECIPE, train_prompts=_TWICE, train={**_RECIPE.train, **_HELD}, curve_points=12),
-    # The learning curve to four times smollm2-r32's 2,400 examples: smollm2-hold's recipe for twice
-    # its steps, 9,600 examples (four passes over the same answers, so its distill folder can be
-    # copied in). Half the warmup share keeps the warmup at smollm2-hold's 30 steps, so the first
-    # 600 steps are that run's.
-    "smollm2-long": replace(
-        _RECIPE,
-        train_prompts=_TWICE,
-        train={**_RECIPE.train, **_HELD, "max_steps": 1200, "warmup_ratio": 0.025},
-        curve_points=16,
     ),
     # The test suite's end-to-end run: a few prompts, two steps; it checks the plumbing, not quality.
     "smollm2-quick": RealModelPreset(
