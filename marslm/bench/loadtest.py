@@ -38,11 +38,11 @@ from ..decode.params import check_tau
 from ..errors import UserError
 from ..files import output_file
 from ..serve.config import no_extra_args
+from ..serve.engines import NAMES, engine
 from ..settings import check_count, flag_of, floats, ints, setting
 from .load_client import one_request, run_level, summarise, tokens_per_s
 
 POLICIES = ("fixed-1.0", "fixed-0.95", "adaptive")
-ENGINES = ("marslm", "vllm")
 
 
 def policy_settings(name: str, adaptive_tau: float = 0.95, tau_floor: float = 0.9) -> dict:
@@ -123,7 +123,7 @@ class LoadtestConfig:
         "vllm: start vLLM servers on --checkpoint (plain, ngram and MARS, in the environment of "
         "`make vllm-env`) and compare vLLM plain AR, ngram, MARS lossless and MARS at --taus; "
         "--url and the policies do not apply",
-        choices=ENGINES,
+        choices=NAMES,
     )
     checkpoint: str | None = setting(None, "with --engine vllm: the checkpoint to serve", metavar="DIR")
     taus: list = setting([0.95], "with --engine vllm: MARS taus", parse=floats)
@@ -142,16 +142,14 @@ class LoadtestConfig:
     def __post_init__(self):
         if self.json_path is not None:
             output_file(self.json_path, flag_of(LoadtestConfig, "json_path"))
-        if self.engine not in ENGINES:
-            raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "vllm":
+        if engine(self.engine).starts_servers:
             if not self.checkpoint:
                 raise UserError("--engine vllm needs --checkpoint DIR (the checkpoint the servers load)")
             self._check_load()
             for tau in self.taus:
                 check_tau(tau, "prob")
             return
-        no_extra_args(self)
+        no_extra_args(self.vllm_args)
         self._check_load()
         check_url(self.url)
         if not self.policies:
@@ -384,3 +382,8 @@ def _fmt(value) -> str:
     if value is None:
         return "-"
     return f"{value:.3g}" if isinstance(value, float) and abs(value) < 100 else str(value)
+
+
+def loadtest(config: LoadtestConfig, log=print) -> tuple[dict, object]:
+    """marslm's engine's side of ``marslm loadtest``: the server at ``--url``, per policy."""
+    return run_loadtest(config, log=log), format_table

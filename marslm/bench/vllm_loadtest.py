@@ -222,3 +222,13 @@ def format_table(report: dict) -> str:
             f"| {r['errors']} |"
         )
     return "\n".join(lines)
+
+
+def loadtest(config: LoadtestConfig, log=print) -> tuple[dict, object]:
+    """vLLM's side of ``marslm loadtest``: its servers started on ``--checkpoint``, side by side."""
+    from ..modeling import check_model_source
+    from ..vllm.launch import vllm_python
+
+    check_model_source(config.checkpoint)
+    vllm_python()
+    return run_vllm_bench(config, log=log), format_table

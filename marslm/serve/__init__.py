@@ -16,7 +16,8 @@
     app.py           the routes (FastAPI): parse, submit, answer whole or as server-sent events
     guard.py         the API key, the body's limits, one handler per error type, the outermost guard
     http.py          serve(): the socket, uvicorn with a guarded h11 protocol, a draining shutdown
-    vllm_launch.py   finds vLLM's environment and starts ``python -m marslm.vllm.serve`` there
+    engines.py       the engines by name (marslm's, vLLM's): what each serves and supports, its
+                     refusals, and where it serves and load-tests (vLLM's launch: vllm/launch.py)
 
 A request's path: app.py reads the body (guard.py bounds it), openai.py parses it into a
 ``DecodingParams`` (``tau`` and ``max_new_tokens`` None where the request names none: the

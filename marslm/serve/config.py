@@ -12,9 +12,9 @@ from ..decode.draft_options import DraftOptions
 from ..decode.params import ADAPTIVE_WIDTH, MASK_BATCH_LIMIT, check_mask_batch_limit, check_seed, check_tau
 from ..errors import UserError
 from ..settings import DTYPE_NAMES, flag_of, int_or_auto, setting
+from .engines import NAMES
 
 POLICIES = ("fixed", "adaptive")
-ENGINES = ("marslm", "vllm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -41,7 +41,7 @@ class ServeConfig:
         "marslm",
         "marslm: this package's engine; vllm: vLLM's OpenAI server with the MARS "
         "plugin, from the environment `make vllm-env` makes",
-        choices=ENGINES,
+        choices=NAMES,
     )
     log_level: str = setting("info", "server log level", choices=LOG_LEVELS)
     max_batch: int = setting(16, "requests decoded together")
@@ -134,7 +134,7 @@ class ServeConfig:
         for name, allowed in (
             ("tau_policy", POLICIES),
             ("dtype", DTYPE_NAMES),
-            ("engine", ENGINES),
+            ("engine", NAMES),
             ("log_level", LOG_LEVELS),
         ):
             if getattr(self, name) not in allowed:
@@ -160,7 +160,7 @@ def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*(aliases or (default,)), model)))
 
 
-def no_extra_args(settings) -> None:
+def no_extra_args(extra_args) -> None:
     """Options after ``--`` go to ``vllm serve``: refused unless the engine is vLLM."""
-    if getattr(settings, "vllm_args", None):
-        raise UserError(f"unexpected arguments {' '.join(settings.vllm_args)} (options after -- are for --engine vllm)")
+    if extra_args:
+        raise UserError(f"unexpected arguments {' '.join(extra_args)} (options after -- are for --engine vllm)")

@@ -23,11 +23,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import UserError
 from .app import create_app
-from .config import ServeConfig, served_names
+from .config import ServeConfig, no_extra_args, served_names
 from .engine import Engine
 from .openai import error_body
 
 log = logging.getLogger("marslm.server")
+
+
+def serve_checkpoint(model: str, config: ServeConfig, extra_args: list[str]) -> int:
+    """``marslm serve`` on marslm's own engine (options after ``--`` are for vLLM's)."""
+    no_extra_args(extra_args)
+    serve(model, config)
+    return 0
 
 
 def serve(model: str, config: ServeConfig | None = None) -> None:

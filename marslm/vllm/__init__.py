@@ -12,9 +12,10 @@ Install it into vLLM's own environment (``make vllm-env``) and serve a MARS chec
     plugin.py            the entry points vLLM loads in every process
     middleware.py        HTTP: tau/metric/mode as top-level request fields, tokens per forward in usage
     serve.py             `python -m marslm.vllm.serve`, run inside vLLM's environment
+    launch.py            marslm's side: finding that environment and starting the server there
 
-marslm's own side (finding that environment and starting servers there) is
-``marslm/vllm/launch.py``; the load test against vLLM is ``marslm/bench/vllm_loadtest.py``.
+``marslm serve --engine vllm`` reaches launch.py through the engine registry
+(``marslm/serve/engines.py``); the load test against vLLM is ``marslm/bench/vllm_loadtest.py``.
 
 The plugin imports, of marslm, only modules that need no transformers (config, errors, the
 request checks of decode/params.py and the pure-torch acceptance rule), so it runs with the

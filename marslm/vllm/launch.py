@@ -79,3 +79,23 @@ def exec_server(cmd: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(cmd[0], cmd)
+
+
+def serve_checkpoint(model: str, config, vllm_args: list[str]) -> int:
+    """``marslm serve --engine vllm``: this process becomes vLLM's server on ``model`` (a ``ServeConfig``)."""
+    from ..serve.config import served_names
+
+    exec_server(
+        serve_command(
+            model,
+            host=config.host,
+            port=config.port,
+            tau=config.tau,
+            api_key=config.api_key,
+            served_model_names=served_names(model, config.served_model_name),
+            max_batch=config.max_batch,
+            log_level=config.log_level,
+            vllm_args=vllm_args,
+        )
+    )
+    return 0

@@ -258,7 +258,7 @@ def test_serve_vllm_without_its_environment_fails_in_one_line(trained_dirs, tmp_
 def test_serve_vllm_serves_the_path_and_every_name(trained_dirs, tmp_path, monkeypatch):
     """As under marslm's engine: the directory's name (or --served-model-name's), then the path."""
     from marslm.cli import main
-    from marslm.serve import vllm_launch
+    from marslm.vllm import launch as vllm_launch
 
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
