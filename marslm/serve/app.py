@@ -52,13 +52,13 @@ from .openai import (
     Endpoint,
     completion_echo,
     cut_off,
-    error_body,
     max_token_chars,
     parse_json,
     parse_options,
     usage,
 )
 from .requests import EngineError, Result
+from .wire import error_body
 
 PARSE_WORKERS = 4  # threads that parse and tokenize requests
 

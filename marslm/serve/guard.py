@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 
@@ -23,8 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decode.params import ParamError
 from .config import ServeConfig
-from .openai import CHAT, APIError, error_body
+from .openai import CHAT, APIError
 from .requests import EngineError, EngineStopped, QueueFull
+from .wire import error_body, send_json
 
 log = logging.getLogger("marslm.server")
 
@@ -181,22 +181,10 @@ class Guard:
         except asyncio.CancelledError:
             log.warning("%s %s cancelled by the shutdown", scope.get("method"), scope.get("path"))
             if not started:
-                await _send_json(
+                await send_json(
                     send, 503, error_body("the server is shutting down", "server_error", code="shutting_down")
                 )
         except Exception:  # noqa: BLE001 - a bug: log it with its traceback, keep serving
             log.exception("error answering %s %s", scope.get("method"), scope.get("path"))
             if not started:
-                await _send_json(send, 500, error_body("internal server error", "server_error"))
-
-
-async def _send_json(send, status: int, body: dict) -> None:
-    data = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
+                await send_json(send, 500, error_body("internal server error", "server_error"))

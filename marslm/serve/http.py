@@ -25,7 +25,7 @@ from ..errors import UserError
 from .app import create_app
 from .config import ServeConfig, no_extra_args, served_names
 from .engine import Engine
-from .openai import error_body
+from .wire import error_body
 
 log = logging.getLogger("marslm.server")
 

@@ -41,10 +41,6 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
 # ------------------------------------------------------------------------------- request fields
 # The request fields that are DecodingParams fields of the same name, and their JSON kinds; an
 # absent one keeps DecodingParams' default (tau: the server's; max_tokens and stop are read apart).

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 from ..decode.params import ParamError
+from ..serve.wire import error_body, send_json
 from .request_settings import FIELDS, check_request, is_greedy
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -33,11 +34,7 @@ class MarsMiddleware:
         try:
             body = rewrite_request(body)
         except ParamError as exc:
-            await _send_json(
-                send,
-                400,
-                {"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": exc.code}},
-            )
+            await send_json(send, 400, error_body(str(exc), "invalid_request_error", exc.param, exc.code))
             return
         scope = dict(scope, headers=_with_length(scope["headers"], len(body)))
         replayed = False
@@ -172,15 +169,3 @@ async def _read_body(receive) -> bytes:
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
-
-
-async def _send_json(send, status: int, payload: dict) -> None:
-    body = json.dumps(payload).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
