@@ -31,6 +31,19 @@ def test_the_fsdp_config_is_fsdp2_with_a_full_state_dict():
     assert config["fsdp_config"]["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
 
 
+def test_the_deepspeed_config_is_zero2_in_bf16_as_accelerate_reads_it():
+    """What a CPU can check of configs/accelerate/deepspeed_zero2.yaml (docs/gpu.md): accelerate's
+    own loader takes it, as ZeRO stage 2 in bf16, leaving accumulation and clipping to marslm train."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    config = load_config_from_file(str(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"))
+    assert config.distributed_type == DistributedType.DEEPSPEED
+    assert config.deepspeed_config["zero_stage"] == 2
+    assert config.mixed_precision == "bf16"
+    assert not {"gradient_accumulation_steps", "gradient_clipping"} & set(config.deepspeed_config)
+
+
 @pytest.mark.slow
 def test_mars_loss_and_gradients_under_fsdp_match_one_process(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
