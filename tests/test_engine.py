@@ -295,16 +295,34 @@ def test_cpu_threads_leave_a_core_for_the_front_end(monkeypatch):
         ServeConfig(threads=0)
 
 
-def test_an_auto_mask_batch_limit_is_measured_at_start(mars64):
+def test_the_auto_load_policy_reads_the_saved_cost_table_and_answers_name_it(mars64, tmp_path, monkeypatch):
+    """``--mask-batch-limit auto`` is a load policy switched on: it reads the table beside the
+    checkpoint (no timing at start), without one it sets no limit, and each result names it."""
+    from marslm.decode import costs
+
     model, tokenizer = mars64
+    costs.save_cost_table(tmp_path, {"block_size": 4, "costs": {"1": 1.1, "2": 1.2, "4": 9.0}, "measured_on": {}})
+    monkeypatch.setattr(model, "name_or_path", str(tmp_path))
     engine = Engine(model, tokenizer, ServeConfig(mask_batch_limit="auto", max_batch=6))
     engine.start(warmup=False)
     try:
-        assert sorted(engine.mask_limit.step_cost) == [1, 2, 4, 6]
-        assert all(cost > 0 for cost in engine.mask_limit.step_cost.values())
-        assert engine._batch.mask_batch_limit == engine.mask_limit.limit >= 1
+        assert engine.mask_limit.step_cost == {1: 1.1, 2: 1.2, 4: 9.0}
+        assert engine._batch.mask_batch_limit == engine.mask_limit.limit == 2
+
+        async def one():
+            stream = engine.submit([5, 6, 7], request_params(tau=0.9, max_new_tokens=4))
+            async for _ in stream:
+                pass
+            return stream.result
+
+        assert asyncio.run(one()).mask_batch_limit == "auto"
     finally:
         engine.stop()
+    monkeypatch.setattr(model, "name_or_path", str(tmp_path / "elsewhere"))
+    bare = Engine(model, tokenizer, ServeConfig(mask_batch_limit="auto", max_batch=6))
+    bare.start(warmup=False)
+    bare.stop()
+    assert bare.mask_limit is None and bare._batch.mask_batch_limit is None
     with pytest.raises(UserError, match="auto"):
         ServeConfig(mask_batch_limit="sometimes")
 

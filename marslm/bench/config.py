@@ -6,6 +6,7 @@ in bench.py (decoding speed, the cost curve) and train_step.py (``--train-step``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..decode.draft_options import DraftOptions
 from ..decode.params import ADAPTIVE_WIDTH, MASK_BATCH_LIMIT, DecoderOptions, check_tau
@@ -129,6 +130,11 @@ class BenchConfig:
     )
     cost_curve: bool = setting(False, "measure forward time against fed width instead of decoding")
     contexts: list = setting([128, 512], "--cost-curve: cached context lengths", parse=ints)
+    save: bool = setting(
+        False,
+        "--cost-curve: keep a masked step's cost per batch size beside the checkpoint (marslm-costs.json): "
+        "the table that mask_batch_limit auto decides from, so decoding times nothing",
+    )
     block_size: int | None = setting(
         None, "--cost-curve: B, for widths 1 .. 2B + 2; --train-step: B (default: the checkpoint's, else 4)"
     )
@@ -189,7 +195,11 @@ class BenchConfig:
         if self.cost_curve:
             if not self.contexts or min(self.contexts) < 1 or (self.block_size is not None and self.block_size < 1):
                 raise UserError("every --contexts value and --block-size must be >= 1")
+            if self.save and not Path(self.model).is_dir():
+                raise UserError(f"--save keeps the cost table beside a local checkpoint; {self.model} is no folder")
             return
+        if self.save:
+            raise UserError("--save goes with --cost-curve (it keeps the cost curve's table)")
         if self.ar_model is None:
             raise UserError("--ar-model is required: the AR baseline is HF generate on the AR checkpoint")
         unknown = set(self.contenders) - set(CONTENDER_GROUPS)

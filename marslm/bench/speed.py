@@ -221,8 +221,6 @@ def _run_mars(model, tokenizer, prompt_ids, batch_size, c: Contender, drafting: 
     token_ids, accepted, peak_slots, drafter_forwards = [], [], 0, 0
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start : start + batch_size]
-        # batch_size, not the chunk's length: an auto mask batch limit is timed for the same batch
-        # sizes in every chunk as in the warm-up
         out = generate(model, tokenizer, chunk, params=c.params, decoder=c.decoder, batch_size=batch_size, **drafting)
         token_ids += out.token_ids
         accepted += out.accepted_per_step
@@ -287,8 +285,7 @@ def run_bench(models: dict, eval_set, config: BenchConfig) -> dict:
 
 def _timed_rounds(models, prompts, contenders, batch_size, config: BenchConfig, bar):
     """Each contender's result and the seconds of each repeat, after a warm-up round on one batch;
-    the repeats go round the contenders in turn. The warm-up also times what an auto mask batch
-    limit reads (costs.py keeps it on the model), so no timed repeat pays for it."""
+    the repeats go round the contenders in turn."""
     seconds = {c.name: [] for c in contenders}
     results = {}
     for round_ in range(config.repeats + 1):  # round 0 is the warm-up, on one batch

@@ -84,7 +84,8 @@ def _cost_curve(config: BenchConfig) -> int:
     from ..modeling import check_model_source, checkpoint_block_size, load_model, model_context, resolve_device
 
     check_model_source(config.model)
-    widest = 2 * (config.block_size or checkpoint_block_size(config.model)) + 2
+    block_size = config.block_size or checkpoint_block_size(config.model)
+    widest = 2 * block_size + 2
     room = model_context(config.model)
     if room is not None and max(config.contexts) + widest > room:
         raise UserError(
@@ -102,6 +103,11 @@ def _cost_curve(config: BenchConfig) -> int:
             progress=config.progress,
         )
     print(format_cost_curve(report))
+    if config.save:
+        from ..decode.costs import save_cost_table, table_from_curve
+
+        path = save_cost_table(config.model, table_from_curve(report, block_size))
+        print(f"cost table for block size {block_size}: {path}")
     if config.json_path:
         write_json(config.json_path, report)
     return 0

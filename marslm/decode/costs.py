@@ -1,32 +1,30 @@
 """What a forward costs against the tokens it feeds: whether a step with masks pays on this machine.
 
 ``cost_curve`` times one cached forward per width, batch size and context (``marslm bench
---cost-curve`` prints it); ``MaskBatchLimit`` turns it into ``mask_batch_limit="auto"`` (``marslm
-serve``, ``marslm.generate`` and the commands that decode with it): masks are read at a batch size
-while the tokens per row a masked step has been buying exceed what such a step costs there, as a
-ratio to a one-token step. :func:`measured_mask_limit` times those costs once per model.
+--cost-curve`` prints it, and with ``--save`` keeps a masked step's cost per batch size beside the
+checkpoint as its cost table). ``MaskBatchLimit`` turns a cost table into
+``mask_batch_limit="auto"``: masks are read at a batch size while the tokens per row a masked step
+has been buying exceed what such a step costs there, as a ratio to a one-token step.
+
+Decoding never times anything: the table is read from the checkpoint's folder, where a
+measurement left it, so the same model, inputs and settings give the same text on any machine,
+in any process, after any earlier call. Without a table ``auto`` sets no limit.
 """
 
 from __future__ import annotations
 
-import logging
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from ..adapter import adapter_of
+from ..errors import UserError
 
-log = logging.getLogger("marslm.decode")
-
-# Where a model keeps its measured step costs, by (block size, batch sizes): decoding calls that
-# share a model (repeated generate() calls, bench's repeats, an eval sweep's cells) time them once.
-STEP_COSTS_ATTR = "_marslm_masked_step_costs"
-# And its auto limits, by the same key and a workload (what decides what masks buy: mode, tau...):
-# calls of one workload go on learning in one limit, as a server's one limit does across requests,
-# so that a loop of short calls neither relearns from a guess nor probes at the start of each.
-LIMITS_ATTR = "_marslm_mask_limits"
+COST_TABLE = "marslm-costs.json"  # beside the checkpoint's marslm.json
 
 
 def cost_curve(
@@ -105,40 +103,49 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def masked_step_costs(model, n_masks: int, batch_sizes, context: int = 64, repeats: int = 3) -> dict[int, float]:
-    """Per batch size, a masked step's forward time as a ratio to a one-token step's: a row feeds
-    its last accepted tokens (about two) and ``n_masks`` masks where AR feeds one token."""
-    report = cost_curve(
-        model, widths=(1, n_masks + 2), contexts=(context,), batch_sizes=batch_sizes, repeats=repeats, progress=False
-    )
-    return {r["batch_size"]: r["ratio"] for r in report["rows"] if r["width"] != 1}
+def table_from_curve(report: dict, block_size: int) -> dict:
+    """The cost table of a :func:`cost_curve` report: per batch size, the cost of a masked step (a
+    row feeds its last accepted tokens, about two, and ``block_size`` masks) as a ratio to a
+    one-token step, the highest over the report's contexts."""
+    width = block_size + 2
+    costs: dict[int, float] = {}
+    for row in report["rows"]:
+        if row["width"] == width:
+            costs[row["batch_size"]] = max(costs.get(row["batch_size"], 0.0), row["ratio"])
+    if not costs:
+        raise UserError(f"the cost curve has no width {width} (block size {block_size} + 2) to make a table of")
+    return {
+        "block_size": block_size,
+        "costs": {str(b): round(c, 4) for b, c in sorted(costs.items())},
+        "measured_on": {key: report[key] for key in ("device", "threads", "repeats")},
+    }
 
 
-def limit_batch_sizes(max_batch: int) -> tuple[int, ...]:
-    """The batch sizes a mask batch limit is measured at: the powers of two below ``max_batch``, and it."""
-    return tuple(sorted({*(2**i for i in range(max_batch.bit_length())), max_batch}))
+def save_cost_table(directory: str | Path, table: dict) -> Path:
+    path = Path(directory) / COST_TABLE
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    return path
 
 
-def measured_mask_limit(model, block_size: int, max_batch: int, workload: tuple = ()) -> MaskBatchLimit:
-    """``mask_batch_limit="auto"``: the model's :class:`MaskBatchLimit` for this block size, the
-    batch sizes of :func:`limit_batch_sizes` and ``workload``, made the first time and kept on the
-    model for the next call; over a masked step timed against a one-token step at each of those
-    batch sizes, once per model, block size and batch sizes."""
-    sizes = limit_batch_sizes(max_batch)
-    measured = vars(model).setdefault(STEP_COSTS_ATTR, {})
-    if (block_size, sizes) not in measured:
-        costs = masked_step_costs(model, block_size, sizes)
-        measured[block_size, sizes] = costs
-        log.info(
-            "mask batch limit auto: masked step cost %s; limit %d",
-            ", ".join(f"{b}: {c:.2f}x" for b, c in costs.items()),
-            MaskBatchLimit(costs).limit,
-        )
-    limits = vars(model).setdefault(LIMITS_ATTR, {})
-    key = (block_size, sizes, *workload)
-    if key not in limits:
-        limits[key] = MaskBatchLimit(measured[block_size, sizes], most=2 * block_size + 1)
-    return limits[key]
+def read_cost_table(model, block_size: int) -> tuple[dict[int, float], str] | None:
+    """``(costs per batch size, the file)`` saved beside ``model``'s checkpoint for ``block_size``,
+    or None where there is none (a hub id, no ``--save`` yet, another block size)."""
+    path = Path(str(getattr(model, "name_or_path", "") or "")) / COST_TABLE
+    if not path.is_file():
+        return None
+    try:
+        table = json.loads(path.read_text())
+        costs = {int(b): float(c) for b, c in table["costs"].items()}
+        saved_for = table["block_size"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UserError(
+            f"{path}: not a cost table ({exc.__class__.__name__}); remake it with marslm bench --cost-curve --save"
+        ) from None
+    if not costs or any(b < 1 or not math.isfinite(c) or c <= 0 for b, c in costs.items()):
+        raise UserError(f"{path}: a cost table needs batch sizes >= 1 and finite costs > 0")
+    if saved_for != block_size:
+        return None
+    return costs, str(path)
 
 
 # Above the limit a step still reads masks now and then (a probe, MaskBatchLimit.probe_wait), so that
@@ -170,8 +177,16 @@ class MaskBatchLimit:
     step can give a row (2B + 1: its drafts, the AR token and a group of masks) would not pay for it.
     """
 
-    def __init__(self, step_cost: dict[int, float], prior: float = 1.5, weight: float = 0.05, most: float = math.inf):
+    def __init__(
+        self,
+        step_cost: dict[int, float],
+        prior: float = 1.5,
+        weight: float = 0.05,
+        most: float = math.inf,
+        source: str | None = None,
+    ):
         self.step_cost = dict(sorted(step_cost.items()))
+        self.source = source  # the cost table's file, named in the output's stats
         self.most = most
         self.bought = prior
         self.weight = weight

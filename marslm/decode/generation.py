@@ -8,7 +8,7 @@ from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
 from .batch import DecodeBatch
 from .block_cache import BlockCachedBatch
-from .costs import MaskBatchLimit, measured_mask_limit
+from .costs import MaskBatchLimit, read_cost_table
 from .params import MAX_DRAFT_TOKENS, DecoderOptions, DecodingParams  # noqa: F401 - MAX_DRAFT_TOKENS: the CLI's
 from .rows import BatchStats, FinishedRow
 from .text import TextStream
@@ -191,20 +191,25 @@ def _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_
         batch = BlockCachedBatch(model, block_cache_size=decoder.block_cache_size, **common)
         return batch, run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
     batch = DecodeBatch.with_options(model, decoder, **common)
-    mask_limit = _auto_mask_limit(model, params, decoder, batch_size or len(prompt_ids))
+    mask_limit = _auto_mask_limit(model, params, decoder)
+    batch.stats.cost_table = None if mask_limit is None else mask_limit.source
     seed = params.seed
     per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompt_ids))]
     return batch, run_to_completion(batch, prompt_ids, per_prompt, batch_size, streams, on_finish, mask_limit)
 
 
-def _auto_mask_limit(model, params: DecodingParams, decoder: DecoderOptions, max_batch: int):
-    """``mask_batch_limit="auto"``'s :class:`MaskBatchLimit` for up to ``max_batch`` rows, its step
-    costs timed once per model (costs.py), kept for the next call with these settings; None for a
-    fixed limit or where no step reads masks."""
+def _auto_mask_limit(model, params: DecodingParams, decoder: DecoderOptions) -> MaskBatchLimit | None:
+    """``mask_batch_limit="auto"``'s :class:`MaskBatchLimit`, fresh for this call, over the cost
+    table saved beside the checkpoint (costs.py); None for a fixed limit, where no step reads
+    masks, or where no table was saved. Nothing is timed and nothing is kept on the model: the
+    text is the model's, the inputs' and the settings' alone."""
     if decoder.mask_batch_limit != "auto" or params.one_token:
         return None
-    workload = (params.mode, params.tau, params.metric, params.temperature, decoder.draft_groups)
-    return measured_mask_limit(model, params.block_size, max_batch, workload)
+    table = read_cost_table(model, params.block_size)
+    if table is None:
+        return None
+    costs, path = table
+    return MaskBatchLimit(costs, most=2 * params.block_size + 1, source=path)
 
 
 def _result(tokenizer, rows: list[FinishedRow], streams: dict, stats: BatchStats) -> GenerationResult:

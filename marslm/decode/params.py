@@ -36,10 +36,10 @@ MIN_TEMPERATURE = 1e-5
 # every token, as 0 does (and stays within the decoder's 64-bit integers).
 MAX_VOCAB = 2**32
 # The decoder's fallback where masks do not pay (rules.py, costs.py): rows rest from masks they keep
-# refusing, and no row reads masks at batch sizes where a masked step costs more than it buys on this
-# machine. The paper's sampler reads every mask at every step (adaptive_width=False,
-# mask_batch_limit=None); the fallback changes the text at tau < 1, and with "auto" that text
-# depends on what this machine measures, so the paper's rule is the one to reproduce text with.
+# refusing, and no row reads masks at batch sizes where a masked step costs more than it buys by the
+# checkpoint's saved cost table. The paper's sampler reads every mask at every step
+# (adaptive_width=False, mask_batch_limit=None); the fallback changes the text at tau < 1, but only
+# as a function of the model, the inputs, the settings and that table: never of a clock.
 ADAPTIVE_WIDTH = True
 MASK_BATCH_LIMIT = "auto"
 PAPER_RULE = {"adaptive_width": False, "mask_batch_limit": None}  # DecoderOptions' fields: every mask, every step
@@ -216,9 +216,9 @@ class DecoderOptions:
     mask_batch_limit: int | str | None = setting(
         MASK_BATCH_LIMIT,
         "while more rows than this decode together, none reads masks: plain AR steps; auto (the default): "
-        "time a masked step against a one-token step once per model and read masks at the batch sizes where "
-        "what they buy exceeds what they cost, trying them once in 16 steps where they pay at none (text at "
-        "tau < 1 then depends on this machine's timings); off: no limit",
+        "read masks at the batch sizes where what they buy exceeds what they cost by the cost table "
+        "`marslm bench --cost-curve --save` keeps beside the checkpoint (no table: no limit), trying them "
+        "once in 16 steps where they pay at none; off: no limit. Nothing is timed while decoding",
         parse=int_or_auto,
         metavar="N|auto|off",
     )

@@ -46,6 +46,7 @@ class BatchStats:
     masked_row_steps: int = 0
     masked_row_tokens: int = 0
     drafter_forwards: int = 0  # a separate draft model's calls (draft_model.py); forwards counts the target's
+    cost_table: str | None = None  # the file mask_batch_limit="auto" read its step costs from (costs.py)
 
 
 @dataclass

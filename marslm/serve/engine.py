@@ -44,12 +44,13 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import replace
 
 import torch
 
 from ..chat import stop_token_ids
 from ..decode import DecodeBatch, DecoderOptions, DecodingParams, TextStream
-from ..decode.costs import MaskBatchLimit, measured_mask_limit
+from ..decode.costs import MaskBatchLimit, read_cost_table
 from ..errors import UserError
 from .config import ServeConfig
 from .drafting import DraftedBatch, check_drafted_request, served_drafter
@@ -159,8 +160,8 @@ class Engine:
         if warmup:  # first-call work (allocator, kernels) happens here, not in a user's latency
             _warm_up(self._new_batch(), self._batch_facts["pad_id"], self.limits.trained_block_size)
         if self.config.mask_batch_limit == "auto" and self.mask_limit is None and self.draft_decoder is None:
-            self.mask_limit = measured_mask_limit(self.model, self.limits.trained_block_size, self.max_batch)
-            self._batch.mask_batch_limit = self.mask_limit.limit
+            self.mask_limit = _load_policy(self.model, self.limits.trained_block_size)
+            self._batch.mask_batch_limit = None if self.mask_limit is None else self.mask_limit.limit
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="marslm-engine", daemon=True)
         self._thread.start()
@@ -357,7 +358,7 @@ class Engine:
                 by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, rest))
             if r.first_token is None:
                 r.first_token = now
-            result = r.finished(row)
+            result = replace(r.finished(row), mask_batch_limit=self.config.mask_batch_limit)
             by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, result))
             done.append((r, result))
         with self._lock:
@@ -413,3 +414,18 @@ def _warm_up(batch: DecodeBatch, pad_id: int, block_size: int | None) -> None:
     batch.add([[pad_id] * 4], [warm], ["warmup"])
     while len(batch):
         batch.step()
+
+
+def _load_policy(model, block_size: int) -> MaskBatchLimit | None:
+    """``--mask-batch-limit auto``: a limit over the cost table saved beside the checkpoint, which
+    the batch's size then moves (a load policy); None, with a warning, where there is no table."""
+    table = read_cost_table(model, block_size)
+    if table is None:
+        log.warning(
+            "--mask-batch-limit auto: no cost table beside the checkpoint, so no limit "
+            "(make one with marslm bench --cost-curve --save)"
+        )
+        return None
+    costs, path = table
+    log.info("mask batch limit auto: the step costs of %s", path)
+    return MaskBatchLimit(costs, most=2 * block_size + 1, source=path)

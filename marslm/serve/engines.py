@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import import_module
 
-from ..decode.params import MASK_BATCH_LIMIT
 from ..errors import UserError
 
 
@@ -40,7 +39,7 @@ class Engine:
         if config.threads is not None:
             found.append(f"--threads is marslm's engine; {self.name} sets its own threads")
         # marslm's engine may rest masks; the plugins read every mask at every step (the paper's rule)
-        if config.mask_batch_limit not in (None, MASK_BATCH_LIMIT):
+        if config.mask_batch_limit is not None:
             found.append(
                 f"--mask-batch-limit is marslm's engine; the {self.name} plugin reads masks at every batch size"
             )

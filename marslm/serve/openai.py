@@ -198,6 +198,9 @@ def usage(result: Result) -> dict:
         "total_tokens": result.prompt_tokens + result.completion_tokens,
         "forwards": result.forwards,
         "tokens_per_forward": round(result.tokens_per_forward, 4),
+        # what it was decoded under: its tau (None in lossless mode) and the load policy over masks
+        "tau": result.tau,
+        "mask_batch_limit": result.mask_batch_limit,
     }
 
 

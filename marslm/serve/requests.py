@@ -47,6 +47,9 @@ class Result:
     accepted_per_step: list[int]  # tokens accepted in each forward the request took part in
     tau: float | None  # the row's tau when it finished (None: lossless)
     text: str | None = None  # set when a stop string ended it: the text before the stop string
+    # the server's load policy over masks (--mask-batch-limit): None (off, the text follows the
+    # request alone), a batch size, or "auto"; with one on, the text at tau < 1 follows the load
+    mask_batch_limit: int | str | None = None
 
     @property
     def completion_tokens(self) -> int:

@@ -2,8 +2,6 @@
 
 import math
 
-import torch
-
 from marslm.decode.costs import PRIOR_WEIGHT, PROBE_EVERY, PROBE_SHARE, PROBE_STEPS, MaskBatchLimit
 from marslm.decode.rows import BatchStats
 
@@ -165,42 +163,3 @@ def test_a_probe_that_observes_nothing_ends_and_the_wait_starts_over():
         limit.step(batch)
     probes = [i for i, b in enumerate(batch.limits) if b == 8]
     assert probes == [0, 1, PROBE_EVERY + 2, PROBE_EVERY + 3]
-
-
-def test_a_models_limit_is_kept_for_its_next_call(monkeypatch):
-    """A loop of short generate() calls does not relearn from the prior in each: the same model, key
-    and workload get the same limit; another workload gets its own over the same step costs, timed
-    once per model and block size."""
-    from marslm.decode import costs
-
-    timed = []
-    monkeypatch.setattr(costs, "masked_step_costs", lambda model, n_masks, sizes, **_: timed.append(1) or {1: 1.3})
-    model, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
-    first = costs.measured_mask_limit(model, 4, 1, ("hybrid", 0.9))
-    assert first.bought == 1.5
-    first.observe(rows=1, tokens=1)
-    assert costs.measured_mask_limit(model, 4, 1, ("hybrid", 0.9)) is first and len(timed) == 1
-    assert costs.measured_mask_limit(model, 4, 1, ("threshold", 0.9)).bought == 1.5 and len(timed) == 1
-    assert costs.measured_mask_limit(model, 3, 1).bought == costs.measured_mask_limit(other, 4, 1).bought == 1.5
-    assert len(timed) == 3
-
-
-def test_a_loop_of_short_calls_probes_as_one_long_call_does(monkeypatch):
-    """Each generate() call goes on with the limit the model kept: the steps waited for a probe go
-    on from call to call, so calls of a few steps, where masks do not pay, do not each start with
-    a probe (the wait restarting in every call would make most of their masked steps probes)."""
-    from marslm.decode import costs
-
-    monkeypatch.setattr(costs, "masked_step_costs", lambda model, n_masks, sizes, **_: {b: 1.3 for b in sizes})
-    model = torch.nn.Linear(1, 1)
-    one_call, batch = costs.measured_mask_limit(torch.nn.Linear(1, 1), 4, 1), _Batch(accept=1)
-    for _ in range(6 * PROBE_EVERY):
-        one_call.step(batch)
-    long_call = batch.limits
-    short_calls = []
-    for _ in range(12):
-        limit, batch = costs.measured_mask_limit(model, 4, 1), _Batch(accept=1)
-        for _ in range(PROBE_EVERY // 2):
-            limit.step(batch)
-        short_calls += batch.limits
-    assert short_calls == long_call and sum(short_calls) < len(short_calls) / 4

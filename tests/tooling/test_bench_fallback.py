@@ -68,26 +68,33 @@ def test_the_fallback_options_reach_every_contender_but_the_block_cache():
         BenchConfig(model="m", ar_model="a", mask_batch_limit="never")
 
 
-def test_an_auto_limit_is_timed_in_the_warm_up_not_in_the_repeats(trained_dirs, tmp_path, monkeypatch):
-    """Once per model and batch size, whatever the taus, repeats and chunks: the last chunk of 3
-    prompts at batch 2 is shorter than the warm-up's, and still reads the warm-up's timing."""
-    timed = []
-    real = costs.masked_step_costs
+def test_the_cost_curve_saves_the_table_an_auto_limit_decodes_by(trained_dirs, tmp_path):
+    """``bench --cost-curve --save`` leaves the checkpoint's cost table; decoding under ``auto``
+    then names it in its stats, and a bench of the auto contender runs over it."""
+    import shutil
 
-    def counting(model, n_masks, batch_sizes):
-        timed.append(tuple(batch_sizes))
-        return real(model, n_masks, batch_sizes)
+    from marslm.decode import generate
+    from marslm.modeling import load_model
 
-    monkeypatch.setattr(costs, "masked_step_costs", counting)
     root, out = trained_dirs["dir"], tmp_path / "bench.json"
-    argv = ["bench", "--model", root / "mars", "--ar-model", root / "ar", "--contenders", "cursor-auto"]
-    argv += ["--taus", "0.9,0.8", "--n", 3, "--repeats", 2, "--batch-sizes", "2,1", "--max-new-tokens", 6]
+    mars = tmp_path / "mars"
+    shutil.copytree(root / "mars", mars)
+    argv = ["bench", "--cost-curve", "--save", "--model", mars, "--contexts", 16, "--repeats", 1]
+    assert main([str(a) for a in argv + ["--batch-sizes", "1,2", "--quiet"]]) == 0
+    table = json.loads((mars / costs.COST_TABLE).read_text())
+    assert set(table["costs"]) == {"1", "2"} and all(c > 0 for c in table["costs"].values())
+    model, tokenizer, _ = load_model(str(mars))
+    decoded = generate(model, tokenizer, [[5, 6, 7]], tau=0.8, max_new_tokens=4, mask_batch_limit="auto")
+    assert decoded.stats.cost_table == str(mars / costs.COST_TABLE)
+    argv = ["bench", "--model", mars, "--ar-model", root / "ar", "--contenders", "cursor-auto"]
+    argv += ["--taus", "0.9", "--n", 3, "--repeats", 1, "--batch-sizes", "2", "--max-new-tokens", 6]
     assert main([str(a) for a in argv + ["--json", out, "--quiet"]]) == 0
-    assert timed == [(1, 2), (1,)]
     rows = json.loads(out.read_text())["rows"]
-    assert {r["contender"] for r in rows} == {
-        "HF generate (AR ckpt)",
-        "MARS cursor tau=0.9",
-        "MARS cursor tau=0.8",
-    }
-    assert all(r["tokens_per_forward"] >= 1.0 for r in rows)
+    assert {r["contender"] for r in rows} == {"HF generate (AR ckpt)", "MARS cursor tau=0.9"}
+
+
+def test_save_needs_the_cost_curve_and_a_local_checkpoint():
+    with pytest.raises(UserError, match="--save goes with --cost-curve"):
+        BenchConfig(model="m", ar_model="a", save=True)
+    with pytest.raises(UserError, match="beside a local checkpoint"):
+        BenchConfig(model="org/hub-id", cost_curve=True, save=True)
