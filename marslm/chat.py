@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import UserError
+from .mars_json import MASK_TOKEN
 
 IGNORE = -100
 
@@ -68,8 +69,11 @@ def _unicode(text: str) -> str:
 
 
 def _special_tokens(tokenizer) -> set[str]:
+    """Every control token's spelling, the mask token's always: masks are the decoder's to place (an
+    exact checkpoint's adapter acts at them), so no text becomes one, special in the tokenizer or not."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return set(tokenizer.all_special_tokens) | {t.content for t in added.values() if getattr(t, "special", False)}
+    special = {t.content for t in added.values() if getattr(t, "special", False)}
+    return set(tokenizer.all_special_tokens) | special | {MASK_TOKEN}
 
 
 def _tokenize(tokenizer, messages: list[dict], add_generation_prompt: bool, offsets: bool = False):
@@ -119,9 +123,21 @@ def encode_prompt(tokenizer, prompt, apply_chat_template: bool = True) -> list[i
         if not prompt:
             raise UserError("empty prompt")
         if not apply_chat_template:
-            return tokenizer(_unicode(prompt), add_special_tokens=False)["input_ids"]
+            return _raw_text_ids(tokenizer, prompt)
         prompt = [{"role": "user", "content": prompt}]
     return _tokenize(tokenizer, list(prompt), add_generation_prompt=True)[1]["input_ids"]
+
+
+def _raw_text_ids(tokenizer, text: str) -> list[int]:
+    """A raw prompt's tokens, its control tokens parsed as such (a raw prompt may write its own
+    template) except the mask token, whose spelling stays text."""
+    pieces = re.split(f"({re.escape(MASK_TOKEN)})", _unicode(text))
+    return [
+        t
+        for piece in pieces
+        if piece
+        for t in tokenizer(piece, add_special_tokens=False, split_special_tokens=piece == MASK_TOKEN)["input_ids"]
+    ]
 
 
 def encode_conversation(

@@ -153,6 +153,7 @@ def generate(
     prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     for ids in prompt_ids:
         params.check_prompt(len(ids), model_context(model))
+        params.check_prompt_ids(ids, facts.mask_token_id)
     streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
     drafting = None if drafter is None else (drafter, num_draft_tokens, facts.mask_token_id)
     batch, rows = _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting)

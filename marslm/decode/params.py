@@ -169,6 +169,19 @@ class DecodingParams:
                 "tau",
             )
 
+    @staticmethod
+    def check_prompt_ids(prompt_ids, mask_token_id: int | None) -> None:
+        """A prompt holds no mask token: where masks go is the decoder's to say (an exact checkpoint's
+        adapter acts at them, and a mask in a prompt would switch it on at a clean position)."""
+        if mask_token_id is not None and mask_token_id in prompt_ids:
+            at = list(prompt_ids).index(mask_token_id)
+            raise ParamError(
+                f"the prompt holds the mask token's id {mask_token_id} (at token {at}): masks are placed by the "
+                "decoder, never read from a prompt",
+                "prompt",
+                "mask_token_in_prompt",
+            )
+
     def check_prompt(self, prompt_tokens: int, context: int | None) -> None:
         """The prompt and the longest answer fit the model's context, as the server requires."""
         if context is None:

@@ -187,6 +187,7 @@ class Engine:
         """Check a request (:func:`~marslm.serve.requests.request_params`) against the model, with
         its defaults filled in (tau None: it follows the default); raises ``ParamError`` naming the field."""
         settings = self.limits.resolve(prompt_ids, params, self.controller.tau)
+        settings.check_prompt_ids(prompt_ids, self._batch_facts["mask_token_id"])
         if self.draft_decoder is not None:
             check_drafted_request(settings)
         return settings
