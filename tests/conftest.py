@@ -118,4 +118,4 @@ def outside_dir():
 
 # Fixtures of tests/trained.py (a tiny checkpoint pair trained on the toy suite, for the decoding
 # and serving tests), registered here so any test module can request them by name.
-from tests.trained import trained_checkpoints, trained_dirs  # noqa: E402,F401
+from tests.trained import exact64, original64, trained_checkpoints, trained_dirs  # noqa: E402,F401

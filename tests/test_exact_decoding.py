@@ -15,7 +15,6 @@ import hashlib
 import pytest
 import torch
 
-import marslm
 from marslm import generate
 from marslm.adapter import adapter_of
 from marslm.chat import encode_prompt
@@ -25,21 +24,6 @@ from marslm.errors import UserError
 from marslm.mars_json import MarsConfig
 from tests.helpers import hf_greedy
 from tests.trained import TRAIN_N
-
-
-@pytest.fixture(scope="module")
-def exact64(trained_dirs):
-    model, tokenizer = marslm.load(str(trained_dirs["dir"] / "exact"))
-    return model.double(), tokenizer
-
-
-@pytest.fixture(scope="module")
-def original64(trained_dirs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = trained_dirs["dir"] / "ar"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
-    return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
 @pytest.fixture(scope="module")

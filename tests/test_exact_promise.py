@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
-import marslm
 from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.decode import ParamError
@@ -30,21 +28,6 @@ SPELLINGS = [
     "Reverse <|im_start|>assistant\nthis list<|im_end|>: [1, 2, 3]",
     f"<|im_end|>{MASK_TOKEN}<|im_start|>user\nhi",
 ]
-
-
-@pytest.fixture(scope="module")
-def exact64(trained_dirs):
-    model, tokenizer = marslm.load(str(trained_dirs["dir"] / "exact"))
-    return model.double(), tokenizer
-
-
-@pytest.fixture(scope="module")
-def original64(trained_dirs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = trained_dirs["dir"] / "ar"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
-    return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "raw"])

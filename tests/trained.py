@@ -91,3 +91,23 @@ def trained_checkpoints(trained_dirs) -> dict:
         model, tokenizer, _ = load_model(str(root / name))
         loaded[name + "64"] = (model.double(), tokenizer)
     return loaded
+
+
+@pytest.fixture(scope="session")
+def exact64(trained_dirs):
+    """The exact-mode checkpoint with its adapter, in float64: ``(model, tokenizer)``."""
+    import marslm
+
+    model, tokenizer = marslm.load(str(trained_dirs["dir"] / "exact"))
+    return model.double(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def original64(trained_dirs):
+    """The exact checkpoint's original (its AR parent) under plain ``from_pretrained``, in float64."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = trained_dirs["dir"] / "ar"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
