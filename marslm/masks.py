@@ -43,13 +43,19 @@ def _visible(q_pos, k_pos, q_stream, k_stream, q_seg, k_seg, q_phase, block_size
     A stream is 0 for the clean one and s >= 1 for the s-th noisy copy (a bool: one copy); a
     noisy copy counts its blocks from its own phase, ``blk(p) = (p + phase) // B``, so each copy
     puts every token at another offset inside its block. Copies never see each other.
+
+    Blocks are compared through the position where the query's block starts (in its copy's
+    phase), a per-query number: ``blk(k) < blk(q)`` is ``k < start(q)``, and inside the block
+    and causal is ``start(q) <= k <= q``. So every per-pair tensor is a boolean; no integer
+    block index is computed for each (query, key) pair (that cost 8 bytes a pair, issue 50).
     """
-    causal = k_pos <= q_pos
     q_noisy, k_noisy = q_stream > 0, k_stream > 0
-    q_blk, k_blk = (q_pos + q_phase) // block_size, (k_pos + q_phase) // block_size
+    q_start = (q_pos + q_phase) // block_size * block_size - q_phase
+    causal = k_pos <= q_pos
+    before_block = k_pos < q_start
     clean_to_clean = ~q_noisy & ~k_noisy & causal
-    noisy_to_noisy = q_noisy & (k_stream == q_stream) & (k_blk == q_blk) & causal
-    noisy_to_clean = q_noisy & ~k_noisy & (k_blk < q_blk)
+    noisy_to_noisy = q_noisy & (k_stream == q_stream) & ~before_block & causal
+    noisy_to_clean = q_noisy & ~k_noisy & before_block
     return (clean_to_clean | noisy_to_noisy | noisy_to_clean) & (q_seg == k_seg)
 
 
@@ -136,11 +142,31 @@ def training_mask(
 ):
     """The training mask in the form the model's attention back-end takes: a ``BlockMask`` for
     FlexAttention, else the dense mask through :func:`for_attention`; for the queries from column
-    ``first_query`` on (a forward that feeds only those, over a cache of the columns before)."""
-    if attention_implementation(model) == "flex_attention":
+    ``first_query`` on (a forward that feeds only those, over a cache of the columns before).
+
+    sdpa gets the additive form, built once here in the dtype its queries will have: handed a
+    boolean mask, torch turns it into that same additive mask at every call, which is every layer,
+    and keeps each layer's copy for the backward (4 bytes a pair per layer; issue 50)."""
+    impl = attention_implementation(model)
+    if impl == "flex_attention":
         return two_stream_block_mask(position_ids, segment_ids, streams, block_size, phases, first_query)
-    dense = packed_two_stream_mask(position_ids, segment_ids, streams, block_size, phases)
-    return for_attention(dense[:, :, first_query:], model)
+    dense = packed_two_stream_mask(position_ids, segment_ids, streams, block_size, phases)[:, :, first_query:]
+    if impl == "sdpa":
+        return additive_mask(dense, _attention_dtype(model, dense.device))
+    return for_attention(dense, model)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the scores' addend: 0 where True, the dtype's lowest
+    value elsewhere (what eager needs, and what sdpa makes of a boolean mask at each call)."""
+    return torch.full(mask.shape, torch.finfo(dtype).min, dtype=dtype, device=mask.device).masked_fill_(mask, 0)
+
+
+def _attention_dtype(model, device: torch.device) -> torch.dtype:
+    """The dtype attention computes in: autocast's where it is on (mixed precision), else the model's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return unwrap_model(model).dtype
 
 
 def _check_block_size(block_size: int) -> None:
@@ -241,9 +267,7 @@ def for_attention(mask: torch.Tensor, model, dtype: torch.dtype | None = None) -
     if impl == "sdpa":
         return mask
     if impl == "eager":
-        dtype = dtype or unwrap_model(model).dtype
-        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        return additive.masked_fill_(~mask, torch.finfo(dtype).min)
+        return additive_mask(mask, dtype or unwrap_model(model).dtype)
     raise UserError(
         f"attention implementation {impl!r} cannot take MARS's structured mask; "
         "load the model with attn_implementation='sdpa' (or 'eager')"
