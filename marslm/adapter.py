@@ -26,44 +26,21 @@ from __future__ import annotations
 import math
 import shutil
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .adapter_proof import base_fingerprints, check_base, check_tensors, read_tensors
 from .errors import UserError
+from .mars_json import ADAPTER_FILENAME, AdapterSpec
 from .unwrap import unwrap_model
 
-FILENAME = "mars_adapter.safetensors"
+FILENAME = ADAPTER_FILENAME
 # Where the adapter lives on the model it is attached to: a submodule, so that the optimizer, the
 # Trainer's checkpoints, ``.to(device)`` and ``.to(dtype)`` all see its parameters.
 ATTRIBUTE = "mars_adapter"
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    """The shape of an adapter; saved in ``marslm.json`` as the ``adapter`` entry."""
-
-    mask_token_id: int
-    hidden_size: int
-    rows: int  # mask embedding rows: 1 (shared) or B (one per offset inside a block)
-    rank: int  # LoRA rank; 0 trains the mask rows alone
-    alpha: float  # LoRA scale alpha / rank
-    targets: tuple[str, ...]  # the gated Linears, by their names in the model
-
-    @classmethod
-    def from_dict(cls, raw: dict, where: str) -> AdapterSpec:
-        try:
-            spec = cls(**{**raw, "targets": tuple(raw["targets"])})
-        except (TypeError, KeyError) as exc:
-            raise UserError(f"{where}: the adapter entry is not valid ({exc})") from None
-        if spec.rows < 1 or spec.rank < 0 or spec.hidden_size < 1 or spec.mask_token_id < 0:
-            raise UserError(f"{where}: the adapter entry is not valid: {raw}")
-        return spec
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "targets": list(self.targets)}
 
 
 def linear_targets(model, modules: list[str] | None = None) -> tuple[str, ...]:
@@ -141,7 +118,9 @@ class MaskAdapter(nn.Module):
         targets = linear_targets(inner, modules) if rank else ()
         modules = dict(inner.named_modules())
         shapes = {name: (modules[name].in_features, modules[name].out_features) for name in targets}
-        spec = AdapterSpec(mask_token_id, embedding.shape[1], rows, rank, float(alpha or rank or 1), targets)
+        spec = AdapterSpec(
+            mask_token_id, embedding.shape[1], rows, rank, float(alpha or rank or 1), targets, base_fingerprints(inner)
+        )
         adapter = cls(spec, shapes)
         with torch.no_grad():
             start = embedding[mask_token_id] if mask_token_id < len(embedding) else embedding.mean(dim=0)
@@ -338,12 +317,10 @@ MARSLM_FILES = ("marslm.json", FILENAME, "training_log.json")
 
 
 def load(spec: AdapterSpec, directory: str | Path, model) -> MaskAdapter:
-    """The adapter saved in ``directory``, attached to ``model``, in the model's dtype and device."""
-    from safetensors.torch import load_file
-
+    """The adapter saved in ``directory``, attached to ``model``, in the model's dtype and device;
+    proved first: its file parses, holds the spec's tensors with only finite values, and the model
+    is the one it was trained on (:func:`base_fingerprint`)."""
     path = Path(directory, FILENAME)
-    if not path.is_file():
-        raise UserError(f"{directory}: marslm.json describes an adapter, but {FILENAME} is missing")
     inner = unwrap_model(model)
     modules = dict(inner.named_modules())
     missing = [name for name in spec.targets if name not in modules]
@@ -351,10 +328,10 @@ def load(spec: AdapterSpec, directory: str | Path, model) -> MaskAdapter:
         raise UserError(f"{directory}: the adapter gates {missing[0]}, which the model does not have")
     shapes = {name: (modules[name].in_features, modules[name].out_features) for name in spec.targets}
     adapter = MaskAdapter(spec, shapes)
-    try:
-        adapter.load_state_dict(load_file(str(path)))
-    except (RuntimeError, OSError) as exc:
-        raise UserError(f"{path}: {str(exc).strip().splitlines()[0]}") from None
+    tensors = read_tensors(path)
+    check_tensors(tensors, adapter.state_dict(), path)
+    check_base(spec, inner, directory)
+    adapter.load_state_dict(tensors)
     weight = inner.get_input_embeddings().weight
     adapter.to(device=weight.device, dtype=weight.dtype)
     adapter.attach(inner)

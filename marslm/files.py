@@ -85,6 +85,17 @@ def _parent_is_a_directory(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: {existing} is a file, not a directory")
     if existing is not None and not path.exists() and not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path}: cannot create it, {existing} is not writable")
+    if existing is not None and not path.exists():
+        _try_creating_in(existing, path, flag)
+
+
+def _try_creating_in(directory: Path, path: Path, flag: str) -> None:
+    """``os.access`` answers yes to root wherever the mode bits allow, also in /proc and /sys, where
+    nothing can be created: only trying tells (a directory made and removed at once)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".marslm-probe-", dir=directory))
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot create it in {directory} ({exc.strerror or exc})") from None
 
 
 # The longest file name (one path component) POSIX file systems take, in bytes.

@@ -15,7 +15,7 @@ import torch
 
 from .errors import UserError
 from .mars_json import FILENAME as CONFIG_FILENAME
-from .mars_json import MASK_TOKEN, MarsConfig
+from .mars_json import MASK_TOKEN, AdapterSpec, MarsConfig, ModelLimits
 from .unwrap import unwrap_model
 
 log = logging.getLogger("marslm")
@@ -25,12 +25,26 @@ def _looks_like_hub_id(name: str) -> bool:
     return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not os.path.exists(name)
 
 
+# The files from_pretrained reads a PyTorch model's weights from (one, or an index of shards).
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
 def check_model_source(name_or_path: str) -> None:
     """Fail early, in one line, on a path that is not a model (before any heavy import work)."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UserError(f"{name_or_path} is not a Hugging Face model directory (no config.json)")
+        if not any((path / name).is_file() for name in WEIGHT_FILES):
+            raise UserError(
+                f"{name_or_path} is not a checkpoint: it has a config.json but no weights ({WEIGHT_FILES[0]} "
+                f"or {WEIGHT_FILES[2]})"
+            )
     elif not _looks_like_hub_id(name_or_path):
         raise UserError(f"model not found: {name_or_path}")
 
@@ -62,17 +76,9 @@ def load_model(
             MASK_TOKEN,
         )
     elif mars_config.exact:
-        from .adapter import AdapterSpec
         from .adapter import load as load_adapter
 
         load_adapter(AdapterSpec.from_dict(mars_config.adapter, name_or_path), name_or_path, model)
-    elif mars_config.mask_token_id is not None:
-        rows = model.get_input_embeddings().weight.shape[0]
-        if mars_config.mask_token_id >= rows:
-            raise UserError(
-                f"{name_or_path}: {CONFIG_FILENAME} names mask_token_id {mars_config.mask_token_id}, "
-                f"outside the model's vocabulary (0..{rows - 1})"
-            )
     if device is not None:
         model.to(device)
     model.eval()
@@ -141,8 +147,29 @@ class CheckpointFacts:
 
 
 def saved_config(name_or_path: str) -> MarsConfig | None:
-    """A checkpoint directory's ``marslm.json`` (None: a hub id, or a checkpoint marslm did not write)."""
-    return MarsConfig.load(name_or_path) if Path(name_or_path).is_dir() else None
+    """A checkpoint directory's ``marslm.json`` (None: a hub id, or a checkpoint marslm did not write),
+    checked against the model's own config before anything it sizes is built."""
+    if not Path(name_or_path).is_dir():
+        return None
+    has_record = Path(name_or_path, CONFIG_FILENAME).is_file()
+    return MarsConfig.load(name_or_path, model_limits(name_or_path) if has_record else None)
+
+
+def model_limits(directory: str) -> ModelLimits | None:
+    """What a checkpoint directory's ``config.json`` bounds in its ``marslm.json`` (None: it has none)."""
+    if not Path(directory, "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    with loading_errors(directory):
+        config = AutoConfig.from_pretrained(directory)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def read(name: str) -> int | None:
+        value = getattr(text, name, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    return ModelLimits(read("vocab_size"), read("hidden_size"), read("max_position_embeddings"))
 
 
 def trained_block_size(config: MarsConfig | None) -> int:

@@ -95,7 +95,8 @@ def test_the_drafter_options_are_one_definition_for_generate_eval_and_bench(draf
     assert len(helps) == 1
     with pytest.raises(UserError, match="--num-draft-tokens must be in 1..16, got 17"):
         DraftOptions(draft_model="d", num_draft_tokens=17)
-    DraftOptions(num_draft_tokens=0)  # idle without a drafter
+    with pytest.raises(UserError, match="^--num-draft-tokens needs --draft-model$"):
+        DraftOptions(num_draft_tokens=0)  # it would do nothing without a drafter
     rc, out, _ = run_cli(
         "generate", "--model", drafter_dirs["target"], "--prompt", "What is 2 + 3?", "--tau", "1",
         "--max-new-tokens", 8, "--draft-model", drafter_dirs["drafter"], "--num-draft-tokens", 2, "--json",

@@ -98,12 +98,12 @@ def load_for_decoding(model_path: str, params, device: str = "auto", decoder=Non
     token, before the model loads, so that a refusal is the only line (loading warns about a
     checkpoint without marslm.json); a warning when an AR checkpoint is asked to accept untrained
     mask guesses."""
-    from ..mars_json import MarsConfig
     from ..modeling import (
         check_model_source,
         load_model,
         model_context,
         resolve_device,
+        saved_config,
         saved_mask_token,
         trained_block_size,
         warn_untrained_masks,
@@ -111,7 +111,7 @@ def load_for_decoding(model_path: str, params, device: str = "auto", decoder=Non
 
     params.validate()
     check_model_source(model_path)
-    config = MarsConfig.load(model_path)
+    config = saved_config(model_path)
     context = model_context(model_path)
     params = params.validate(trained_block_size(config), context)
     if decoder is not None:

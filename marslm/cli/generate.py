@@ -38,9 +38,13 @@ def run(args) -> int:
     from ..settings import from_args
     from .common import load_drafter, load_for_decoding
 
-    decoder = from_args(DecoderOptions, args)
+    decoder, params = from_args(DecoderOptions, args), from_args(DecodingParams, args)
+    if args.draft_model is not None:
+        from ..decode.draft_model import check_draft_settings
+
+        check_draft_settings(params, decoder)  # before either model loads
     drafting = load_drafter(args)
-    model, tokenizer, params = load_for_decoding(args.model, from_args(DecodingParams, args), args.device, decoder)
+    model, tokenizer, params = load_for_decoding(args.model, params, args.device, decoder)
     result = generate(
         model, tokenizer, [args.prompt], params, decoder, apply_chat_template=not args.no_chat_template, **drafting
     )

@@ -58,7 +58,8 @@ def check_drafting(drafting) -> None:
 def check_draft_settings(params: DecodingParams, decoder, *, stop_strings: bool = False) -> None:
     """Refuse the settings this loop does not run: other modes, the block cache, and stop strings
     unless the caller matches them on the text itself (``stop_strings``: the server does)."""
-    if params.mode != "threshold" or decoder.cache == "block" or (params.stop and not stop_strings):
+    # the drafted loop keeps both caches itself: another cache policy would be ignored
+    if params.mode != "threshold" or decoder.cache != "cursor" or (params.stop and not stop_strings):
         without = "" if stop_strings else ", without stop strings"
         raise UserError(f"a draft model decodes in threshold mode with the cursor cache{without}")
 
@@ -103,14 +104,16 @@ def drafter_mask_token(model, facts) -> int | None:
 def check_drafter_vocabulary(target, drafter, mask_token_id) -> None:
     """Drafts are token ids fed to the target: the drafter must mean the same tokens by them.
 
-    The drafter covers every token of the target's tokenizer but its mask token (a MARS target may
-    have added one), and has no output row the target lacks; a given drafter tokenizer must map
-    each token as the target's does (the mask token aside).
+    The drafter scores as many ids as the target, or fewer only where the target grew rows for its
+    mask token (a MARS target's, past the drafter's rows) and it still covers every token of the
+    target's tokenizer; a given drafter tokenizer must map each token as the target's does (the
+    mask token aside).
     """
     (model, tokenizer), (draft_model, draft_tokenizer) = target, drafter
     vocab = {t: i for t, i in tokenizer.get_vocab().items() if i != mask_token_id}
     needed, rows, target_rows = max(vocab.values()) + 1, output_rows(draft_model), output_rows(model)
-    if not needed <= rows <= target_rows:
+    grown_for_mask = mask_token_id is not None and rows <= mask_token_id < target_rows
+    if not (rows == target_rows or (grown_for_mask and needed <= rows)):
         raise UserError(
             f"the draft model's vocabulary ({rows} rows) differs from the target's ({needed} tokens, "
             f"{target_rows} rows); a drafter must share its tokenizer"

@@ -11,6 +11,8 @@ from ..errors import UserError
 from ..settings import check_count, flag_of, setting
 from .params import DEFAULT_DRAFT_TAU, MAX_DRAFT_TOKENS, check_draft_tau
 
+DRAFT_TOKENS = 4  # drafts per step when not told
+
 
 @dataclass(frozen=True)
 class DraftOptions:
@@ -19,7 +21,7 @@ class DraftOptions:
     draft_model: str | None = setting(
         None, "an AR or MARS model of the same vocabulary drafting for the model (checkpoint directory)", metavar="PATH"
     )
-    num_draft_tokens: int = setting(4, "drafts per step, with --draft-model", metavar="K")
+    num_draft_tokens: int = setting(DRAFT_TOKENS, "drafts per step, with --draft-model", metavar="K")
     draft_tau: float | None = setting(
         None,
         "a MARS drafter's threshold: it drafts its masks' predictions while their top-1 probability "
@@ -32,8 +34,13 @@ class DraftOptions:
 
     def validate(self) -> None:
         if self.draft_model is None:
-            if self.draft_tau is not None:
-                raise UserError(f"{flag_of(DraftOptions, 'draft_tau')} needs {flag_of(DraftOptions, 'draft_model')}")
+            # a drafter's settings without a drafter would do nothing
+            for name, idle in (
+                ("draft_tau", self.draft_tau is not None),
+                ("num_draft_tokens", self.num_draft_tokens != DRAFT_TOKENS),
+            ):
+                if idle:
+                    raise UserError(f"{flag_of(DraftOptions, name)} needs {flag_of(DraftOptions, 'draft_model')}")
             return
         check_count(flag_of(DraftOptions, "num_draft_tokens"), self.num_draft_tokens, MAX_DRAFT_TOKENS)
         if self.draft_tau is not None:

@@ -143,21 +143,31 @@ def generate(
     top-1 probability passes ``draft_tau`` (default ``DEFAULT_DRAFT_TAU``, 0.9; refused for an AR
     drafter).
     """
-    from ..modeling import model_context
 
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
     params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
     drafting = (draft_model, draft_tokenizer, num_draft_tokens, draft_tau)
     params, facts, common, drafter = _checked(model, tokenizer, params, decoder, mask_token_id, drafting)
-    prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
-    for ids in prompt_ids:
-        params.check_prompt(len(ids), model_context(model))
-        params.check_prompt_ids(ids, facts.mask_token_id)
+    prompt_ids = _encoded(model, tokenizer, prompts, params, facts, apply_chat_template)
     streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
     drafting = None if drafter is None else (drafter, num_draft_tokens, facts.mask_token_id)
     batch, rows = _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting)
     return _result(tokenizer, rows, streams, batch.stats)
+
+
+def _encoded(model, tokenizer, prompts, params: DecodingParams, facts, apply_chat_template: bool) -> list[list[int]]:
+    """Each prompt's token ids, checked: it and its answer fit the context, and where an adapter
+    acts at the mask token (exact mode), it holds none."""
+    from ..adapter import adapter_of
+    from ..modeling import model_context
+
+    gated = facts.mask_token_id if adapter_of(model) is not None else None
+    prompt_ids = [encode_prompt(tokenizer, p, apply_chat_template) for p in prompts]
+    for ids in prompt_ids:
+        params.check_prompt(len(ids), model_context(model))
+        params.check_prompt_ids(ids, gated)
+    return prompt_ids
 
 
 def _checked(model, tokenizer, params, decoder, mask_token_id, drafting):

@@ -171,8 +171,9 @@ class DecodingParams:
 
     @staticmethod
     def check_prompt_ids(prompt_ids, mask_token_id: int | None) -> None:
-        """A prompt holds no mask token: where masks go is the decoder's to say (an exact checkpoint's
-        adapter acts at them, and a mask in a prompt would switch it on at a clean position)."""
+        """A prompt holds no ``mask_token_id`` (given where an exact checkpoint's adapter acts at it: a
+        mask in a prompt would switch the adapter on at a clean position). Where masks go is the
+        decoder's to say."""
         if mask_token_id is not None and mask_token_id in prompt_ids:
             at = list(prompt_ids).index(mask_token_id)
             raise ParamError(
@@ -256,6 +257,8 @@ class DecoderOptions:
             raise UserError(
                 "the block cache decodes greedily in threshold mode, without stop strings; use cache='cursor'"
             )
+        if self.draft_groups and params.mode == "threshold":
+            raise UserError("draft_groups does nothing in threshold mode (its mask groups are lossless and hybrid's)")
 
 
 def one_token(tau: float, metric: str, mode: str = "threshold") -> bool:

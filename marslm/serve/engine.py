@@ -48,6 +48,7 @@ from dataclasses import replace
 
 import torch
 
+from ..adapter import adapter_of
 from ..chat import stop_token_ids
 from ..decode import DecodeBatch, DecoderOptions, DecodingParams, TextStream
 from ..decode.costs import MaskBatchLimit, read_cost_table
@@ -110,6 +111,8 @@ class Engine:
             adaptive_width=config.adaptive_width,
             mask_batch_limit=None if config.mask_batch_limit == "auto" else config.mask_batch_limit,
         )
+        # exact mode's adapter acts at the mask token: no prompt may hold it
+        self._gated_id = facts.mask_token_id if adapter_of(model) is not None else None
         self._batch_facts = dict(
             mask_token_id=facts.mask_token_id,
             pad_id=facts.pad_id,
@@ -187,7 +190,7 @@ class Engine:
         """Check a request (:func:`~marslm.serve.requests.request_params`) against the model, with
         its defaults filled in (tau None: it follows the default); raises ``ParamError`` naming the field."""
         settings = self.limits.resolve(prompt_ids, params, self.controller.tau)
-        settings.check_prompt_ids(prompt_ids, self._batch_facts["mask_token_id"])
+        settings.check_prompt_ids(prompt_ids, self._gated_id)
         if self.draft_decoder is not None:
             check_drafted_request(settings)
         return settings

@@ -28,6 +28,7 @@ class Engine:
     serve_with: str  # "module:function" (model, ServeConfig, extra args) -> exit code
     loadtest_with: str  # "module:function" (LoadtestConfig, log) -> (report, format_table)
     own_engine_only: bool = False  # refuses marslm's engine's settings (tau policies, drafters, limits)
+    label: str = ""  # the engine's name in a sentence
 
     def refusals(self, config) -> list[str]:
         """What this engine cannot honour among a ``ServeConfig``'s settings, one line each."""
@@ -35,17 +36,15 @@ class Engine:
             return []
         found = []
         if config.tau_policy != "fixed":
-            found.append(f"--tau-policy adaptive is marslm's engine; {self.name} serves a fixed default tau")
+            found.append(f"--tau-policy adaptive is marslm's engine; {self.label} serves a fixed default tau")
         if config.threads is not None:
-            found.append(f"--threads is marslm's engine; {self.name} sets its own threads")
+            found.append(f"--threads is marslm's engine; {self.label} sets its own threads")
         # marslm's engine may rest masks; the plugins read every mask at every step (the paper's rule)
         if config.mask_batch_limit is not None:
-            found.append(
-                f"--mask-batch-limit is marslm's engine; the {self.name} plugin reads masks at every batch size"
-            )
+            found.append(f"--mask-batch-limit is marslm's engine; {self.label} reads masks at every batch size")
         if config.drafting.draft_model is not None:
             found.append(
-                f"--draft-model is marslm's engine; {self.name}'s own draft-model speculative decoding "
+                f"--draft-model is marslm's engine; with {self.label}, its own draft-model speculative decoding "
                 "serves a separate drafter, without the MARS plugin"
             )
         return found
@@ -79,6 +78,7 @@ ENGINES: dict[str, Engine] = {
         serve_with="marslm.vllm.launch:serve_checkpoint",
         loadtest_with="marslm.bench.vllm_loadtest:loadtest",
         own_engine_only=True,
+        label="vLLM",
     ),
 }
 NAMES = tuple(ENGINES)

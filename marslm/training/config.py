@@ -42,6 +42,9 @@ COUNTS = (
 MASK_ROWS = ("per-offset", "shared")
 # Exact mode's gated-LoRA rank when --lora-rank does not say.
 EXACT_RANK = 32
+# LoRA scales its update by alpha / rank: far past any rank a model has, that scale turns the first
+# gradients into infinities (a NaN loss at step 1), not into a setting worth training
+MAX_LORA_ALPHA = 2**16
 # What stage ar has no use for: it trains no masks, so no blocks and no masked stream.
 MARS_ONLY = ("block_size", "ar_weight", "masked_weighting", "vocab_multiple")
 
@@ -320,7 +323,7 @@ class TrainConfig:
         if self.mask_only and self.stage != "mars":
             raise UserError(f"{flag('mask_only')} is for stage mars (stage ar reads no mask token)")
         if self.lora_alpha is not None:
-            check_range(flag("lora_alpha"), self.lora_alpha, low=0, low_open=True)
+            check_range(flag("lora_alpha"), self.lora_alpha, low=0, high=MAX_LORA_ALPHA, low_open=True)
         if self.lora_modules is not None and not (self.lora_modules and all(self.lora_modules)):
             raise UserError(f"{flag('lora_modules')} must name at least one Linear, got {self.lora_modules!r}")
 

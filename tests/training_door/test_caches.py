@@ -177,7 +177,7 @@ def test_a_teacher_cache_that_holds_the_wrong_thing_is_computed_again(cache, cap
     [
         ("file", "is a file; give a directory"),
         ("file/below", "is a file, not a directory"),
-        ("/proc/marslm-cache", "cannot write the cache directory"),
+        ("/proc/marslm-cache", "/proc/marslm-cache: cannot create it in /proc"),
     ],
 )
 def test_an_unusable_cache_directory_is_refused_up_front(tiny_model_dir, tmp_path, monkeypatch, setting, fragment):
