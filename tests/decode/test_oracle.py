@@ -130,8 +130,10 @@ def test_the_paper_rule_is_the_reference_sampler(setup, cache):
 
 
 def test_every_surface_takes_the_one_default(make_tiny_model, tiny_tokenizer):
-    """generate, the decoding batch, eval, bench, the server and the CLIs read their defaults from
-    ``ADAPTIVE_WIDTH`` and ``MASK_BATCH_LIMIT``: the fallback, which ``PAPER_RULE`` turns off."""
+    """generate, the decoding batch, eval, bench and their CLIs read their defaults from
+    ``ADAPTIVE_WIDTH`` and ``MASK_BATCH_LIMIT``: the fallback, which ``PAPER_RULE`` turns off. The
+    server takes adaptive width from there too; its batch limit is a load policy, off by default,
+    so that a request's text does not follow the load."""
     import inspect
 
     from marslm.bench.config import BenchConfig
@@ -147,15 +149,17 @@ def test_every_surface_takes_the_one_default(make_tiny_model, tiny_tokenizer):
         assert inspect.signature(fn).parameters["adaptive_width"].default is ADAPTIVE_WIDTH, fn
     assert inspect.signature(plan_cells).parameters["mask_batch_limit"].default == MASK_BATCH_LIMIT
     # generate's and evaluate's default decoder, eval's, bench's and the server's settings
-    for config in (DecoderOptions(), EvalConfig(models=["m"]), BenchConfig(model="m", ar_model="a"), ServeConfig()):
+    for config in (DecoderOptions(), EvalConfig(models=["m"]), BenchConfig(model="m", ar_model="a")):
         assert (config.adaptive_width, config.mask_batch_limit) == (ADAPTIVE_WIDTH, MASK_BATCH_LIMIT), config
+    assert (ServeConfig().adaptive_width, ServeConfig().mask_batch_limit) == (ADAPTIVE_WIDTH, None)
     model = make_tiny_model()
     assert Engine(model, tiny_tokenizer, ServeConfig())._batch.adaptive_width is ADAPTIVE_WIDTH  # not started
     assert Engine(model, tiny_tokenizer, ServeConfig(adaptive_width=False))._batch.adaptive_width is False
     parser = build_parser()
     for argv in (["generate", "--prompt", "x"], ["eval"], ["bench", "--ar-model", "a"], ["serve"]):
         args = parser.parse_args(argv[:1] + ["--model", "m"] + argv[1:])
-        assert (args.adaptive_width, args.mask_batch_limit) == (ADAPTIVE_WIDTH, MASK_BATCH_LIMIT), argv
+        limit = None if argv[0] == "serve" else MASK_BATCH_LIMIT
+        assert (args.adaptive_width, args.mask_batch_limit) == (ADAPTIVE_WIDTH, limit), argv
         paper = parser.parse_args(
             argv[:1] + ["--model", "m", "--no-adaptive-width", "--mask-batch-limit", "off"] + argv[1:]
         )
