@@ -128,11 +128,11 @@ def stage_loss_and_grads(model, batch: dict, stage: str, **options):
     """``(loss terms, {name: gradient})`` after one backward of a stage's loss on a collated batch
     (padded or packed; B = 4 and mask id 3 for ``mars``); ``options`` go to the loss."""
     from marslm.training.collate import TEACHER_KEYS
-    from marslm.training.objective import ar_loss, mars_loss
+    from marslm.training.objective import LossOptions, ar_loss, mars_loss
 
     extra = {k: batch[k] for k in ("position_ids", "segment_ids", *TEACHER_KEYS) if k in batch}
     if stage == "mars":
-        terms = mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=3, **extra, **options)
+        terms = mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, 3, **options), **extra)
     else:
         terms = ar_loss(model, batch["input_ids"], batch["labels"], **extra, **options)
     terms["loss"].backward()

@@ -10,7 +10,7 @@ import torch
 from marslm.adapter import MaskAdapter, mask_offsets
 from marslm.training.collate import collate, collate_packed
 from marslm.training.exact import clean_pass, exact_mars_loss
-from marslm.training.objective import Masking, mars_loss, two_stream_batch
+from marslm.training.objective import LossOptions, Masking, mars_loss, two_stream_batch
 from tests.helpers import chat_conversations
 
 
@@ -129,7 +129,9 @@ def test_offset_decay_zero_trains_only_the_first_offset(setup):
     for decay, later_rows_move in ((0.0, False), (1.0, True)):
         adapter.zero_grad(set_to_none=True)
         masking = Masking(offset_decay=decay)
-        exact_mars_loss(model, batch["input_ids"], batch["labels"], 4, mask_id, masking=masking)["loss"].backward()
+        exact_mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, mask_id, masking=masking))[
+            "loss"
+        ].backward()
         assert adapter.rows.grad[0].abs().sum() > 0
         assert bool(adapter.rows.grad[1:].abs().sum() > 0) == later_rows_move
 
@@ -142,8 +144,10 @@ def test_soft_targets_from_the_clean_stream_are_a_fixed_point(setup):
     model, adapter, mask_id, examples, tok = setup
     adapter.attach(model)
     batch = collate(examples, tok.pad_token_id, 4, tok.eos_token_id)
-    hard = exact_mars_loss(model, batch["input_ids"], batch["labels"], 4, mask_id)["loss"]
-    soft = exact_mars_loss(model, batch["input_ids"], batch["labels"], 4, mask_id, soft_masked=1.0, teacher_top_k=8)
+    hard = exact_mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, mask_id))["loss"]
+    soft = exact_mars_loss(
+        model, batch["input_ids"], batch["labels"], LossOptions(4, mask_id, soft_masked=1.0, teacher_top_k=8)
+    )
     assert torch.isfinite(soft["loss"]) and not torch.isclose(soft["loss"], hard)
 
 
@@ -161,7 +165,9 @@ def test_several_copies_average_their_losses(setup):
             return torch.full((rows, 1, 1), self.phase, dtype=torch.long)
 
     def loss(masking):
-        return exact_mars_loss(model, batch["input_ids"], batch["labels"], 4, mask_id, masking=masking)["loss"]
+        return exact_mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, mask_id, masking=masking))[
+            "loss"
+        ]
 
     one, other = AtPhase(phase=0), AtPhase(phase=1)
     with torch.no_grad():

@@ -15,7 +15,7 @@ from marslm.chat import encode_conversation, stop_token_ids
 from marslm.errors import UserError
 from marslm.modeling import count_parameters
 from marslm.training.collate import collate
-from marslm.training.objective import mars_loss
+from marslm.training.objective import LossOptions, mars_loss
 from marslm.training.surgery import ensure_mask_token, freeze_for_training
 from tests.helpers import chat_conversations
 
@@ -49,7 +49,7 @@ def test_train_layers_stops_the_backward_at_the_lowest_trained_layer(make_tiny_m
         with_kwargs=True,
     )
     batch = _mars_batch(model, tiny_tokenizer)
-    mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=mask_id)["loss"].backward()
+    mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, mask_id))["loss"].backward()
     assert seen["needs_grad"] is False  # nothing below the top layer is in the graph
     assert all(p.grad is not None for p in layers[-1].parameters())
     assert all(p.grad is None for layer in layers[:-1] for p in layer.parameters())
@@ -102,7 +102,7 @@ def test_activation_checkpointing_keeps_gradients_and_the_frozen_layers_out_of_t
         for i, layer in enumerate(layers):  # the recompute replays the layer's forward, not its hooks
             layer.mlp.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
         batch = _mars_batch(model, tiny_tokenizer)
-        loss = mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=mask_id)["loss"]
+        loss = mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, mask_id))["loss"]
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
         return loss.detach(), grads, calls

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from marslm.chat import encode_conversation
 from marslm.training.collate import collate, collate_packed
 from marslm.training.head_loss import SparseTargets, fused_cross_entropy
-from marslm.training.objective import ar_loss, mars_loss
+from marslm.training.objective import LossOptions, ar_loss, mars_loss
 from tests.helpers import assert_same_loss_and_grads, stage_loss_and_grads
 
 MASK_ID, EOS_ID, PAD_ID = 3, 2, 0
@@ -122,7 +122,9 @@ def test_target_only_logits_under_cpu_bf16_autocast(tiny_tokenizer, make_tiny_mo
     losses = []
     for target_logits in (True, False):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            terms = mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID, target_logits=target_logits)
+            terms = mars_loss(
+                model, batch["input_ids"], batch["labels"], LossOptions(4, MASK_ID, target_logits=target_logits)
+            )
         terms["loss"].backward()
         losses.append(terms["loss"].detach())
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -133,7 +135,7 @@ def test_target_only_logits_under_cpu_bf16_autocast(tiny_tokenizer, make_tiny_mo
 def test_the_output_projection_is_restored_after_the_loss(tiny_tokenizer, make_tiny_model):
     model = make_tiny_model()
     batch = collate(_examples(tiny_tokenizer, 2), pad_id=PAD_ID, block_size=4, eos_id=EOS_ID)
-    mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID)
+    mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, MASK_ID))
     assert "forward" not in model.get_output_embeddings().__dict__
     assert model(input_ids=batch["input_ids"]).logits.shape[-1] == model.config.vocab_size
 
@@ -155,7 +157,9 @@ def test_no_logits_over_the_vocabulary_are_kept_for_the_backward(tiny_tokenizer,
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if stage == "mars":
-                mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID, target_logits=target_logits)
+                mars_loss(
+                    model, batch["input_ids"], batch["labels"], LossOptions(4, MASK_ID, target_logits=target_logits)
+                )
             else:
                 ar_loss(model, batch["input_ids"], batch["labels"], target_logits=target_logits)
         return shapes
@@ -189,7 +193,7 @@ def test_bench_train_step_reports_mars_against_ar(tiny_model_dir, tmp_path):
 def test_a_head_that_is_not_a_plain_linear_falls_back_to_full_logits(tiny_tokenizer, make_tiny_model):
     batch = collate(_examples(tiny_tokenizer, 3), pad_id=PAD_ID, block_size=4, eos_id=EOS_ID)
     model = make_tiny_model()
-    expected = mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID)["loss"]
+    expected = mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, MASK_ID))["loss"]
     model.lm_head = torch.nn.Sequential(model.lm_head)  # a wrapped head, as some adapters leave it
-    got = mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID)["loss"]
+    got = mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, MASK_ID))["loss"]
     torch.testing.assert_close(got, expected)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from marslm.chat import IGNORE, encode_conversation
 from marslm.masks import for_attention, two_stream_mask
 from marslm.training.collate import collate, collate_packed, pad_to_block
-from marslm.training.objective import ar_loss, mars_loss, two_stream_batch
+from marslm.training.objective import LossOptions, ar_loss, mars_loss, two_stream_batch
 from tests.helpers import assert_same_loss_and_grads, chat_conversations, stage_loss_and_grads
 
 MASK_ID = 3
@@ -41,11 +41,7 @@ def mars_forward(model, input_ids, labels, block_size, ar_weight=1.0, normalizat
             model,
             input_ids,
             labels,
-            block_size=block_size,
-            mask_token_id=MASK_ID,
-            ar_weight=ar_weight,
-            normalization=normalization,
-            target_logits=False,
+            LossOptions(block_size, MASK_ID, ar_weight=ar_weight, normalization=normalization, target_logits=False),
         )
     finally:
         handle.remove()
@@ -218,9 +214,7 @@ def test_inverse_t_weighting_of_the_masked_stream(tiny_tokenizer, make_tiny_mode
     t = T_MIN + (1 - T_MIN) * torch.rand(3)
     torch.manual_seed(11)
     with torch.no_grad():
-        terms = mars_loss(
-            model, ids, labels, block_size=4, mask_token_id=MASK_ID, ar_weight=0.0, masked_weighting="inverse-t"
-        )
+        terms = mars_loss(model, ids, labels, LossOptions(4, MASK_ID, ar_weight=0.0, masked_weighting="inverse-t"))
         _, clean, noisy = mars_forward(model, ids, labels, 4, normalization="sequence")
     expected = manual_ce(noisy, labels, "sequence", row_weights=(1 / t).tolist())
     assert torch.isclose(terms["loss"], expected, rtol=1e-5)
@@ -264,7 +258,9 @@ def test_batch_without_unneeded_noisy_copies_gives_the_literal_loss_and_gradient
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
     ours, our_grads = loss_and_grads(
-        lambda m: mars_loss(m, ids, labels, block_size, MASK_ID, ar_weight=0.5, normalization=normalization)["loss"]
+        lambda m: mars_loss(
+            m, ids, labels, LossOptions(block_size, MASK_ID, ar_weight=0.5, normalization=normalization)
+        )["loss"]
     )
     literal, literal_grads = loss_and_grads(
         lambda m: literal_mars_loss(m, ids, labels, block_size, ar_weight=0.5, normalization=normalization)
@@ -280,11 +276,11 @@ def test_loss_only_on_response_targets(tiny_tokenizer, make_tiny_model):
     batch = batch_of(tiny_tokenizer, n=2)
     ids, labels = batch["input_ids"], batch["labels"]
     with torch.no_grad():
-        ref = mars_loss(model, ids, labels, block_size=4, mask_token_id=MASK_ID)
+        ref = mars_loss(model, ids, labels, LossOptions(4, MASK_ID))
         fewer = labels.clone()
         first = (labels[0] != IGNORE).nonzero()[0, 0]
         fewer[0, first] = IGNORE  # one target less: the loss must change
-        other = mars_loss(model, ids, fewer, block_size=4, mask_token_id=MASK_ID)
+        other = mars_loss(model, ids, fewer, LossOptions(4, MASK_ID))
     assert not torch.isclose(ref["loss"], other["loss"], atol=1e-6)
 
 
@@ -450,14 +446,14 @@ def test_training_steps_lower_both_loss_terms(tiny_tokenizer, make_tiny_model):
     def evaluate():
         model.eval()
         with torch.no_grad():
-            return mars_loss(model, ids, labels, block_size=4, mask_token_id=MASK_ID)
+            return mars_loss(model, ids, labels, LossOptions(4, MASK_ID))
 
     before = evaluate()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
     for _ in range(8):
         optimizer.zero_grad()
-        mars_loss(model, ids, labels, block_size=4, mask_token_id=MASK_ID)["loss"].backward()
+        mars_loss(model, ids, labels, LossOptions(4, MASK_ID))["loss"].backward()
         optimizer.step()
     after = evaluate()
     assert after["noisy_loss"] < before["noisy_loss"] - 0.1
@@ -470,7 +466,7 @@ def test_training_steps_lower_both_loss_terms(tiny_tokenizer, make_tiny_model):
 def test_mars_loss_backprops(tiny_tokenizer, make_tiny_model, arch, attn):
     model = make_tiny_model(arch, attn).train()
     batch = batch_of(tiny_tokenizer, n=2, block_size=4)
-    terms = mars_loss(model, batch["input_ids"], batch["labels"], block_size=4, mask_token_id=MASK_ID)
+    terms = mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, MASK_ID))
     assert set(terms) == {"loss", "noisy_loss", "clean_loss"}
     assert torch.isfinite(terms["loss"]) and terms["loss"].requires_grad
     assert not terms["noisy_loss"].requires_grad and not terms["clean_loss"].requires_grad
@@ -517,7 +513,7 @@ def test_flex_attention_gives_the_sdpa_and_eager_loss(tiny_tokenizer, make_tiny_
         model = make_tiny_model("llama", attn, seed=3).to(device).train()
         with torch.set_grad_enabled(device == "cuda"):
             if stage == "mars":
-                loss = mars_loss(model, batch["input_ids"], batch["labels"], 4, MASK_ID, **extra)["loss"]
+                loss = mars_loss(model, batch["input_ids"], batch["labels"], LossOptions(4, MASK_ID), **extra)["loss"]
             else:
                 loss = ar_loss(model, batch["input_ids"], batch["labels"], **extra)["loss"]
         if device == "cpu":

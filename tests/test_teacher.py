@@ -66,7 +66,7 @@ def test_the_masked_streams_soft_targets_are_the_teachers_at_the_copied_column(t
     """With every target soft (share 1) and the teacher given as the noisy stream's only target,
     the masked loss equals a CE against the teacher rows of the positions each mask stands for."""
     from marslm.training.head_loss import SparseTargets, cross_entropy
-    from marslm.training.objective import mars_loss, two_stream_batch
+    from marslm.training.objective import LossOptions, mars_loss, two_stream_batch
 
     teacher = make_tiny_model(seed=8)
     examples = _with_teacher(teacher, _examples(tiny_tokenizer, 3), k=4)
@@ -75,7 +75,11 @@ def test_the_masked_streams_soft_targets_are_the_teachers_at_the_copied_column(t
     teacher_rows = {k: batch[k] for k in ("teacher_ids", "teacher_probs")}
     with torch.no_grad():
         terms = mars_loss(
-            model, batch["input_ids"], batch["labels"], 4, 3, normalization="token", soft_masked=1.0, **teacher_rows
+            model,
+            batch["input_ids"],
+            batch["labels"],
+            LossOptions(4, 3, normalization="token", soft_masked=1.0),
+            **teacher_rows,
         )
     two = two_stream_batch(batch["input_ids"], batch["labels"], 4, 3)
     logits = model(

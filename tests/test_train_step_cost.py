@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from marslm.chat import IGNORE
-from marslm.training.objective import Masking, ar_loss, mars_loss, two_stream_batch
+from marslm.training.objective import LossOptions, Masking, ar_loss, mars_loss, two_stream_batch
 from tests.helpers import tiny_llama
 
 ROWS, LENGTH, PROMPT, BLOCK, MASK_ID, LAYERS = 2, 256, 32, 4, 3, 4
@@ -68,7 +68,7 @@ def _count(model, stage: str, autocast: bool = False, **options):
         with torch.random.fork_rng(devices=[]), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), mode:
             torch.manual_seed(0)  # random phases: the draw _pairs makes
             if stage == "mars":
-                loss = mars_loss(model, ids, labels, BLOCK, MASK_ID, **options)["loss"]
+                loss = mars_loss(model, ids, labels, LossOptions(BLOCK, MASK_ID, **options))["loss"]
             else:
                 loss = ar_loss(model, ids, labels)["loss"]
             loss.backward()

@@ -114,13 +114,13 @@ def _reset_cpu_peak() -> int | None:
 
 
 def _step(model, batch, stage: str, block_size: int, mask_id: int, target_logits: bool) -> None:
-    from ..training.objective import ar_loss, mars_loss
+    from ..training.objective import LossOptions, ar_loss, mars_loss
 
     model.zero_grad(set_to_none=True)
     if stage == "mars":
-        loss = mars_loss(model, batch["input_ids"], batch["labels"], block_size, mask_id, target_logits=target_logits)[
-            "loss"
-        ]
+        loss = mars_loss(
+            model, batch["input_ids"], batch["labels"], LossOptions(block_size, mask_id, target_logits=target_logits)
+        )["loss"]
     else:
         loss = ar_loss(model, batch["input_ids"], batch["labels"], target_logits=target_logits)["loss"]
     loss.backward()

@@ -13,7 +13,7 @@ from ..adapter import adapter_of
 from ..chat import IGNORE
 from ..masks import training_mask
 from .objective import (
-    Masking,
+    LossOptions,
     TwoStreamBatch,
     copied_columns,
     loss_at,
@@ -28,17 +28,10 @@ def exact_mars_loss(
     model,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
-    block_size: int,
-    mask_token_id: int,
+    options: LossOptions,
     position_ids: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
-    normalization: str = "sequence",
-    masked_weighting: str = "uniform",
     denominator: float | None = None,
-    target_logits: bool = True,
-    soft_masked: float = 0.0,
-    teacher_top_k: int = 16,
-    masking: Masking | None = None,
 ) -> dict[str, torch.Tensor]:
     """The masked stream's loss for a frozen model whose masks carry an adapter (adapter.py).
 
@@ -46,20 +39,20 @@ def exact_mars_loss(
     and values as the cache the masked stream reads: the backward pass, and the activations it
     keeps, cover the masked stream alone. The clean stream's distribution at each target is the
     frozen model's own, a teacher for the masks at no extra cost (``soft_masked``, top
-    ``teacher_top_k``). Arguments as in :func:`mars_loss`.
+    ``teacher_top_k``). Arguments as in :func:`mars_loss`; ``ar_weight`` and ``soft_clean`` do not apply.
     """
-    masking = masking or Masking()
-    phases = masking.phases(segment_ids, len(input_ids), block_size)
-    batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids, phases)
+    o = options
+    phases = o.masking.phases(segment_ids, len(input_ids), o.block_size)
+    batch = two_stream_batch(input_ids, labels, o.block_size, o.mask_token_id, position_ids, segment_ids, phases)
     width = input_ids.shape[1]
-    cache, teacher = clean_pass(model, batch, teacher_top_k if soft_masked else 0)
+    cache, teacher = clean_pass(model, batch, o.teacher_top_k if o.soft_masked else 0)
     noisy_teacher = None if teacher is None else tuple(copied_columns(t, batch.noisy_columns) for t in teacher)
 
-    weights = target_weights(labels, segment_ids, normalization)
+    weights = target_weights(labels, segment_ids, o.normalization)
     if denominator is None:
         denominator = max(1.0, float(weights.sum()))
     rows, columns, targets, noisy_w = masked_targets(
-        batch, weights, segment_ids, masked_weighting, noisy_teacher, soft_masked, masking
+        batch, weights, segment_ids, o.masked_weighting, noisy_teacher, o.soft_masked, o.masking
     )
     inputs = {
         "input_ids": batch.input_ids[:, width:],
@@ -69,7 +62,7 @@ def exact_mars_loss(
         "use_cache": True,
     }
     with adapter_of(model).offsets(batch.mask_offsets()):
-        loss, ce = loss_at(model, inputs, rows, columns, targets, noisy_w / denominator, target_logits)
+        loss, ce = loss_at(model, inputs, rows, columns, targets, noisy_w / denominator, o.target_logits)
     noisy_loss = (ce * noisy_w).sum() / denominator
     return {"loss": loss, "noisy_loss": noisy_loss.detach()}
 

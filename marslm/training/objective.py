@@ -26,7 +26,7 @@ masked term alone, over the clean stream as a cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -315,32 +315,18 @@ def mars_loss(
     model,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
-    block_size: int,
-    mask_token_id: int,
-    ar_weight: float = 1.0,
+    options: LossOptions,
     position_ids: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
-    normalization: str = "sequence",
-    masked_weighting: str = "uniform",
     denominator: float | None = None,
-    target_logits: bool = True,
     teacher_ids: torch.Tensor | None = None,
     teacher_probs: torch.Tensor | None = None,
-    soft_clean: float = 0.0,
-    soft_masked: float = 0.0,
-    masking: Masking | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``noisy + ar_weight * clean``, each normalised as :func:`target_weights` says.
-
-    ``masked_weighting="inverse-t"`` multiplies each sequence's noisy-stream loss by 1/t, t drawn
-    per sequence: the reference's "w/o SFT loss" ablation. ``denominator``, ``target_logits``, the
-    teacher and ``soft_clean`` as in :func:`ar_loss`; ``soft_masked`` is the original's share in the
-    noisy stream's targets (a mask predicting token t learns the original's distribution at t).
-    ``masking``: block phases, noisy copies and offset weights (:class:`Masking`; None: the paper's).
-    """
-    masking = masking or Masking()
-    phases = masking.phases(segment_ids, len(input_ids), block_size)
-    batch = two_stream_batch(input_ids, labels, block_size, mask_token_id, position_ids, segment_ids, phases)
+    """``noisy + ar_weight * clean`` over one batch, each normalised as :func:`target_weights` says
+    (``options``: :class:`LossOptions`). ``denominator`` and the teacher as in :func:`ar_loss`."""
+    o = options
+    phases = o.masking.phases(segment_ids, len(input_ids), o.block_size)
+    batch = two_stream_batch(input_ids, labels, o.block_size, o.mask_token_id, position_ids, segment_ids, phases)
     inputs = {
         "input_ids": batch.input_ids,
         "position_ids": batch.position_ids,
@@ -348,20 +334,20 @@ def mars_loss(
     }
     seq_len = input_ids.shape[1]
 
-    weights = target_weights(labels, segment_ids, normalization)
+    weights = target_weights(labels, segment_ids, o.normalization)
     if denominator is None:
         denominator = max(1.0, float(weights.sum()))
     teacher = noisy_teacher = None
     if teacher_ids is not None:
         teacher = (teacher_ids, teacher_probs)
         noisy_teacher = tuple(copied_columns(t, batch.noisy_columns) for t in teacher)
-    clean = _targets_at(labels, weights, teacher, soft_clean)
-    noisy = masked_targets(batch, weights, segment_ids, masked_weighting, noisy_teacher, soft_masked, masking)
+    clean = _targets_at(labels, weights, teacher, o.soft_clean)
+    noisy = masked_targets(batch, weights, segment_ids, o.masked_weighting, noisy_teacher, o.soft_masked, o.masking)
     rows = torch.cat([clean[0], noisy[0]])
     columns = torch.cat([clean[1], noisy[1] + seq_len])
     targets = SparseTargets.cat(clean[2], noisy[2])
-    loss_weights = torch.cat([ar_weight * clean[3], noisy[3]]) / denominator
-    loss, ce = loss_at(model, inputs, rows, columns, targets, loss_weights, target_logits)
+    loss_weights = torch.cat([o.ar_weight * clean[3], noisy[3]]) / denominator
+    loss, ce = loss_at(model, inputs, rows, columns, targets, loss_weights, o.target_logits)
     n_clean = len(clean[0])
     clean_loss = (ce[:n_clean] * clean[3]).sum() / denominator
     noisy_loss = (ce[n_clean:] * noisy[3]).sum() / denominator
@@ -386,6 +372,30 @@ class Masking:
 
     def phases(self, segment_ids: torch.Tensor | None, rows: int, block_size: int) -> torch.Tensor:
         return draw_phases(segment_ids, rows, block_size, self.streams, self.random_phase)
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """What a MARS loss is, bound once per run (``recipe.objective_for``): everything but the batch.
+
+    ``ar_weight`` scales the clean stream's loss. ``masked_weighting="inverse-t"`` multiplies each
+    sequence's noisy-stream loss by 1/t, t drawn per sequence: the reference's "w/o SFT loss"
+    ablation. ``target_logits``, ``soft_clean`` as in :func:`ar_loss`; ``soft_masked`` is the
+    original's share in the noisy stream's targets (a mask predicting token t learns the original's
+    distribution at t), from its top ``teacher_top_k`` (exact mode). ``masking``: block phases,
+    noisy copies and offset weights (:class:`Masking`; the default is the paper's).
+    """
+
+    block_size: int
+    mask_token_id: int
+    ar_weight: float = 1.0
+    normalization: str = "sequence"
+    masked_weighting: str = "uniform"
+    target_logits: bool = True
+    soft_clean: float = 0.0
+    soft_masked: float = 0.0
+    teacher_top_k: int = 16
+    masking: Masking = field(default_factory=Masking)
 
 
 def masked_targets(batch, weights, segment_ids, masked_weighting: str, teacher, share: float, masking: Masking):

@@ -48,7 +48,7 @@ from .collate import collate, collate_packed
 from .config import TrainConfig
 from .dataset import cached_encoding, encode_dataset, encoding_key, generated_answers, with_teacher
 from .exact import exact_mars_loss
-from .objective import Masking, ar_loss, mars_loss
+from .objective import LossOptions, Masking, ar_loss, mars_loss
 from .surgery import enable_activation_checkpointing, ensure_mask_token, saved_parameters, trainable_part
 
 log = logging.getLogger("marslm.train")
@@ -290,19 +290,23 @@ def objective_for(cfg: TrainConfig, model, tokenizer, pad_id: int, eos_id: int) 
         mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
         loss = partial(ar_loss, soft_clean=cfg.soft_clean, normalization=cfg.loss_normalization)
         return Objective(loss, collator, 1, mask_id)
-    common = dict(
-        block_size=block_size,
-        normalization=cfg.loss_normalization,
-        masked_weighting=cfg.masked_weighting,
-        soft_masked=cfg.soft_masked,
-        masking=Masking(random_phase=cfg.random_phase, streams=cfg.masked_streams, offset_decay=cfg.offset_decay),
-    )
+    masking = Masking(random_phase=cfg.random_phase, streams=cfg.masked_streams, offset_decay=cfg.offset_decay)
     if cfg.exact:
         mask_id = choose_mask_id(model, tokenizer, MASK_TOKEN)
-        loss = partial(exact_mars_loss, mask_token_id=mask_id, teacher_top_k=cfg.teacher_top_k, **common)
     else:
         mask_id = ensure_mask_token(model, tokenizer, vocab_multiple=cfg.vocab_multiple)
-        loss = partial(mars_loss, mask_token_id=mask_id, ar_weight=cfg.ar_weight, soft_clean=cfg.soft_clean, **common)
+    options = LossOptions(
+        block_size,
+        mask_id,
+        ar_weight=cfg.ar_weight,
+        normalization=cfg.loss_normalization,
+        masked_weighting=cfg.masked_weighting,
+        soft_clean=cfg.soft_clean,
+        soft_masked=cfg.soft_masked,
+        teacher_top_k=cfg.teacher_top_k,
+        masking=masking,
+    )
+    loss = partial(exact_mars_loss if cfg.exact else mars_loss, options=options)
     return Objective(loss, collator, block_size, mask_id)
 
 

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from marslm.training.collate import collate
-from marslm.training.objective import mars_loss, normalizer
+from marslm.training.objective import LossOptions, mars_loss, normalizer
 from tests.helpers import TINY_SIZES
 
 out = sys.argv[1]
@@ -39,9 +39,11 @@ for n in (9, 12, 14, 7):
 batch = collate(examples, pad_id=0, block_size=4, eos_id=2)
 denominator = float(normalizer(batch["labels"], None, "sequence"))
 mine = slice(rank * 2, rank * 2 + 2)
-loss = mars_loss(model, batch["input_ids"][mine], batch["labels"][mine], 4, 3, denominator=denominator)["loss"]
+loss = mars_loss(model, batch["input_ids"][mine], batch["labels"][mine], LossOptions(4, 3), denominator=denominator)[
+    "loss"
+]
 (loss * world).backward()  # FSDP averages over ranks; the denominator already counts the whole batch
-whole = mars_loss(single, batch["input_ids"], batch["labels"], 4, 3)["loss"]
+whole = mars_loss(single, batch["input_ids"], batch["labels"], LossOptions(4, 3))["loss"]
 whole.backward()
 
 grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
