@@ -59,7 +59,8 @@ def test_exact_loss_is_the_masked_term_of_one_two_stream_forward(setup, packed, 
     for loss_fn, kwargs in ((exact_mars_loss, {}), (mars_loss, {"ar_weight": 0.0})):
         adapter.zero_grad(set_to_none=True)
         torch.manual_seed(3)  # the same phases for both
-        terms = loss_fn(model, batch["input_ids"], batch["labels"], 4, mask_id, masking=masking, **extra, **kwargs)
+        options = LossOptions(4, mask_id, masking=masking, **kwargs)
+        terms = loss_fn(model, batch["input_ids"], batch["labels"], options, **extra)
         terms["loss"].backward()
         results.append((terms["loss"].detach(), _grads(adapter)))
     (exact_loss, exact_grads), (full_loss, full_grads) = results

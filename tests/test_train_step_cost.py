@@ -82,18 +82,18 @@ def model():
     return tiny_llama(64, hidden_size=32, num_hidden_layers=LAYERS, seed=0).float().train()
 
 
-def _pairs(masking: Masking | None = None) -> int:
+def _pairs(masking: Masking) -> int:
     ids, labels = _batch()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        phases = (masking or Masking()).phases(None, ROWS, BLOCK)
+        phases = masking.phases(None, ROWS, BLOCK)
     width = two_stream_batch(ids, labels, BLOCK, MASK_ID, phases=phases).input_ids.shape[1]
     return ROWS * width * width
 
 
 @pytest.mark.parametrize(
     "masking, autocast",
-    [(None, False), (Masking(random_phase=True, streams=2, offset_decay=0.8), False), (None, True)],
+    [(Masking(), False), (Masking(random_phase=True, streams=2, offset_decay=0.8), False), (Masking(), True)],
     ids=["default", "copies-and-phases", "bf16-autocast"],
 )
 def test_mars_step_allocates_per_pair_only_its_boolean_mask_and_one_additive_copy(model, masking, autocast):
