@@ -483,7 +483,7 @@ def test_mars_loss_backprops(tiny_tokenizer, make_tiny_model, arch, attn):
 def test_flex_attention_gives_the_sdpa_and_eager_loss(tiny_tokenizer, make_tiny_model, stage, packed, monkeypatch):
     """FlexAttention's block mask (masks.two_stream_block_mask) against the dense mask under sdpa and
     eager. torch has no FlexAttention backward on a CPU: there the loss is compared, and on a GPU
-    the gradients too (scripts/gpu_probe.py measures it there as well)."""
+    the gradients too (marslm/bench/gpu_probe.py measures it there as well)."""
     from marslm.data import toy
 
     if not torch.cuda.is_available():
