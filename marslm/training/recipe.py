@@ -295,17 +295,9 @@ def objective_for(cfg: TrainConfig, model, tokenizer, pad_id: int, eos_id: int) 
         mask_id = choose_mask_id(model, tokenizer, MASK_TOKEN)
     else:
         mask_id = ensure_mask_token(model, tokenizer, vocab_multiple=cfg.vocab_multiple)
-    options = LossOptions(
-        block_size,
-        mask_id,
-        ar_weight=cfg.ar_weight,
-        normalization=cfg.loss_normalization,
-        masked_weighting=cfg.masked_weighting,
-        soft_clean=cfg.soft_clean,
-        soft_masked=cfg.soft_masked,
-        teacher_top_k=cfg.teacher_top_k,
-        masking=masking,
-    )
+    named_alike = ("ar_weight", "masked_weighting", "soft_clean", "soft_masked", "teacher_top_k")  # in TrainConfig
+    settings = {name: getattr(cfg, name) for name in named_alike}
+    options = LossOptions(block_size, mask_id, normalization=cfg.loss_normalization, masking=masking, **settings)
     loss = partial(exact_mars_loss if cfg.exact else mars_loss, options=options)
     return Objective(loss, collator, block_size, mask_id)
 
