@@ -1,4 +1,4 @@
-"""Exact MARS: parameters that act only where the input is the mask token.
+"""Exact MARS: parameters that act only where the decoder put a mask.
 
 MARS's attention rule never lets a clean position attend to a mask position (masks.py). So a
 change that acts only at mask positions cannot change any clean position's output: the model's
@@ -10,10 +10,12 @@ change, for a frozen model:
 - a LoRA of rank r on every Linear of the decoder layers, added to the Linear's output only at
   mask positions (a gate per position, Apple's "Your LLM Knows the Future", arXiv 2507.11851).
 
-No model code is touched. Hooks do the work, set per forward from the input ids: a pre-hook on
-the model finds the mask positions, the embedding's hooks put the mask rows there, and each
-gated Linear's hook adds its low-rank update there alone. A model without mask tokens in its
-input (HF ``generate``, a clean stream) runs exactly as it did.
+No model code is touched. Hooks do the work, for the forwards inside :meth:`MaskAdapter.gate`
+(or :func:`placed_masks`), which names the mask positions: the decoding step and the objective
+know them, having put the masks there. A pre-hook on the model reads them, the embedding's hooks
+put the mask rows there, and each gated Linear's hook adds its low-rank update there alone. An
+input id is never taken for a mask: a forward outside a gate (HF ``generate``, a clean stream, a
+prompt that holds the mask id) runs exactly as the original does.
 
 The mask token needs no row of the original embedding: by default its id is one past the last
 row, an id no tokenizer produces and no output layer predicts, so the base checkpoint's files,
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,7 +106,7 @@ class MaskAdapter(nn.Module):
         )
         self._handles: list = []
         self._gate = None  # (flat indices of the mask positions, their offsets) during one forward
-        self._explicit_offsets = None
+        self._placed = None  # (where the masks are, their offsets or None), set by gate()
 
     @classmethod
     def for_model(
@@ -159,24 +161,29 @@ class MaskAdapter(nn.Module):
             delattr(inner, ATTRIBUTE)
 
     @contextmanager
-    def offsets(self, offsets: torch.Tensor):
-        """Within the block, the next forwards read each mask's offset from ``offsets`` (``[rows,
-        columns]`` like the input ids) instead of deriving it from the attention mask."""
-        self._explicit_offsets = offsets
+    def gate(self, is_mask: torch.Tensor, offsets: torch.Tensor | None = None):
+        """Within the block, the next forwards have masks where ``is_mask`` (``[rows, columns]``,
+        like the input ids) is True: where the decoder, or the objective, put them. Nowhere else
+        does the adapter act, whatever an input id is. ``offsets`` (the same shape): each mask's
+        offset inside its block, where it is not read off the attention mask."""
+        self._placed = (is_mask, offsets)
         try:
             yield
         finally:
-            self._explicit_offsets = None
+            self._placed = None
 
     def _find_masks(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if input_ids is None:
+        if self._placed is None or input_ids is None:
             self._gate = None
             return None
-        is_mask = input_ids == self.spec.mask_token_id
+        is_mask, offsets = self._placed
+        if tuple(is_mask.shape) != tuple(input_ids.shape):
+            raise UserError(f"masks placed over {tuple(is_mask.shape)} columns for {tuple(input_ids.shape)} input ids")
+        is_mask = is_mask.to(input_ids.device)
         index = is_mask.flatten().nonzero().squeeze(1)
-        if self._explicit_offsets is not None:
-            offsets = self._explicit_offsets.flatten()[index]
+        if offsets is not None:
+            offsets = offsets.to(input_ids.device).flatten()[index]
         else:
             offsets = mask_offsets(is_mask, kwargs.get("attention_mask"))[is_mask]
         self._gate = _Gate(input_ids.shape, index, offsets.clamp(0, self.spec.rows - 1), _trailing_masks(is_mask))
@@ -186,9 +193,11 @@ class MaskAdapter(nn.Module):
         self._gate = None
 
     def _valid_ids(self, module, args):
-        # the mask id may lie past the embedding's last row; the row put there replaces the lookup
+        # a placed mask's id may lie past the embedding's last row; the row put there replaces the lookup
+        if self._gate is None or not len(self._gate.index):
+            return None
         (ids,) = args
-        return (torch.where(ids == self.spec.mask_token_id, 0, ids),)
+        return (ids.flatten().index_fill(0, self._gate.index, 0).reshape(ids.shape),)
 
     def _put_rows(self, module, args, output):
         if self._gate is None or not len(self._gate.index):
@@ -270,6 +279,15 @@ def choose_mask_id(model, tokenizer, mask_token: str) -> int:
         if mask_id < rows:
             return mask_id
     return rows
+
+
+def placed_masks(model, is_mask: torch.Tensor, offsets: torch.Tensor | None = None):
+    """The context of a forward of ``model`` with masks where ``is_mask`` (a tensor or array) says:
+    its adapter's :meth:`~MaskAdapter.gate` in exact mode, nothing else for a plain model."""
+    adapter = adapter_of(model)
+    if adapter is None:
+        return nullcontext()
+    return adapter.gate(torch.as_tensor(is_mask, dtype=torch.bool), offsets)
 
 
 def adapter_of(model) -> MaskAdapter | None:

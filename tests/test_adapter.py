@@ -32,6 +32,12 @@ def _logits(model, ids, **kwargs):
         return model(input_ids=ids, **kwargs).logits
 
 
+def _gated(adapter, model, ids, mask_id, grad: bool = False):
+    """The logits of a forward with masks where the test put the mask id (the decoder's gate)."""
+    with adapter.gate(ids == mask_id), torch.set_grad_enabled(grad):
+        return model(input_ids=ids).logits.detach()
+
+
 def test_gates_every_decoder_linear_and_starts_as_no_change(make_tiny_model):
     model = make_tiny_model()
     adapter = MaskAdapter.for_model(model, 5, rank=2, rows=1)
@@ -60,9 +66,27 @@ def test_the_adapter_acts_at_mask_positions_only(model_and_adapter):
     ids = torch.cat([torch.randint(0, 100, (2, 9)), torch.full((2, 3), mask_id)], dim=1)
     original = _logits(model, torch.where(ids == mask_id, 0, ids))  # same shapes: same kernels
     adapter.attach(model)
-    out = _logits(model, ids)
+    with adapter.gate(ids == mask_id):
+        out = _logits(model, ids)
     assert torch.equal(out[:, :9], original[:, :9])
     assert not torch.allclose(out[:, 9:], original[:, 9:])
+
+
+def test_an_id_is_never_taken_for_a_mask(make_tiny_model):
+    """The adapter acts where the decoder put masks (its gate), not where an input id equals the
+    mask id: outside a gate, input holding the id (a mask token with a row of its own, as a
+    tokenizer's may have) runs bit for bit as the original does; inside one, it does not."""
+    model = make_tiny_model(vocab_size=None)
+    adapter = _trained_like(MaskAdapter.for_model(model, 5, rank=4, rows=3))
+    ids = torch.tensor([[7, 5, 9, 5, 5, 11]])
+    original = _logits(model, ids)
+    adapter.attach(model)
+    assert torch.equal(_logits(model, ids), original)
+    placed = torch.tensor([[False, False, False, False, True, True]])
+    with adapter.gate(placed):
+        gated = _logits(model, ids)
+    assert torch.equal(gated[:, :4], original[:, :4])  # the 5s at columns 1 and 3 are text
+    assert not torch.allclose(gated[:, 4:], original[:, 4:])
 
 
 def test_each_mask_reads_the_row_of_its_offset(model_and_adapter):
@@ -71,7 +95,8 @@ def test_each_mask_reads_the_row_of_its_offset(model_and_adapter):
     adapter.attach(model)
     model.get_input_embeddings().register_forward_hook(lambda m, a, out: seen.update(out=out))
     ids = torch.cat([torch.randint(0, 100, (1, 4)), torch.full((1, 4), mask_id)], dim=1)
-    _logits(model, ids)
+    with adapter.gate(ids == mask_id):
+        _logits(model, ids)
     # rows 0, 1, 2 and then the last row again (offsets past the last row read it)
     expected = adapter.rows[[0, 1, 2, 2]]
     assert torch.equal(seen["out"][0, 4:], expected)
@@ -101,7 +126,7 @@ def test_explicit_offsets_win(model_and_adapter):
     adapter.attach(model)
     model.get_input_embeddings().register_forward_hook(lambda m, a, out: seen.update(out=out))
     ids = torch.full((1, 3), mask_id)
-    with adapter.offsets(torch.tensor([[2, 2, 0]])):
+    with adapter.gate(ids == mask_id, torch.tensor([[2, 2, 0]])):
         _logits(model, ids)
     assert torch.equal(seen["out"][0], adapter.rows[[2, 2, 0]])
 
@@ -110,14 +135,16 @@ def test_save_load_round_trip(model_and_adapter, tmp_path):
     model, adapter, mask_id = model_and_adapter
     adapter.attach(model)
     ids = torch.cat([torch.randint(0, 100, (1, 5)), torch.full((1, 3), mask_id)], dim=1)
-    expected = _logits(model, ids)
+    with adapter.gate(ids == mask_id):
+        expected = _logits(model, ids)
     adapter_mod.save(adapter, tmp_path)
     adapter.detach(model)
     assert adapter_of(model) is None
     spec = AdapterSpec.from_dict(adapter.spec.to_dict(), "test")
     loaded = adapter_mod.load(spec, tmp_path, model)
     assert adapter_of(model) is loaded
-    assert torch.equal(_logits(model, ids), expected)
+    with loaded.gate(ids == mask_id):
+        assert torch.equal(_logits(model, ids), expected)
 
 
 def test_detach_gives_the_original_back(model_and_adapter):
@@ -145,9 +172,9 @@ def test_decoding_fast_path_equals_the_general_path(model_and_adapter):
     model, adapter, mask_id = model_and_adapter
     adapter.attach(model)
     ids = torch.cat([torch.randint(0, 100, (2, 7)), torch.full((2, 4), mask_id)], dim=1)
-    fast = _logits(model, ids)
+    fast = _gated(adapter, model, ids, mask_id)
     with torch.enable_grad():
-        general = model(input_ids=ids).logits.detach()
+        general = _gated(adapter, model, ids, mask_id, grad=True)
     torch.testing.assert_close(fast, general, rtol=1e-4, atol=1e-4)
     assert torch.equal(fast[:, :7], general[:, :7])
 
@@ -157,13 +184,13 @@ def test_fast_path_follows_weights_changed_in_place(model_and_adapter):
     model, adapter, mask_id = model_and_adapter
     adapter.attach(model)
     ids = torch.cat([torch.randint(0, 100, (1, 5)), torch.full((1, 3), mask_id)], dim=1)
-    before = _logits(model, ids)
+    before = _gated(adapter, model, ids, mask_id)
     with torch.no_grad():
         for lora in adapter.lora:
             lora.b.mul_(2.0)
-    after = _logits(model, ids)
+    after = _gated(adapter, model, ids, mask_id)
     with torch.enable_grad():
-        general = model(input_ids=ids).logits.detach()
+        general = _gated(adapter, model, ids, mask_id, grad=True)
     assert not torch.allclose(after[:, 5:], before[:, 5:])
     torch.testing.assert_close(after, general, rtol=1e-4, atol=1e-4)
 
@@ -190,8 +217,8 @@ def test_masks_between_clean_tokens_take_the_general_path_without_autograd(model
     ids[:, 3:5] = mask_id
     original = _logits(model, torch.where(ids == mask_id, 0, ids))
     adapter.attach(model)
-    out = _logits(model, ids)
+    out = _gated(adapter, model, ids, mask_id)
     assert torch.equal(out[:, :3], original[:, :3])
     with torch.enable_grad():
-        general = model(input_ids=ids).logits.detach()
+        general = _gated(adapter, model, ids, mask_id, grad=True)
     assert torch.equal(out, general)

@@ -34,9 +34,12 @@ step with ``FinishedRow.error`` set; the others go on.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 
+from ..adapter import placed_masks
 from ..masks import for_attention
 from .acceptance import confidence
 from .draws import RowDraws
@@ -186,7 +189,7 @@ class DecodeBatch:
         step = self._inputs()
         keep = logits_to_keep(step.read_cols, step.input_ids.shape[1])
         keep = keep if isinstance(keep, int) else self._to_device(keep)
-        logits = self._call(step.input_ids, step.position_ids, step.mask, self.kv, keep)
+        logits = self._call(step.input_ids, step.position_ids, step.mask, self.kv, keep, step.placed_masks)
         candidates, accept, stopped, verified, mask_tokens, probs = self._accept(step, logits)
         if step.masks_per_group:
             # what a drafting row's masks buy shows when their drafts are verified: its first masked
@@ -228,10 +231,12 @@ class DecodeBatch:
         r.slot_valid[rows, :width] = valid
         r.cached_len[rows] = valid.sum(axis=1)
 
-    def _call(self, input_ids, position_ids, mask, cache, logits_to_keep) -> torch.Tensor:
-        """One forward over host-built inputs (mask None: plain causal); returns the kept logits."""
+    def _call(self, input_ids, position_ids, mask, cache, logits_to_keep, placed=None) -> torch.Tensor:
+        """One forward over host-built inputs (mask None: plain causal; ``placed``: where the masks
+        are, None for none); returns the kept logits."""
         self.stats.forwards += 1
-        with torch.no_grad():
+        gate = nullcontext() if placed is None else placed_masks(self.model, placed)
+        with torch.no_grad(), gate:
             return self.model(
                 input_ids=self._to_device(input_ids),
                 position_ids=self._to_device(position_ids),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..adapter import placed_masks
 from ..masks import causal_step_mask, for_attention
 from .acceptance import accept_length, confidence
 from .params import DecodingParams, metric_code
@@ -58,10 +59,11 @@ class BlockCachedBatch:
         while True:
             room = settings.max_new_tokens - generated.shape[1]
             block = torch.full((rows, size), self.mask_token_id, dtype=torch.long, device=dev)
+            placed = torch.ones(rows, size, dtype=torch.bool, device=dev)  # the masks not yet written over
             filled = torch.where(finished, size, 0)
             block_end = torch.full_like(filled, min(size, room))
             while bool((filled < block_end).any()):
-                logits = self._forward(block, committed, slot_valid, commit=False)
+                logits = self._forward(block, placed, committed, slot_valid, commit=False)
                 tokens, conf = confidence(logits, metric)
                 # candidate k of the block comes from the output before it; k = 0 from the held token
                 cand = torch.cat([held[:, None], tokens[:, :-1]], dim=1)
@@ -76,6 +78,7 @@ class BlockCachedBatch:
                 accept = torch.where(stopped, is_stop.long().argmax(dim=1) + 1, accept)
                 write = (cols >= filled[:, None]) & (cols < (filled + accept)[:, None])
                 block = torch.where(write, cand, block)
+                placed &= ~write
                 for row, n in enumerate(accept.tolist()):  # host bookkeeping: once per row per step
                     if n:
                         accept_log[row].append(n)
@@ -87,7 +90,7 @@ class BlockCachedBatch:
             generated = torch.cat([generated, kept[:, : int(block_end.max())]], dim=1)
             if bool(finished.all()) or generated.shape[1] >= settings.max_new_tokens:
                 break
-            logits = self._forward(block, committed, slot_valid, commit=True)
+            logits = self._forward(block, placed, committed, slot_valid, commit=True)
             held = confidence(logits[:, -1:], metric)[0][:, 0]
             slot_valid = torch.cat([slot_valid, torch.ones(rows, size, dtype=torch.bool, device=dev)], dim=1)
             committed = committed + size
@@ -107,12 +110,14 @@ class BlockCachedBatch:
         held = logits[:, -1].argmax(dim=-1)
         return held, valid, lengths
 
-    def _forward(self, block, committed, slot_valid, commit: bool) -> torch.Tensor:
-        """The blocks at their rows' positions, causal among themselves; the cache keeps them only on commit."""
+    def _forward(self, block, placed, committed, slot_valid, commit: bool) -> torch.Tensor:
+        """The blocks at their rows' positions, causal among themselves, masks where ``placed``
+        says; the cache keeps them only on commit."""
         rows, size = block.shape
         positions = committed[:, None] + torch.arange(size, device=self.device)
         fed_valid = torch.ones(rows, size, dtype=torch.bool, device=self.device)
-        logits = self._call(block, positions, self._mask(slot_valid, fed_valid), logits_to_keep=1 if commit else 0)
+        with placed_masks(self.model, placed):
+            logits = self._call(block, positions, self._mask(slot_valid, fed_valid), logits_to_keep=1 if commit else 0)
         if not commit:
             self.kv.crop(-size)
         return logits

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..adapter import adapter_of
+from ..adapter import adapter_of, placed_masks
 from ..errors import UserError
 
 COST_TABLE = "marslm-costs.json"  # beside the checkpoint's marslm.json
@@ -83,12 +83,13 @@ def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, ti
     for round_ in range(repeats + 1):  # round 0: warm-up
         for w in widths:
             fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
+            placed = torch.zeros(batch, w, dtype=torch.bool)
             if mask_id is not None:
-                fed[:, 1:] = mask_id
+                fed[:, 1:], placed[:, 1:] = mask_id, True
             positions = (context + torch.arange(w, device=device)).expand(batch, -1)
             _synchronize(device)
             started = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), placed_masks(model, placed):
                 model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
             _synchronize(device)
             if round_:

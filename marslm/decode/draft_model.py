@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from ..adapter import placed_masks
 from ..errors import UserError
 from ..masks import decode_step_mask, for_attention
 from ..settings import check_count
@@ -172,13 +173,14 @@ class DraftModelDecoder:
         positions += [length + g + c for g in range(groups) for c in range(n_masks)]
         real, valid = np.ones((1, len(pending) + k), bool), np.ones((1, groups), bool)
         mask = decode_step_mask(np.ones((1, cached), bool), real, len(pending) + sees, valid, n_masks)
-        logits = self.model(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            attention_mask=for_attention(torch.from_numpy(mask).to(self.device), self.model),
-            cache=cache,
-            use_cache=True,
-        ).logits[0]
+        with placed_masks(self.model, [[False] * (len(pending) + k) + [True] * (groups * n_masks)]):
+            logits = self.model(
+                input_ids=torch.tensor([input_ids], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                attention_mask=for_attention(torch.from_numpy(mask).to(self.device), self.model),
+                cache=cache,
+                use_cache=True,
+            ).logits[0]
         return logits[len(pending) - 1 :]
 
     def _accept(self, logits, drafts, n_masks, params: DecodingParams, race, position: int):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from ..adapter import placed_masks
 from .acceptance import accept_length, confidence
 from .params import DRAFT_METRIC, DecodingParams, metric_code, one_token
 from .sampling import sampling_probs
@@ -71,7 +72,8 @@ class ARDrafter:
         start, fed = len(self.cached), feed + [self.mask_token_id] * self.n_masks
         ids = torch.tensor([fed], device=self.device)
         positions = torch.arange(start, start + len(fed), device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
+        with placed_masks(self.model, [[False] * len(feed) + [True] * self.n_masks]):
+            out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
         self.forwards += 1
         self.cached += feed
         crop_to(self.cache, len(self.cached))  # the masks' keys/values

@@ -37,6 +37,13 @@ class StepInputs:
     masks_per_group: int  # masks fed per group: the most any row reads
     groups: int
 
+    @property
+    def placed_masks(self) -> np.ndarray:
+        """``[rows, fed]``: the mask columns (every column after the real ones), where exact mode's
+        adapter acts; padding and real tokens are never masks, whatever their id."""
+        width_real = self.real_valid.shape[1]
+        return np.broadcast_to(np.arange(self.input_ids.shape[1]) >= width_real, self.input_ids.shape)
+
 
 def step_inputs(
     rows: RowState, masks_read: np.ndarray, *, draft_groups: bool, pad_id: int, mask_token_id: int

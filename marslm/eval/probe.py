@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..adapter import placed_masks
 from ..chat import IGNORE
 from ..decode.params import PROB, one_token
 from ..errors import UserError
@@ -133,7 +134,9 @@ def _forward(model, items: list[ProbeItem], block_size: int, mask_token_id: int 
             "position_ids": two.position_ids,
             "attention_mask": for_attention(two.attention_mask, model),
         }
-    stats = _stats(logits_at(model, keep, **inputs), targets[keep])
+    placed = two.placed_masks if mask_token_id is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+    with placed_masks(model, placed):
+        stats = _stats(logits_at(model, keep, **inputs), targets[keep])
 
     def unflatten(values, fill):
         out = torch.full(keep.shape, fill, dtype=values.dtype, device=device)

@@ -61,7 +61,7 @@ def exact_mars_loss(
         "cache": cache,
         "use_cache": True,
     }
-    with adapter_of(model).offsets(batch.mask_offsets()):
+    with adapter_of(model).gate(batch.placed_masks[:, width:], offsets=batch.mask_offsets()):
         loss, ce = loss_at(model, inputs, rows, columns, targets, noisy_w / denominator, o.target_logits)
     noisy_loss = (ce * noisy_w).sum() / denominator
     return {"loss": loss, "noisy_loss": noisy_loss.detach()}

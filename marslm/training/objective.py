@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adapter import placed_masks
 from ..chat import IGNORE
 from ..masks import packed_two_stream_mask, training_mask
 from .head_loss import SparseTargets, cross_entropy, has_linear_head, target_loss
@@ -50,6 +51,13 @@ class TwoStreamBatch:
     @property
     def is_noisy(self) -> torch.Tensor:
         return self.streams > 0
+
+    @property
+    def placed_masks(self) -> torch.Tensor:
+        """``[rows, T + N]``: where this batch put the mask token (each noisy column with a target,
+        and the noisy padding): the columns exact mode's adapter acts at (adapter.placed_masks)."""
+        noisy = (self.noisy_columns < 0) | (self.noisy_labels != IGNORE)
+        return torch.cat([torch.zeros_like(self.labels, dtype=torch.bool), noisy], dim=1)
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -347,7 +355,8 @@ def mars_loss(
     columns = torch.cat([clean[1], noisy[1] + seq_len])
     targets = SparseTargets.cat(clean[2], noisy[2])
     loss_weights = torch.cat([o.ar_weight * clean[3], noisy[3]]) / denominator
-    loss, ce = loss_at(model, inputs, rows, columns, targets, loss_weights, o.target_logits)
+    with placed_masks(model, batch.placed_masks):
+        loss, ce = loss_at(model, inputs, rows, columns, targets, loss_weights, o.target_logits)
     n_clean = len(clean[0])
     clean_loss = (ce[:n_clean] * clean[3]).sum() / denominator
     noisy_loss = (ce[n_clean:] * noisy[3]).sum() / denominator
