@@ -9,6 +9,7 @@ from ..errors import UserError
 from .batch import DecodeBatch
 from .block_cache import BlockCachedBatch
 from .costs import MaskBatchLimit, read_cost_table
+from .draft_options import DRAFT_TOKENS
 from .params import MAX_DRAFT_TOKENS, DecoderOptions, DecodingParams  # noqa: F401 - MAX_DRAFT_TOKENS: the CLI's
 from .rows import BatchStats, FinishedRow
 from .text import TextStream
@@ -109,7 +110,7 @@ def generate(
     mask_token_id: int | None = None,
     on_finish=None,
     draft_model=None,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | None = None,
     draft_tokenizer=None,
     draft_tau: float | None = None,
     **overrides,
@@ -136,7 +137,7 @@ def generate(
 
     ``draft_model`` (an HF causal LM sharing the target's vocabulary: its output rows are checked
     against the target's, and ``draft_tokenizer``, if given, token by token) proposes
-    ``num_draft_tokens`` per step, which the model verifies, adding its confident masks under tau
+    ``num_draft_tokens`` (default 4) per step, which the model verifies, adding its confident masks under tau
     after them (draft_model.py; threshold mode, cursor cache, no stop strings; rows decode one at
     a time). An AR drafter drafts one token per forward; a MARS checkpoint (its marslm.json or its
     tokenizer names a mask token, and it is no AR stage) drafts its confident masks too, while their
@@ -147,13 +148,24 @@ def generate(
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         raise UserError("prompts must be a list (of strings, message lists or token-id lists)")
     params, decoder = with_overrides(params or DecodingParams(), decoder or DecoderOptions(), overrides)
-    drafting = (draft_model, draft_tokenizer, num_draft_tokens, draft_tau)
+    drafting = _drafting(draft_model, draft_tokenizer, num_draft_tokens, draft_tau)
     params, facts, common, drafter = _checked(model, tokenizer, params, decoder, mask_token_id, drafting)
     prompt_ids = _encoded(model, tokenizer, prompts, params, facts, apply_chat_template)
     streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
-    drafting = None if drafter is None else (drafter, num_draft_tokens, facts.mask_token_id)
+    drafting = None if drafter is None else (drafter, drafting[2], facts.mask_token_id)
     batch, rows = _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting)
     return _result(tokenizer, rows, streams, batch.stats)
+
+
+def _drafting(draft_model, draft_tokenizer, num_draft_tokens, draft_tau) -> tuple:
+    """``(draft model, its tokenizer, drafts per step, draft tau)``; a drafter's setting without a
+    drafter would do nothing, so it is refused."""
+    if draft_model is None:
+        given = {"num_draft_tokens": num_draft_tokens, "draft_tokenizer": draft_tokenizer, "draft_tau": draft_tau}
+        idle = [name for name, value in given.items() if value is not None]
+        if idle:
+            raise UserError(f"{', '.join(idle)} would do nothing: no draft model was given")
+    return (draft_model, draft_tokenizer, DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens, draft_tau)
 
 
 def _encoded(model, tokenizer, prompts, params: DecodingParams, facts, apply_chat_template: bool) -> list[list[int]]:

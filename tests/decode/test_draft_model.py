@@ -178,3 +178,12 @@ def test_without_a_seed_a_drafted_decode_draws_as_a_batch_does(trained_checkpoin
             for seed in ({}, {}, dict(seed=default), dict(seed=default + 1))
         ]
         assert runs[0] == runs[1] == runs[2] != runs[3], drafting
+
+
+@pytest.mark.parametrize("idle", [dict(num_draft_tokens=4), dict(draft_tau=0.8), dict(draft_tokenizer="tok")])
+def test_a_drafters_setting_without_a_drafter_is_refused(make_tiny_model, tiny_tokenizer, idle):
+    """``generate`` with a drafter's setting but no draft_model: it would do nothing, so it is
+    refused in one line (the default 4 drafts too, when asked for by name)."""
+    with pytest.raises(UserError, match="would do nothing: no draft model") as refused:
+        generate(make_tiny_model(), tiny_tokenizer, [[5, 6, 7]], max_new_tokens=4, **idle)
+    assert "\n" not in str(refused.value) and next(iter(idle)) in str(refused.value)
