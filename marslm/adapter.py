@@ -281,11 +281,12 @@ def choose_mask_id(model, tokenizer, mask_token: str) -> int:
     return rows
 
 
-def placed_masks(model, is_mask: torch.Tensor, offsets: torch.Tensor | None = None):
-    """The context of a forward of ``model`` with masks where ``is_mask`` (a tensor or array) says:
-    its adapter's :meth:`~MaskAdapter.gate` in exact mode, nothing else for a plain model."""
+def placed_masks(model, is_mask, offsets: torch.Tensor | None = None):
+    """The context of a forward of ``model`` with masks where ``is_mask`` (a tensor or array; None:
+    no masks) says: its adapter's :meth:`~MaskAdapter.gate` in exact mode, nothing else for a
+    plain model or a forward without masks."""
     adapter = adapter_of(model)
-    if adapter is None:
+    if adapter is None or is_mask is None:
         return nullcontext()
     return adapter.gate(torch.as_tensor(is_mask, dtype=torch.bool), offsets)
 

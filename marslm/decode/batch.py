@@ -34,8 +34,6 @@ step with ``FinishedRow.error`` set; the others go on.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import numpy as np
 import torch
 
@@ -235,8 +233,7 @@ class DecodeBatch:
         """One forward over host-built inputs (mask None: plain causal; ``placed``: where the masks
         are, None for none); returns the kept logits."""
         self.stats.forwards += 1
-        gate = nullcontext() if placed is None else placed_masks(self.model, placed)
-        with torch.no_grad(), gate:
+        with torch.no_grad(), placed_masks(self.model, placed):
             return self.model(
                 input_ids=self._to_device(input_ids),
                 position_ids=self._to_device(position_ids),

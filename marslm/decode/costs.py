@@ -128,6 +128,16 @@ def save_cost_table(directory: str | Path, table: dict) -> Path:
     return path
 
 
+def saved_mask_limit(model, block_size: int) -> MaskBatchLimit | None:
+    """A fresh :class:`MaskBatchLimit` over the cost table saved beside ``model`` for
+    ``block_size`` (:func:`read_cost_table`), or None where there is none."""
+    table = read_cost_table(model, block_size)
+    if table is None:
+        return None
+    costs, path = table
+    return MaskBatchLimit(costs, most=2 * block_size + 1, source=path)
+
+
 def read_cost_table(model, block_size: int) -> tuple[dict[int, float], str] | None:
     """``(costs per batch size, the file)`` saved beside ``model``'s checkpoint for ``block_size``,
     or None where there is none (a hub id, no ``--save`` yet, another block size)."""

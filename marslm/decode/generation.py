@@ -8,7 +8,7 @@ from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
 from .batch import DecodeBatch
 from .block_cache import BlockCachedBatch
-from .costs import MaskBatchLimit, read_cost_table
+from .costs import MaskBatchLimit, saved_mask_limit
 from .draft_options import DRAFT_TOKENS
 from .params import MAX_DRAFT_TOKENS, DecoderOptions, DecodingParams  # noqa: F401 - MAX_DRAFT_TOKENS: the CLI's
 from .rows import BatchStats, FinishedRow
@@ -228,11 +228,7 @@ def _auto_mask_limit(model, params: DecodingParams, decoder: DecoderOptions) -> 
     text is the model's, the inputs' and the settings' alone."""
     if decoder.mask_batch_limit != "auto" or params.one_token:
         return None
-    table = read_cost_table(model, params.block_size)
-    if table is None:
-        return None
-    costs, path = table
-    return MaskBatchLimit(costs, most=2 * params.block_size + 1, source=path)
+    return saved_mask_limit(model, params.block_size)
 
 
 def _result(tokenizer, rows: list[FinishedRow], streams: dict, stats: BatchStats) -> GenerationResult:

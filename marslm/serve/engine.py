@@ -51,7 +51,7 @@ import torch
 from ..adapter import adapter_of
 from ..chat import stop_token_ids
 from ..decode import DecodeBatch, DecoderOptions, DecodingParams, TextStream
-from ..decode.costs import MaskBatchLimit, read_cost_table
+from ..decode.costs import MaskBatchLimit, saved_mask_limit
 from ..errors import UserError
 from .config import ServeConfig
 from .drafting import DraftedBatch, check_drafted_request, served_drafter
@@ -423,13 +423,12 @@ def _warm_up(batch: DecodeBatch, pad_id: int, block_size: int | None) -> None:
 def _load_policy(model, block_size: int) -> MaskBatchLimit | None:
     """``--mask-batch-limit auto``: a limit over the cost table saved beside the checkpoint, which
     the batch's size then moves (a load policy); None, with a warning, where there is no table."""
-    table = read_cost_table(model, block_size)
-    if table is None:
+    limit = saved_mask_limit(model, block_size)
+    if limit is None:
         log.warning(
             "--mask-batch-limit auto: no cost table beside the checkpoint, so no limit "
             "(make one with marslm bench --cost-curve --save)"
         )
-        return None
-    costs, path = table
-    log.info("mask batch limit auto: the step costs of %s", path)
-    return MaskBatchLimit(costs, most=2 * block_size + 1, source=path)
+    else:
+        log.info("mask batch limit auto: the step costs of %s", limit.source)
+    return limit
