@@ -13,9 +13,12 @@ change, for a frozen model:
 No model code is touched. Hooks do the work, for the forwards inside :meth:`MaskAdapter.gate`
 (or :func:`placed_masks`), which names the mask positions: the decoding step and the objective
 know them, having put the masks there. A pre-hook on the model reads them, the embedding's hooks
-put the mask rows there, and each gated Linear's hook adds its low-rank update there alone. An
-input id is never taken for a mask: a forward outside a gate (HF ``generate``, a clean stream, a
-prompt that holds the mask id) runs exactly as the original does.
+put the mask rows there, and each gated Linear's hook adds its low-rank update there alone. A
+decoding step puts the masks last in every row and says so with :meth:`MaskAdapter.tail_gate`:
+the hooks then slice instead of searching, so that the step has no data-dependent operation and
+compiles as one graph (decode/forward.py). An input id is never taken for a mask: a forward
+outside a gate (HF ``generate``, a clean stream, a prompt that holds the mask id) runs exactly as
+the original does.
 
 The mask token needs no row of the original embedding: by default its id is one past the last
 row, an id no tokenizer produces and no output layer predicts, so the base checkpoint's files,
@@ -149,8 +152,8 @@ class MaskAdapter(nn.Module):
             embedding.register_forward_pre_hook(self._valid_ids),
             embedding.register_forward_hook(self._put_rows),
         ]
-        for name, lora in zip(self.spec.targets if self.spec.rank else (), self.lora):
-            self._handles.append(modules[name].register_forward_hook(self._gated_update(lora)))
+        for i, (name, lora) in enumerate(zip(self.spec.targets if self.spec.rank else (), self.lora)):
+            self._handles.append(modules[name].register_forward_hook(self._gated_update(i, lora)))
 
     def detach(self, model) -> None:
         for handle in self._handles:
@@ -172,7 +175,24 @@ class MaskAdapter(nn.Module):
         finally:
             self._placed = None
 
+    @contextmanager
+    def tail_gate(self, offsets: torch.Tensor):
+        """Within the block, the next forwards' masks are every row's last ``len(offsets)`` columns,
+        the i-th at offset ``offsets[i]``: a decoding step's layout, known on the host before the
+        forward. Nothing is then read off the forward's data (no search for the masks, no
+        transfer), so a compiled step traces through the adapter as straight-line code."""
+        scale = self.spec.alpha / self.spec.rank if self.spec.rank else 0.0
+        factors = tuple(lora.factors(scale) for lora in self.lora)
+        self._placed = _Gate(None, None, offsets.clamp(0, self.spec.rows - 1), len(offsets), factors)
+        try:
+            yield
+        finally:
+            self._placed = None
+
     def _find_masks(self, module, args, kwargs):
+        if isinstance(self._placed, _Gate):
+            self._gate = self._placed
+            return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if self._placed is None or input_ids is None:
             self._gate = None
@@ -194,26 +214,34 @@ class MaskAdapter(nn.Module):
 
     def _valid_ids(self, module, args):
         # a placed mask's id may lie past the embedding's last row; the row put there replaces the lookup
-        if self._gate is None or not len(self._gate.index):
+        gate, (ids,) = self._gate, args
+        if gate is None or not gate.tail and not len(gate.index):
             return None
-        (ids,) = args
-        return (ids.flatten().index_fill(0, self._gate.index, 0).reshape(ids.shape),)
+        if gate.index is None:
+            return (torch.cat([ids[:, : -gate.tail], ids.new_zeros(len(ids), gate.tail)], dim=1),)
+        return (ids.flatten().index_fill(0, gate.index, 0).reshape(ids.shape),)
 
     def _put_rows(self, module, args, output):
-        if self._gate is None or not len(self._gate.index):
+        gate = self._gate
+        if gate is None or not gate.tail and not len(gate.index):
             return output
+        rows = self.rows[gate.offsets].to(output.dtype)
+        if gate.index is None:
+            return torch.cat([output[:, : -gate.tail], rows.expand(len(output), -1, -1)], dim=1)
         flat = output.reshape(-1, output.shape[-1])
-        rows = self.rows[self._gate.offsets].to(output.dtype)
-        return flat.index_copy(0, self._gate.index, rows).reshape(output.shape)
+        return flat.index_copy(0, gate.index, rows).reshape(output.shape)
 
-    def _gated_update(self, lora: _LoRA):
+    def _gated_update(self, i: int, lora: _LoRA):
         scale = self.spec.alpha / self.spec.rank
 
         def hook(module, args, output):
             gate = self._gate
-            if gate is None or not len(gate.index):
+            if gate is None or not gate.tail and not len(gate.index):
                 return output
             x = args[0]
+            if gate.index is None:  # a decoding step: the masks are each row's last columns
+                a_t, b_t = gate.factors[i]
+                return torch.cat([output[:, : -gate.tail], output[:, -gate.tail :] + x[:, -gate.tail :] @ a_t @ b_t], 1)
             if x.shape[:-1].numel() != gate.shape.numel():
                 raise UserError(f"a gated Linear saw {tuple(x.shape[:-1])} tokens for {tuple(gate.shape)} input ids")
             if gate.tail and x.shape[:-1] == gate.shape and not torch.is_grad_enabled():
@@ -239,10 +267,11 @@ class _Gate:
     mask's ``offsets``, and ``tail``: how many last columns of every row are all the masks (a
     decoding step's layout), 0 where they lie elsewhere (training's interleaved streams)."""
 
-    shape: torch.Size
-    index: torch.Tensor
+    shape: torch.Size | None
+    index: torch.Tensor | None  # None: the masks are the last ``tail`` columns of every row
     offsets: torch.Tensor
     tail: int
+    factors: tuple = ()  # each gated Linear's (a^T, scale * b^T), with a tail gate
 
 
 def _trailing_masks(is_mask: torch.Tensor) -> int:
@@ -289,6 +318,16 @@ def placed_masks(model, is_mask, offsets: torch.Tensor | None = None):
     if adapter is None or is_mask is None:
         return nullcontext()
     return adapter.gate(torch.as_tensor(is_mask, dtype=torch.bool), offsets)
+
+
+def tail_gate(model, offsets: torch.Tensor | None):
+    """The context of a decoding forward of ``model`` whose masks are every row's last
+    ``len(offsets)`` columns (:meth:`~MaskAdapter.tail_gate`); nothing for a plain model, a
+    forward without masks (None) or with none (empty)."""
+    adapter = adapter_of(model)
+    if adapter is None or offsets is None or not len(offsets):
+        return nullcontext()
+    return adapter.tail_gate(offsets)
 
 
 def adapter_of(model) -> MaskAdapter | None:

@@ -98,8 +98,24 @@ def format_cost_curve(report: dict) -> str:
     lines.append(
         "Forward time as a ratio to feeding one token (w=1: "
         + ", ".join(f"batch {b} context {c}: {ms:.1f} ms" for (b, c), ms in sorted(base.items()))
-        + f"); {report['repeats']} repeats, device {report['device']}, {report['threads']} threads. "
-        "A MARS step at block size B feeds up to B + 1 columns (2B + 2 with draft groups): it pays when "
+        + f"); {report['repeats']} repeats, device {report['device']}, {report['threads']} threads"
+        + (", the compiled step (static cache, one graph per width). " if report.get("compiled") else ". ")
+        + "A MARS step at block size B feeds up to B + 1 columns (2B + 2 with draft groups): it pays when "
         "tokens per forward exceed the ratio at that width."
     )
+    return "\n".join(lines)
+
+
+def format_against_eager(eager: dict, compiled: dict) -> str:
+    """The compiled step's time at each width as a ratio to the eager one-token step's, the same
+    batch size and context: what a compiled MARS step costs against plain eager decoding."""
+    widths = compiled["widths"]
+    one = {(r["batch_size"], r["context"]): r["ms"] for r in eager["rows"] if r["width"] == eager["widths"][0]}
+    head = ["batch", "context"] + [f"w={w}" for w in widths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (batch, context), base in sorted(one.items()):
+        cells = {r["width"]: r["ms"] for r in compiled["rows"] if (r["batch_size"], r["context"]) == (batch, context)}
+        lines.append("| " + " | ".join([str(batch), str(context)] + [f"{cells[w] / base:.2f}" for w in widths]) + " |")
+    lines.append("")
+    lines.append("The compiled step's time as a ratio to the eager step that feeds one token (HF generate's step).")
     return "\n".join(lines)

@@ -113,10 +113,18 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
         contenders.append(
             _mars("lossless +groups", length, mode="lossless", cache="cursor", draft_groups=True, **fallback)
         )
+    if config.compile:
+        contenders += [_compiled(c) for c in contenders if c.decoder is not None and c.decoder.cache == "cursor"]
     unique = {}
     for c in contenders + _drafter_contenders(config):
         unique.setdefault(c.name, c)
     return list(unique.values())
+
+
+def _compiled(c: Contender) -> Contender:
+    """``c`` with its step compiled (forward.py): the same text, its compile time reported apart."""
+    decoder = replace(c.decoder, compile=True)
+    return replace(c, name=f"{c.name} compiled", options={**c.options, "compile": True}, decoder=decoder)
 
 
 def _drafter_contenders(config: BenchConfig) -> list[Contender]:
@@ -218,13 +226,14 @@ def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options: d
 
 def _run_mars(model, tokenizer, prompt_ids, batch_size, c: Contender, drafting: dict) -> dict:
     """``drafting``: generate's drafter keywords, for a drafted contender."""
-    token_ids, accepted, peak_slots, drafter_forwards = [], [], 0, 0
+    token_ids, accepted, peak_slots, drafter_forwards, compile_seconds = [], [], 0, 0, 0.0
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start : start + batch_size]
         out = generate(model, tokenizer, chunk, params=c.params, decoder=c.decoder, batch_size=batch_size, **drafting)
         token_ids += out.token_ids
         accepted += out.accepted_per_step
         drafter_forwards += out.stats.drafter_forwards
+        compile_seconds += out.stats.compile_seconds
         width = out.stats.peak_cache_slots or max(map(len, chunk)) + c.params.max_new_tokens
         peak_slots = max(peak_slots, width)
     tokens = sum(map(len, token_ids))
@@ -233,6 +242,7 @@ def _run_mars(model, tokenizer, prompt_ids, batch_size, c: Contender, drafting: 
         "tokens": tokens,
         "tokens_per_forward": sum(map(sum, accepted)) / sum(map(len, accepted)),
         "kv_slots": peak_slots * batch_size if c.decoder.cache != "none" else 0,
+        "compile_seconds": compile_seconds,
         **({"drafter_forwards": drafter_forwards} if drafting else {}),
     }
 
@@ -287,7 +297,7 @@ def _timed_rounds(models, prompts, contenders, batch_size, config: BenchConfig, 
     """Each contender's result and the seconds of each repeat, after a warm-up round on one batch;
     the repeats go round the contenders in turn."""
     seconds = {c.name: [] for c in contenders}
-    results = {}
+    results, compile_seconds = {}, {}
     for round_ in range(config.repeats + 1):  # round 0 is the warm-up, on one batch
         for c in contenders:
             model, tokenizer = models[c.checkpoint]
@@ -302,10 +312,16 @@ def _timed_rounds(models, prompts, contenders, batch_size, config: BenchConfig, 
                 result = _run_hf(
                     model, tokenizer, prompt_ids, batch_size, config.max_new_tokens, _hf_keywords(c, models)
                 )
+            # a bucket compiles the first time a step meets it, warm-up or not: reported, never timed
+            paid = result.pop("compile_seconds", 0.0)
+            compile_seconds[c.name] = compile_seconds.get(c.name, 0.0) + paid
             if round_ or "refused" in result:
-                seconds[c.name].append(time.perf_counter() - started)
+                seconds[c.name].append(time.perf_counter() - started - paid)
                 results[c.name] = result
             bar.update(1)
+    for name, paid in compile_seconds.items():
+        if paid and name in results:
+            results[name]["compile_seconds"] = round(paid, 2)
     return results, seconds
 
 
@@ -351,6 +367,7 @@ def _row(c: Contender, batch_size: int, result: dict, seconds: list[float], mode
         "accuracy": sum(correct) / len(correct),
         "peak_kv_mib": result["kv_slots"] * _kv_bytes_per_slot(model) / 2**20,
         "token_ids": result["token_ids"],
+        **({"compile_seconds": result["compile_seconds"]} if "compile_seconds" in result else {}),
     }
 
 

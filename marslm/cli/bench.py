@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from .common import (
+    add_compile,
     add_device,
     add_drafter,
     add_fallback,
@@ -48,6 +49,7 @@ def add_parser(sub) -> None:
     add_device(bench)
     fallback = "where masks do not pay: every MARS contender but the block cache's (cursor-adaptive, -auto: their own)"
     add_fallback(bench.add_argument_group(fallback))
+    add_compile(bench)
     add_drafter(bench.add_argument_group("a separate drafter: the draft, draft-ar and assisted contender groups"))
     add_unsafe_exec(bench)
     bench.set_defaults(run=run)
@@ -79,7 +81,7 @@ def run(args) -> int:
 
 
 def _cost_curve(config: BenchConfig) -> int:
-    from ..bench.report import format_cost_curve
+    from ..bench.report import format_against_eager, format_cost_curve
     from ..decode.costs import cost_curve
     from ..modeling import check_model_source, checkpoint_block_size, load_model, model_context, resolve_device
 
@@ -93,23 +95,30 @@ def _cost_curve(config: BenchConfig) -> int:
             f"2 --block-size + 2) exceeds the model's context of {room} tokens"
         )
     model, _, _ = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
+    curves = []
     with allocation_errors("--batch-sizes or --contexts"):
-        report = cost_curve(
-            model,
-            widths=list(range(1, widest + 1)),
-            contexts=config.contexts,
-            batch_sizes=config.batch_sizes,
-            repeats=config.repeats,
-            progress=config.progress,
-        )
-    print(format_cost_curve(report))
+        for compiled in (False, True) if config.compile else (False,):
+            curve = cost_curve(
+                model,
+                widths=list(range(1, widest + 1)),
+                contexts=config.contexts,
+                batch_sizes=config.batch_sizes,
+                repeats=config.repeats,
+                progress=config.progress,
+                compile=compiled,
+            )
+            curves.append(curve)
+            print(format_cost_curve(curve) + "\n")
+    if config.compile:
+        print(format_against_eager(*curves))
+    report = curves[-1]  # the step the decoder runs with these settings: its table is the one saved
     if config.save:
         from ..decode.costs import save_cost_table, table_from_curve
 
         path = save_cost_table(config.model, table_from_curve(report, block_size))
         print(f"cost table for block size {block_size}: {path}")
     if config.json_path:
-        write_json(config.json_path, report)
+        write_json(config.json_path, report if len(curves) == 1 else {"eager": curves[0], "compiled": curves[1]})
     return 0
 
 

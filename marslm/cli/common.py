@@ -37,6 +37,17 @@ def add_fallback(parser) -> None:
     add_options(parser, DecoderOptions, skip=tuple(name for name in fields if name != "mask_batch_limit"))
 
 
+def add_compile(parser) -> None:
+    """``--compile``, with ``DecoderOptions``' help: a run option of eval and bench, whose settings
+    objects carry it without a flag of their own."""
+    import dataclasses
+
+    from ..decode.params import DecoderOptions
+
+    field = next(f for f in dataclasses.fields(DecoderOptions) if f.name == "compile")
+    parser.add_argument("--compile", action="store_true", help=field.metadata["help"])
+
+
 def add_drafter(parser) -> None:
     """``--draft-model`` and ``--num-draft-tokens``, from ``DraftOptions``' fields."""
     from ..decode.draft_options import DraftOptions

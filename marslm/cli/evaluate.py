@@ -6,7 +6,15 @@ import argparse
 import sys
 
 from ..settings import strings
-from .common import EXIT_FAILED_CELLS, add_device, add_drafter, add_fallback, add_unsafe_exec, code_execution
+from .common import (
+    EXIT_FAILED_CELLS,
+    add_compile,
+    add_device,
+    add_drafter,
+    add_fallback,
+    add_unsafe_exec,
+    code_execution,
+)
 
 COMMAND = "eval"
 
@@ -47,6 +55,7 @@ def add_parser(sub) -> None:
     )
     add_options(ev, EvalConfig)
     add_fallback(ev)
+    add_compile(ev)
     add_device(ev)
     add_drafter(ev)
     ev.add_argument("--markdown", metavar="FILE", help="also write the table as a markdown document")

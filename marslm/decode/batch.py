@@ -37,12 +37,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..adapter import placed_masks
+from ..adapter import tail_gate
 from ..masks import for_attention
 from .acceptance import confidence
 from .draws import RowDraws
+from .forward import WIDTHS, StepForward
 from .inputs import StepInputs, logits_to_keep, prefill_inputs, step_inputs
-from .kv import SlotCache
+from .kv import SlotCache, StaticSlotCache
 from .params import ADAPTIVE_WIDTH, DecoderOptions, DecodingParams
 from .rows import BatchStats, FinishedRow, RowState
 from .rules import (
@@ -76,6 +77,7 @@ class DecodeBatch:
             adaptive_width=decoder.adaptive_width,
             # auto: whoever steps the batch sets the limit before each step (MaskBatchLimit.step)
             mask_batch_limit=None if decoder.mask_batch_limit == "auto" else decoder.mask_batch_limit,
+            compile=decoder.compile,
             **facts,
         )
 
@@ -92,9 +94,12 @@ class DecodeBatch:
         adaptive_width: bool = ADAPTIVE_WIDTH,
         mask_batch_limit: int | None = None,
         seed: int | None = None,
+        compile: bool = False,
     ):
         if cache not in SLOT_CACHE_MODES:
             raise ValueError(f"cache must be one of {SLOT_CACHE_MODES}, got {cache!r}")
+        if compile and cache != "cursor":
+            raise ValueError("compile runs the cursor cache's step")
         self.model = model
         self.device = next(model.parameters()).device
         self.mask_token_id = mask_token_id
@@ -109,6 +114,8 @@ class DecodeBatch:
         self.draws = RowDraws(self.device, seed)
         self.kv: SlotCache | None = None
         self.rows = RowState.empty()
+        # compile: every step at a bucket's shape over a static cache (forward.py)
+        self.static = StepForward(model, pad_id) if compile else None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -185,9 +192,16 @@ class DecodeBatch:
             return []
         self._prefill_joining()
         step = self._inputs()
-        keep = logits_to_keep(step.read_cols, step.input_ids.shape[1])
-        keep = keep if isinstance(keep, int) else self._to_device(keep)
-        logits = self._call(step.input_ids, step.position_ids, step.mask, self.kv, keep, step.placed_masks)
+        if self.static is not None:
+            self.stats.forwards += 1
+            logits, self._fed = self.static(self.kv, step, self._to_device)
+            self.stats.compile_seconds = self.static.compile_seconds
+            self.stats.compiled_steps = self.static.compiled_steps
+        else:
+            keep = logits_to_keep(step.read_cols, step.input_ids.shape[1])
+            keep = keep if isinstance(keep, int) else self._to_device(keep)
+            logits = self._call(step.input_ids, step.position_ids, step.mask, self.kv, keep, step.mask_offsets)
+            self._fed = step.input_ids.shape[1]
         candidates, accept, stopped, verified, mask_tokens, probs = self._accept(step, logits)
         if step.masks_per_group:
             # what a drafting row's masks buy shows when their drafts are verified: its first masked
@@ -229,11 +243,11 @@ class DecodeBatch:
         r.slot_valid[rows, :width] = valid
         r.cached_len[rows] = valid.sum(axis=1)
 
-    def _call(self, input_ids, position_ids, mask, cache, logits_to_keep, placed=None) -> torch.Tensor:
-        """One forward over host-built inputs (mask None: plain causal; ``placed``: where the masks
-        are, None for none); returns the kept logits."""
+    def _call(self, input_ids, position_ids, mask, cache, logits_to_keep, mask_offsets=None) -> torch.Tensor:
+        """One forward over host-built inputs (mask None: plain causal; ``mask_offsets``: those of
+        the masks, each row's last columns, None for none); returns the kept logits."""
         self.stats.forwards += 1
-        with torch.no_grad(), placed_masks(self.model, placed):
+        with torch.no_grad(), tail_gate(self.model, None if mask_offsets is None else self._to_device(mask_offsets)):
             return self.model(
                 input_ids=self._to_device(input_ids),
                 position_ids=self._to_device(position_ids),
@@ -248,9 +262,17 @@ class DecodeBatch:
         r = self.rows
         masks_read = masks_to_read(r, self.mask_batch_limit)
         inputs = step_inputs(
-            r, masks_read, draft_groups=self.draft_groups, pad_id=self.pad_id, mask_token_id=self.mask_token_id
+            r,
+            masks_read,
+            draft_groups=self.draft_groups,
+            pad_id=self.pad_id,
+            mask_token_id=self.mask_token_id,
+            causal_as_none=self.static is None,
         )
-        if self.kv is None and self.cache_mode != "none":
+        if self.kv is None and self.static is not None:
+            # the slots a row can use before compaction squeezes its holes out (rules.py), and a step
+            self.kv = StaticSlotCache(2 * int(r.max_len.max()) + 8 + WIDTHS[-1], len(r), self.device)
+        elif self.kv is None and self.cache_mode != "none":
             self.kv = SlotCache(capacity=2 * (int(r.seq_len.max()) + inputs.input_ids.shape[1]))
         return inputs
 
@@ -371,8 +393,8 @@ class DecodeBatch:
         if self.kv is None:
             return
         r = self.rows
-        if step.masks_per_group:
-            self.kv.crop(-step.groups * step.masks_per_group)
+        if self._fed > step.real_valid.shape[1]:  # the masks' entries, and a bucket's padding
+            self.kv.crop(-(self._fed - step.real_valid.shape[1]))
         kept = np.where(r.drafting, verified, 0)
         real_width = step.real_valid.shape[1]
         kept_real = step.real_valid & (np.arange(real_width) < (step.pending_len + kept)[:, None])

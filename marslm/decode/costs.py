@@ -28,7 +28,15 @@ COST_TABLE = "marslm-costs.json"  # beside the checkpoint's marslm.json
 
 
 def cost_curve(
-    model, *, widths, contexts=(128, 512), batch_sizes=(1,), repeats: int = 5, seed: int = 0, progress: bool = True
+    model,
+    *,
+    widths,
+    contexts=(128, 512),
+    batch_sizes=(1,),
+    repeats: int = 5,
+    seed: int = 0,
+    progress: bool = True,
+    compile: bool = False,
 ) -> dict:
     """Time of one cached forward against the number of tokens it feeds, as ratios to one token.
 
@@ -39,7 +47,8 @@ def cost_curve(
     is cropped back, the widths in turn within each repeat (interleaved), after a warm-up round.
     Logits are computed for every fed column, as a MARS step reads them. On an exact-mode model
     every fed column after the first is the mask token, so that the adapter, which acts at masks
-    alone (adapter.py), costs what it does in a step.
+    alone (adapter.py), costs what it does in a step. ``compile``: the step a compiled decoder runs
+    (forward.py), over a static cache, each width traced in the warm-up round.
     """
     from tqdm.auto import tqdm
 
@@ -53,7 +62,8 @@ def cost_curve(
     )
     for batch in batch_sizes:
         for context in contexts:
-            times = _timed_widths(model, batch, context, widths, repeats, generator, mask_id, bar.update)
+            timed = _timed_static_widths if compile else _timed_widths
+            times = timed(model, batch, context, widths, repeats, generator, mask_id, bar.update)
             base = statistics.median(times[widths[0]])
             for w in widths:
                 ms = statistics.median(times[w])
@@ -64,6 +74,7 @@ def cost_curve(
         "device": str(device),
         "threads": torch.get_num_threads(),
         "repeats": repeats,
+        "compiled": compile,
         "widths": list(widths),
         "rows": rows,
     }
@@ -91,6 +102,51 @@ def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, ti
             started = time.perf_counter()
             with torch.no_grad(), placed_masks(model, placed):
                 model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
+            _synchronize(device)
+            if round_:
+                times[w].append(time.perf_counter() - started)
+            cache.crop(-w)
+            tick(1)
+    return times
+
+
+def _timed_static_widths(model, batch, context, widths, repeats, generator, mask_id, tick) -> dict[int, list[float]]:
+    """:func:`_timed_widths` for the compiled step: the same forwards through ``StepForward.run``
+    over a static cache, with the mask always a tensor and the adapter's tail gate."""
+    import numpy as np
+
+    from .forward import Padded, StepForward
+    from .kv import StaticSlotCache
+
+    device, vocab = next(model.parameters()).device, model.config.vocab_size
+    capacity = context + max(widths)
+    cache, step = StaticSlotCache(capacity, batch, device), StepForward(model, pad_id=0)
+
+    def to_device(array):
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+    def inputs(ids, start):
+        w = ids.shape[1]
+        mask = np.zeros((batch, 1, w, capacity), bool)
+        mask[:, 0, :, :start] = True
+        mask[:, 0, :, start : start + w] = np.tril(np.ones((w, w), bool))
+        positions = np.broadcast_to(start + np.arange(w), (batch, w))
+        tail = w - 1 if mask_id is not None and start else 0
+        return Padded(ids, positions, mask, tail, np.arange(tail))
+
+    prefix = torch.randint(vocab, (batch, context), generator=generator).numpy()
+    cache.prepare(batch, context)
+    step.run(cache, inputs(prefix, 0), False, to_device)
+    times = {w: [] for w in widths}
+    for round_ in range(repeats + 1):  # round 0: warm-up, where each width compiles
+        for w in widths:
+            fed = torch.randint(vocab, (batch, w), generator=generator).numpy()
+            if mask_id is not None:
+                fed[:, 1:] = mask_id
+            cache.prepare(batch, w)
+            _synchronize(device)
+            started = time.perf_counter()
+            step.run(cache, inputs(fed, context), True, to_device)
             _synchronize(device)
             if round_:
                 times[w].append(time.perf_counter() - started)

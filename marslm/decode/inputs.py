@@ -38,16 +38,24 @@ class StepInputs:
     groups: int
 
     @property
-    def placed_masks(self) -> np.ndarray:
-        """``[rows, fed]``: the mask columns (every column after the real ones), where exact mode's
-        adapter acts; padding and real tokens are never masks, whatever their id."""
-        width_real = self.real_valid.shape[1]
-        return np.broadcast_to(np.arange(self.input_ids.shape[1]) >= width_real, self.input_ids.shape)
+    def mask_offsets(self) -> np.ndarray:
+        """``[masks]``: each mask column's offset inside its group. The masks are every row's last
+        columns, after the real ones: where exact mode's adapter acts (``MaskAdapter.tail_gate``);
+        padding and real tokens are never masks, whatever their id."""
+        return np.tile(np.arange(self.masks_per_group), self.groups)
 
 
 def step_inputs(
-    rows: RowState, masks_read: np.ndarray, *, draft_groups: bool, pad_id: int, mask_token_id: int
+    rows: RowState,
+    masks_read: np.ndarray,
+    *,
+    draft_groups: bool,
+    pad_id: int,
+    mask_token_id: int,
+    causal_as_none: bool = True,
 ) -> StepInputs:
+    """``causal_as_none``: a mask that is plain causal attention is None (the model's own); a
+    compiled step takes one layout, always a tensor."""
     n, index = len(rows), np.arange(len(rows))[:, None]
     pending_len = rows.seq_len - rows.cached_len
     real_len = pending_len + rows.draft_len
@@ -77,7 +85,7 @@ def step_inputs(
         axis=1,
     )
     group_sees = pending_len[:, None] + group_drafts
-    mask = decode_step_mask(rows.slot_valid, real_valid, group_sees, group_valid, per_group, causal_as_none=True)
+    mask = decode_step_mask(rows.slot_valid, real_valid, group_sees, group_valid, per_group, causal_as_none)
     read_cols = np.concatenate(
         [
             (pending_len - 1)[:, None],

@@ -143,3 +143,80 @@ class SlotCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length if len(self.layers) > layer_idx else 0
+
+
+class StaticSlotLayer(SlotLayer):
+    """A :class:`SlotLayer` whose buffers keep their shape from step to step, as a compiled step
+    needs: a forward writes its keys/values at the slots from ``start`` (a tensor the host sets, so
+    a traced step does not specialise on it) and attends over every slot, the attention mask
+    hiding those not in use. The host moves ``length`` itself (:meth:`StaticSlotCache.advance`);
+    rows, holes, cropping and compaction are the :class:`SlotLayer`'s own."""
+
+    def __init__(self, capacity: int, rows: int, start: torch.Tensor):
+        super().__init__(capacity)
+        self.rows, self.start = rows, start
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows = self.rows  # a step may feed padding rows past the ones in use
+        super().lazy_initialization(key_states, value_states)
+        self.rows = rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        fed = len(key_states)
+        at = self.start + torch.arange(key_states.shape[-2], device=key_states.device)
+        self.keys[:fed].index_copy_(2, at, key_states)
+        self.values[:fed].index_copy_(2, at, value_states)
+        return self.keys[:fed], self.values[:fed]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity, 0
+
+    def ensure(self, rows: int, slots: int) -> None:
+        """Room for a step that feeds ``rows`` rows (padding included) into ``slots`` slots from
+        ``length``: buffers that grow change the step's shape, so they grow rarely, by doubling."""
+        if not self.is_initialized:
+            self.capacity = max(self.capacity, slots)
+            return
+        if rows > self.keys.shape[0]:
+            self.keys, self.values = (_grown(t, 0, max(rows, 2 * t.shape[0])) for t in (self.keys, self.values))
+        if slots > self.keys.shape[2]:
+            self._grow_slots(slots)
+        self.capacity = self.keys.shape[2]
+
+
+class StaticSlotCache(SlotCache):
+    """One :class:`StaticSlotLayer` per model layer, all writing at one shared ``start``."""
+
+    def __init__(self, capacity: int, rows: int, device: torch.device):
+        self.start = torch.zeros((), dtype=torch.long, device=device)
+        Cache.__init__(self, layer_class_to_replicate=lambda: StaticSlotLayer(self.capacity, self.rows, self.start))
+        self.capacity, self.rows = capacity, rows
+
+    @property
+    def ready(self) -> bool:
+        """Its buffers exist (the first forward, run eagerly, makes them): a compiled step may run."""
+        return bool(self.layers) and all(layer.is_initialized for layer in self.layers)
+
+    def prepare(self, rows: int, width: int) -> None:
+        """Before a forward of ``rows`` x ``width`` (padding included): room for it, and its slots'
+        start set to the first free one."""
+        length = self.get_seq_length()
+        for layer in self.layers:
+            layer.ensure(rows, length + width)
+        self.capacity = self.layers[0].capacity if self.layers else max(self.capacity, length + width)
+        self.start.fill_(length)
+
+    def advance(self, width: int) -> None:
+        """After a forward: its ``width`` slots are in use (a commit crops what it does not keep)."""
+        for layer in self.layers:
+            layer.length += width
+
+    def add_rows(self, count: int) -> None:
+        self.rows += count
+        super().add_rows(count)
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        self.rows = len(indices)
+        super().select_rows(indices)

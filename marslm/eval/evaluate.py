@@ -82,6 +82,8 @@ class EvalConfig:
         MASK_BATCH_LIMIT, "see DecoderOptions", cli=False
     )
     drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
+    # the CLI's --compile; not a cell's setting, as the text is the eager step's
+    compile: bool = setting(False, "see DecoderOptions", cli=False)
     batch_size: int = setting(32, "rows decoded together")
     max_new_tokens: int = setting(EVAL_MAX_NEW_TOKENS, "longest answer, in tokens")
     device: str | None = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
@@ -399,7 +401,10 @@ def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, config: Ev
             eval_set,
             taus=(cell["tau"],),
             params=DecodingParams(**settings, max_new_tokens=config.max_new_tokens),
-            decoder=DecoderOptions(**{k: cell[k] for k in ("cache", "adaptive_width", "mask_batch_limit")}),
+            decoder=DecoderOptions(
+                **{k: cell[k] for k in ("cache", "adaptive_width", "mask_batch_limit")},
+                compile=config.compile and cell["cache"] == "cursor",
+            ),
             batch_size=config.batch_size,
             progress=config.progress,
             model_name=model_name,

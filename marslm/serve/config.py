@@ -61,6 +61,11 @@ class ServeConfig:
         "rarely confident, but at tau < 1 it changes the text (default: on; with --no-adaptive-width "
         "--mask-batch-limit off every step reads its masks, the paper's rule)",
     )
+    compile: bool = setting(
+        False,
+        "torch.compile the decoding step: one graph per bucket of rows and width, compiled the first time a "
+        "step meets it (that step is slow), then reused by every request; the text is the eager step's",
+    )
     max_queue: int = setting(256, "requests that may wait for a batch row; beyond it: 429 with Retry-After")
     max_tokens: int = setting(256, "max_tokens of a request that names none")
     max_tokens_limit: int = setting(4096, "largest max_tokens accepted")

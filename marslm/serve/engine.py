@@ -110,6 +110,7 @@ class Engine:
             cache="cursor",  # rows join and leave at any step
             adaptive_width=config.adaptive_width,
             mask_batch_limit=None if config.mask_batch_limit == "auto" else config.mask_batch_limit,
+            compile=config.compile,
         )
         # exact mode's adapter acts at the mask token: no prompt may hold it
         self._gated_id = facts.mask_token_id if adapter_of(model) is not None else None

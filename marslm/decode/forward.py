@@ -1,0 +1,177 @@
+"""One step's forward: eager over the growing cache, or at fixed shapes, compiled once per bucket.
+
+An eager step pays a fixed cost for every operation it launches, and on a small model, or an
+exact-mode one whose adapter adds two tiny products per gated Linear, that cost is most of the
+step. What removes it is a step whose shape repeats, so that a compiler can trace it once and
+replay it (gpt-fast compiles its decode step over a static KV cache; vLLM and SGLang capture CUDA
+graphs per batch size). A decoding step's shape changes with every step: its rows, its width and
+its cache. With ``compile=True`` it is made to repeat:
+
+    rows     padded to a power of two (padding rows see only themselves; their outputs are dropped)
+    columns  padded to the next of a few widths (:func:`widths`); the padding follows the masks,
+             sees only itself, and its keys/values are dropped with the masks'
+    cache    a :class:`~.kv.StaticSlotCache`: fixed buffers written from a position tensor the
+             host sets, and an attention mask that is always a ``[rows, 1, width, capacity]`` tensor
+    adapter  exact mode's gate is the tail gate (``MaskAdapter.tail_gate``): the masks' places are
+             known on the host, so nothing in the forward depends on its data
+
+Each bucket (rows, width, whether masks are fed) is one graph, traced with ``fullgraph=True`` the
+first time it is met and reused by every later step, call and request; its first call's time is
+reported as compile time. A forward wider than the widest bucket (a prompt that starts the batch)
+runs the same function eagerly. The output is the step's logits at every fed column.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..adapter import adapter_of, tail_gate
+from ..masks import for_attention
+from .inputs import StepInputs
+from .kv import StaticSlotCache
+
+# The widths a compiled step is padded to: powers of two, and one past them, so that the common
+# steps of a power-of-two block B need no padding (one token; B + 1: a token and its masks;
+# 2B + 1: a block fed back, or verified, and its masks). A wider step runs eagerly.
+WIDTHS = (1, 2, 4, 5, 8, 9, 16, 17, 32, 33)
+# dynamo's default of 8 graphs per function is fewer than one decoding run's buckets
+RECOMPILE_LIMIT = 64
+BACKEND = "inductor"  # torch.compile's backend (tests trace with "eager": the same graph, no codegen)
+
+
+def bucket(width: int) -> int | None:
+    """The width a step of ``width`` columns is padded to, or None: wider than any bucket."""
+    return next((w for w in WIDTHS if w >= width), None)
+
+
+def row_bucket(rows: int) -> int:
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class Padded:
+    """A step's host-built inputs at a bucket's shape."""
+
+    input_ids: np.ndarray  # [rows, width]
+    position_ids: np.ndarray
+    mask: np.ndarray  # [rows, 1, width, capacity]: what each fed column sees, cached slots first
+    tail: int  # the last columns of every row that are not real tokens: the masks, then padding
+    offsets: np.ndarray  # [tail] each one's offset inside its mask group (padding: 0)
+
+
+def padded(step: StepInputs, *, rows: int, width: int, cached: int, capacity: int, pad_id: int) -> Padded:
+    """``step`` (its mask ``[n, 1, W, cached + W]``, never None) padded to ``rows`` x ``width``
+    over a cache of ``capacity`` slots whose first ``cached`` are in use."""
+    n, fed = step.input_ids.shape
+    mask = step.mask
+    input_ids = np.full((rows, width), pad_id, np.int64)
+    input_ids[:n, :fed] = step.input_ids
+    position_ids = np.zeros((rows, width), np.int64)
+    position_ids[:n, :fed] = step.position_ids
+    full = np.zeros((rows, 1, width, capacity), bool)
+    full[:n, :, :fed, : cached + fed] = mask
+    full[:, 0, np.arange(width), cached + np.arange(width)] |= _padding(n, fed, rows, width)
+    real = step.real_valid.shape[1]
+    offsets = np.zeros(width - real, np.int64)
+    offsets[: fed - real] = step.mask_offsets
+    return Padded(input_ids, position_ids, full, width - real, offsets)
+
+
+def _padding(n: int, fed: int, rows: int, width: int) -> np.ndarray:
+    """``[rows, width]``: the padding columns and rows, each of which sees only itself."""
+    pad = np.ones((rows, width), bool)
+    pad[:n, :fed] = False
+    return pad
+
+
+class StepForward:
+    """Runs the steps of one model at bucket shapes over a static cache, through the process's
+    compiled function once the cache's buffers exist (else, and past the widest bucket, eagerly)."""
+
+    def __init__(self, model, pad_id: int):
+        self.model = model
+        self.pad_id = pad_id
+        self.compile_seconds = 0.0  # the first calls of buckets this process had not traced yet
+        self.compiled_steps = 0  # steps run through a compiled graph (the rest ran eagerly)
+
+    def __call__(self, cache: StaticSlotCache, step: StepInputs, to_device) -> tuple[torch.Tensor, int]:
+        """``(logits, width)``: the logits at ``step``'s read columns, and the columns fed (padding included)."""
+        n, fed = step.input_ids.shape
+        compiled = cache.ready and bucket(fed) is not None
+        rows, width = (row_bucket(n), bucket(fed)) if compiled else (n, fed)
+        cached = cache.get_seq_length()
+        cache.prepare(rows, width)
+        inputs = padded(step, rows=rows, width=width, cached=cached, capacity=cache.capacity, pad_id=self.pad_id)
+        logits = self.run(cache, inputs, compiled, to_device)
+        read = logits[torch.arange(n, device=logits.device)[:, None], to_device(step.read_cols)]
+        return read, width
+
+    def run(self, cache: StaticSlotCache, inputs: Padded, compiled: bool, to_device) -> torch.Tensor:
+        """One forward of ``inputs`` over ``cache`` (prepared for its shape), compiled or not; the
+        logits of every fed column. The cache's slots in use grow by the columns fed."""
+        owner = _owner(self.model)
+        args = (
+            self.model,
+            to_device(inputs.input_ids),
+            to_device(inputs.position_ids),
+            for_attention(to_device(inputs.mask), self.model),
+            cache,
+            owner,
+        )
+        key = (BACKEND, owner, *inputs.input_ids.shape, inputs.tail, cache.capacity)
+        with torch.no_grad(), tail_gate(self.model, to_device(inputs.offsets)):
+            if not compiled:
+                logits = _forward(*args)
+            elif key in _TRACED:
+                logits = _compiled_forward()(*args)
+            else:
+                started = time.perf_counter()  # reported, never decided on
+                logits = _compiled_forward()(*args)
+                _TRACED.add(key)
+                self.compile_seconds += time.perf_counter() - started
+        self.compiled_steps += compiled
+        cache.advance(inputs.input_ids.shape[1])
+        return logits
+
+
+def _forward(model, input_ids, position_ids, mask, cache, owner: int):
+    if owner < 0:  # read, so that a graph is kept per owner (see _owner)
+        raise ValueError(owner)
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True)
+    return out.logits
+
+
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NUMBERS = itertools.count()
+
+
+def _owner(model) -> int:
+    """A number for ``model`` and the adapter on it that no other pair gets in this process. Two
+    models of one shape pass each other's graph guards, and dynamo does not guard on hooks (an
+    exact model's adapter): the number, read by the traced function, is what keeps them apart."""
+    adapter = adapter_of(model)
+    numbers = _OWNERS.setdefault(model, {})
+    if id(adapter) not in numbers:
+        numbers[id(adapter)] = next(_NUMBERS)
+    return numbers[id(adapter)]
+
+
+_COMPILED: dict = {}  # backend -> the compiled _forward
+_TRACED: set = set()  # (model, bucket) pairs already traced in this process
+
+
+def _compiled_forward():
+    """One compiled function per process: dynamo keeps its graphs per function, so every decoder,
+    call and request shares the buckets already traced."""
+    if BACKEND not in _COMPILED:
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        _COMPILED[BACKEND] = torch.compile(_forward, backend=BACKEND, fullgraph=True, dynamic=False)
+    return _COMPILED[BACKEND]

@@ -1,0 +1,123 @@
+"""``compile=True``: the step traces as one graph per bucket, with no graph break, and decodes
+what the eager step decodes, token for token.
+
+Most tests trace with dynamo's ``eager`` backend: ``fullgraph=True`` raises at the first graph
+break whatever the backend, and the graph runs without code generation. One test runs inductor,
+the backend users get.
+"""
+
+import pytest
+
+import marslm
+from marslm.chat import encode_prompt
+from marslm.data import toy
+from marslm.decode import forward
+from marslm.errors import UserError
+from tests.trained import TRAIN_N
+
+SETTINGS = {
+    "tau 1": dict(tau=1.0),
+    "threshold": dict(tau=0.6),
+    "threshold, every step reads its masks": dict(tau=0.6, adaptive_width=False, mask_batch_limit=None),
+    "lossless": dict(mode="lossless"),
+    "hybrid": dict(mode="hybrid", tau=0.6),
+    "lossless, draft groups": dict(mode="lossless", draft_groups=True),
+}
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    monkeypatch.setattr(forward, "BACKEND", "eager")
+
+
+def _prompts(tokenizer, n=4):
+    return [encode_prompt(tokenizer, ex.messages) for ex in toy.make_split("train", TRAIN_N, seed=0)[::8][:n]]
+
+
+def _both(model, tokenizer, prompts, **settings):
+    eager = marslm.generate(model, tokenizer, prompts, max_new_tokens=40, **settings)
+    compiled = marslm.generate(model, tokenizer, prompts, max_new_tokens=40, compile=True, **settings)
+    return eager, compiled
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("checkpoint", ["toy", "exact"])
+def test_the_compiled_step_has_no_graph_break_and_decodes_as_the_eager_one(
+    traced, trained_checkpoints, exact64, checkpoint, setting
+):
+    model, tokenizer = trained_checkpoints["mars64"] if checkpoint == "toy" else exact64
+    eager, compiled = _both(model, tokenizer, _prompts(tokenizer), **SETTINGS[setting])
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.accepted_per_step == eager.accepted_per_step
+    # every step after the one that filled the cache ran a compiled graph
+    assert compiled.stats.compiled_steps == compiled.stats.forwards - 1 > 0
+
+
+def test_a_random_llama_compiles_and_decodes_as_the_eager_step(traced, make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model("llama")
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    for settings in (dict(tau=1.0), dict(tau=0.001, adaptive_width=False), dict(mode="lossless")):
+        eager, compiled = _both(model, tiny_tokenizer, prompts, **settings)
+        assert compiled.token_ids == eager.token_ids
+        assert compiled.stats.compiled_steps == compiled.stats.forwards - 1 > 0
+    assert compiled.tokens_per_forward == eager.tokens_per_forward
+
+
+def test_later_calls_reuse_the_graphs_already_traced(traced, trained_checkpoints):
+    model, tokenizer = trained_checkpoints["mars64"]
+    prompts = _prompts(tokenizer, 1)
+    first = marslm.generate(model, tokenizer, prompts, max_new_tokens=24, tau=1.0, compile=True)
+    again = marslm.generate(model, tokenizer, prompts, max_new_tokens=24, tau=1.0, compile=True)
+    assert first.stats.compile_seconds > 0 and again.stats.compile_seconds == 0
+    assert again.token_ids == first.token_ids
+
+
+def test_inductor_decodes_as_the_eager_step(trained_checkpoints):
+    model, tokenizer = trained_checkpoints["mars64"]
+    prompts = _prompts(tokenizer, 1)
+    eager, compiled = _both(model, tokenizer, prompts, mode="lossless")
+    assert compiled.token_ids == eager.token_ids and compiled.stats.compiled_steps > 0
+    greedy = marslm.generate(model, tokenizer, prompts, max_new_tokens=40, tau=1.0, compile=True)
+    assert greedy.token_ids == compiled.token_ids
+
+
+@pytest.mark.parametrize("cache", ["none", "block"])
+def test_compile_is_refused_where_the_step_is_not_the_cursor_caches(trained_checkpoints, cache):
+    model, tokenizer = trained_checkpoints["mars64"]
+    with pytest.raises(UserError, match="compile runs the cursor cache's step"):
+        marslm.generate(model, tokenizer, ["hi"], cache=cache, compile=True)
+
+
+def test_padding_is_never_kept_in_the_cache(traced, trained_checkpoints):
+    """After every step the static cache holds what the eager one holds: padding columns and rows,
+    and the masks, are dropped; the slots in use end where the eager cache's end."""
+    from marslm.decode.batch import DecodeBatch
+    from marslm.decode.kv import StaticSlotCache
+    from marslm.decode.params import DecodingParams
+
+    model, tokenizer = trained_checkpoints["mars64"]
+    prompts = _prompts(tokenizer, 3)
+    params = DecodingParams(tau=0.6, max_new_tokens=24).validate(4)
+    batches = [
+        DecodeBatch(model, mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"), stop_ids=[2], compile=c)
+        for c in (False, True)
+    ]
+    for batch in batches:
+        batch.add(prompts, [params] * 3, [0, 1, 2])
+    while len(batches[0]):
+        done = [batch.step() for batch in batches]
+        assert done[0] == done[1]
+        if len(batches[0]):
+            eager, static = (b.kv.get_seq_length() for b in batches)
+            assert static == eager
+            assert (batches[1].rows.slot_valid == batches[0].rows.slot_valid).all()
+            assert isinstance(batches[1].kv, StaticSlotCache)
+
+
+def test_a_model_and_its_exact_twin_never_share_a_graph(traced, original64, exact64):
+    """The exact checkpoint's base has the same shapes, and dynamo does not guard on hooks: the
+    adapter's graphs must be its own (forward._owner), whichever model is traced first."""
+    prompts = _prompts(exact64[1])
+    for model, tokenizer in (original64, exact64):
+        eager, compiled = _both(model, tokenizer, prompts, mode="lossless")
+        assert compiled.accepted_per_step == eager.accepted_per_step
