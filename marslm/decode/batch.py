@@ -271,7 +271,8 @@ class DecodeBatch:
         )
         if self.kv is None and self.static is not None:
             # the slots a row can use before compaction squeezes its holes out (rules.py), and a step
-            self.kv = StaticSlotCache(2 * int(r.max_len.max()) + 8 + WIDTHS[-1], len(r), self.device)
+            room = 2 * int(r.max_len.max()) + 8 + WIDTHS[-1]
+            self.kv = StaticSlotCache(1 << (room - 1).bit_length(), len(r), self.device)  # a few shapes
         elif self.kv is None and self.cache_mode != "none":
             self.kv = SlotCache(capacity=2 * (int(r.seq_len.max()) + inputs.input_ids.shape[1]))
         return inputs

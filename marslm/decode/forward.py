@@ -40,8 +40,9 @@ from .kv import StaticSlotCache
 # steps of a power-of-two block B need no padding (one token; B + 1: a token and its masks;
 # 2B + 1: a block fed back, or verified, and its masks). A wider step runs eagerly.
 WIDTHS = (1, 2, 4, 5, 8, 9, 16, 17, 32, 33)
-# dynamo's default of 8 graphs per function is fewer than one decoding run's buckets
-RECOMPILE_LIMIT = 64
+# dynamo's default of 8 graphs per function is fewer than one decoding run's buckets; past this
+# many, a new bucket runs eagerly
+RECOMPILE_LIMIT = 128
 BACKEND = "inductor"  # torch.compile's backend (tests trace with "eager": the same graph, no codegen)
 
 
@@ -67,27 +68,31 @@ class Padded:
 
 def padded(step: StepInputs, *, rows: int, width: int, cached: int, capacity: int, pad_id: int) -> Padded:
     """``step`` (its mask ``[n, 1, W, cached + W]``, never None) padded to ``rows`` x ``width``
-    over a cache of ``capacity`` slots whose first ``cached`` are in use."""
+    over a cache of ``capacity`` slots whose first ``cached`` are in use.
+
+    The padding columns go between the real tokens and the masks, so that the masks stay every
+    row's last columns (the adapter's tail, one per bucket whatever the padding) and the padding
+    is dropped with them after the step."""
     n, fed = step.input_ids.shape
-    mask = step.mask
+    place = columns(step, width)
     input_ids = np.full((rows, width), pad_id, np.int64)
-    input_ids[:n, :fed] = step.input_ids
+    input_ids[:n, place] = step.input_ids
     position_ids = np.zeros((rows, width), np.int64)
-    position_ids[:n, :fed] = step.position_ids
+    position_ids[:n, place] = step.position_ids
     full = np.zeros((rows, 1, width, capacity), bool)
-    full[:n, :, :fed, : cached + fed] = mask
-    full[:, 0, np.arange(width), cached + np.arange(width)] |= _padding(n, fed, rows, width)
-    real = step.real_valid.shape[1]
-    offsets = np.zeros(width - real, np.int64)
-    offsets[: fed - real] = step.mask_offsets
-    return Padded(input_ids, position_ids, full, width - real, offsets)
+    keys = np.concatenate([np.arange(cached), cached + place])
+    full[:n, 0, place[:, None], keys[None, :]] = step.mask[:, 0]
+    padding = np.ones((rows, width), bool)
+    padding[:n, place] = False
+    full[:, 0, np.arange(width), cached + np.arange(width)] |= padding  # padding sees only itself
+    return Padded(input_ids, position_ids, full, fed - step.real_valid.shape[1], step.mask_offsets)
 
 
-def _padding(n: int, fed: int, rows: int, width: int) -> np.ndarray:
-    """``[rows, width]``: the padding columns and rows, each of which sees only itself."""
-    pad = np.ones((rows, width), bool)
-    pad[:n, :fed] = False
-    return pad
+def columns(step: StepInputs, width: int) -> np.ndarray:
+    """Where each of ``step``'s fed columns goes in a step ``width`` wide (see :func:`padded`)."""
+    fed, real = step.input_ids.shape[1], step.real_valid.shape[1]
+    place = np.arange(fed)
+    return np.where(place < real, place, place + width - fed)
 
 
 class StepForward:
@@ -109,8 +114,8 @@ class StepForward:
         cache.prepare(rows, width)
         inputs = padded(step, rows=rows, width=width, cached=cached, capacity=cache.capacity, pad_id=self.pad_id)
         logits = self.run(cache, inputs, compiled, to_device)
-        read = logits[torch.arange(n, device=logits.device)[:, None], to_device(step.read_cols)]
-        return read, width
+        read_cols = columns(step, width)[step.read_cols]
+        return logits[torch.arange(n, device=logits.device)[:, None], to_device(read_cols)], width
 
     def run(self, cache: StaticSlotCache, inputs: Padded, compiled: bool, to_device) -> torch.Tensor:
         """One forward of ``inputs`` over ``cache`` (prepared for its shape), compiled or not; the
@@ -126,14 +131,18 @@ class StepForward:
         )
         key = (BACKEND, owner, *inputs.input_ids.shape, inputs.tail, cache.capacity)
         with torch.no_grad(), tail_gate(self.model, to_device(inputs.offsets)):
-            if not compiled:
-                logits = _forward(*args)
+            if not compiled or key in _EAGER:
+                compiled, logits = False, _forward(*args)
             elif key in _TRACED:
                 logits = _compiled_forward()(*args)
             else:
                 started = time.perf_counter()  # reported, never decided on
-                logits = _compiled_forward()(*args)
-                _TRACED.add(key)
+                try:
+                    logits = _compiled_forward()(*args)
+                    _TRACED.add(key)
+                except torch._dynamo.exc.FailOnRecompileLimitHit:  # refused before it ran: run it eagerly
+                    _EAGER.add(key)
+                    compiled, logits = False, _forward(*args)
                 self.compile_seconds += time.perf_counter() - started
         self.compiled_steps += compiled
         cache.advance(inputs.input_ids.shape[1])
@@ -164,6 +173,7 @@ def _owner(model) -> int:
 
 _COMPILED: dict = {}  # backend -> the compiled _forward
 _TRACED: set = set()  # (model, bucket) pairs already traced in this process
+_EAGER: set = set()  # buckets past dynamo's limit of graphs: they run eagerly
 
 
 def _compiled_forward():
