@@ -95,12 +95,16 @@ def _cost_curve(config: BenchConfig) -> int:
             f"2 --block-size + 2) exceeds the model's context of {room} tokens"
         )
     model, _, _ = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
+    from ..decode.forward import WIDTHS
+
+    # compiled, each width is a graph of its own: the widths a compiled decoder pads its steps to
+    widths = [w for w in range(1, widest + 1) if not config.compile or w in WIDTHS]
     curves = []
     with allocation_errors("--batch-sizes or --contexts"):
         for compiled in (False, True) if config.compile else (False,):
             curve = cost_curve(
                 model,
-                widths=list(range(1, widest + 1)),
+                widths=widths,
                 contexts=config.contexts,
                 batch_sizes=config.batch_sizes,
                 repeats=config.repeats,

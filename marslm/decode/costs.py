@@ -130,7 +130,7 @@ def _timed_static_widths(model, batch, context, widths, repeats, generator, mask
         mask = np.zeros((batch, 1, w, capacity), bool)
         mask[:, 0, :, :start] = True
         mask[:, 0, :, start : start + w] = np.tril(np.ones((w, w), bool))
-        positions = np.broadcast_to(start + np.arange(w), (batch, w))
+        positions = np.broadcast_to(start + np.arange(w), (batch, w)).copy()
         tail = w - 1 if mask_id is not None and start else 0
         return Padded(ids, positions, mask, tail, np.arange(tail))
 
@@ -163,8 +163,9 @@ def _synchronize(device) -> None:
 def table_from_curve(report: dict, block_size: int) -> dict:
     """The cost table of a :func:`cost_curve` report: per batch size, the cost of a masked step (a
     row feeds its last accepted tokens, about two, and ``block_size`` masks) as a ratio to a
-    one-token step, the highest over the report's contexts."""
-    width = block_size + 2
+    one-token step, the highest over the report's contexts (a compiled curve's: the width such a
+    step is padded to)."""
+    width = min((w for w in report["widths"] if w >= block_size + 2), default=block_size + 2)
     costs: dict[int, float] = {}
     for row in report["rows"]:
         if row["width"] == width:
@@ -174,7 +175,7 @@ def table_from_curve(report: dict, block_size: int) -> dict:
     return {
         "block_size": block_size,
         "costs": {str(b): round(c, 4) for b, c in sorted(costs.items())},
-        "measured_on": {key: report[key] for key in ("device", "threads", "repeats")},
+        "measured_on": {key: report.get(key) for key in ("device", "threads", "repeats", "compiled")},
     }
 
 
