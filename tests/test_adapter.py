@@ -222,3 +222,31 @@ def test_masks_between_clean_tokens_take_the_general_path_without_autograd(model
     with torch.enable_grad():
         general = _gated(adapter, model, ids, mask_id, grad=True)
     assert torch.equal(out, general)
+
+
+@pytest.mark.parametrize("groups, per_group", [(1, 3), (2, 3), (3, 2)])
+def test_the_tail_gate_is_the_placed_gate_of_a_decoding_step(model_and_adapter, groups, per_group):
+    """A decoding step's masks are every row's last columns (``tail_gate``, which reads nothing off
+    the data): the same outputs, to the last bit of float64, as the gate that finds the masks and
+    reads their offsets off the attention mask, each group's offsets counted from 0."""
+    model, adapter, mask_id = model_and_adapter
+    model, adapter = model.double(), adapter.double()
+    adapter.attach(model)
+    real, masks = 4, groups * per_group
+    ids = torch.cat([torch.randint(4, 100, (2, real)), torch.full((2, masks), mask_id)], dim=1)
+    causal = torch.ones(real + masks, real + masks, dtype=torch.bool).tril()
+    for g in range(groups):  # a group sees the real tokens and itself, not the other groups
+        start = real + g * per_group
+        causal[start:, real:start] = False
+    mask = for_attention(causal.expand(2, 1, -1, -1), model)
+    placed = torch.arange(real + masks) >= real
+    with torch.no_grad(), adapter.gate(placed.expand(2, -1)):
+        found = model(input_ids=ids, attention_mask=mask).logits
+    offsets = torch.arange(per_group).repeat(groups)
+    with torch.no_grad(), adapter.tail_gate(offsets):
+        tail = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(tail[:, :real], found[:, :real])
+    torch.testing.assert_close(tail, found, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        ungated = model(input_ids=ids.clamp(max=mask_id - 1), attention_mask=mask).logits
+    assert not torch.allclose(tail[:, real:], ungated[:, real:])  # the adapter acted at the masks

@@ -121,3 +121,43 @@ def test_a_model_and_its_exact_twin_never_share_a_graph(traced, original64, exac
     for model, tokenizer in (original64, exact64):
         eager, compiled = _both(model, tokenizer, prompts, mode="lossless")
         assert compiled.accepted_per_step == eager.accepted_per_step
+
+
+def test_padding_sees_only_itself_and_nothing_sees_padding():
+    """A bucket's padding columns (between the real tokens and the masks) and padding rows each
+    attend to their own slot alone, and no fed column attends to a padding slot: padding never
+    changes a real output, and no padding row is masked out entirely (NaN keys in the cache)."""
+    import numpy as np
+
+    from marslm.decode.forward import columns, padded
+    from marslm.decode.inputs import StepInputs
+
+    n, real, masks, cached, width, rows, capacity = 3, 2, 3, 5, 8, 4, 16
+    fed = real + masks
+    mask = np.zeros((n, 1, fed, cached + fed), bool)
+    mask[:, 0, :, :cached] = True
+    mask[:, 0, :, cached:] = np.tril(np.ones((fed, fed), bool))
+    step = StepInputs(
+        input_ids=np.arange(n * fed).reshape(n, fed) + 10,
+        position_ids=np.tile(cached + np.arange(fed), (n, 1)),
+        mask=mask,
+        read_cols=np.tile(np.arange(fed), (n, 1)),
+        real_valid=np.ones((n, real), bool),
+        pending_len=np.full(n, real),
+        draft_valid=np.zeros((n, 0), bool),
+        masks_read=np.full(n, masks),
+        masks_per_group=masks,
+        groups=1,
+    )
+    out = padded(step, rows=rows, width=width, cached=cached, capacity=capacity, pad_id=0)
+    place = columns(step, width)
+    assert list(place) == [0, 1, 5, 6, 7] and out.tail == masks  # the masks stay last
+    is_pad = np.ones((rows, width), bool)
+    is_pad[:n, place] = False
+    seen = out.mask[:, 0]
+    for r, c in zip(*np.nonzero(is_pad)):
+        assert list(np.flatnonzero(seen[r, c])) == [cached + c]
+    for r in range(n):
+        pad_slots = cached + np.flatnonzero(is_pad[r])
+        assert not seen[r][np.ix_(place, pad_slots)].any()
+        assert (seen[r][np.ix_(place, np.r_[np.arange(cached), cached + place])] == mask[r, 0]).all()
