@@ -114,11 +114,11 @@ def test_padding_is_never_kept_in_the_cache(traced, trained_checkpoints):
             assert isinstance(batches[1].kv, StaticSlotCache)
 
 
-def test_a_model_and_its_exact_twin_never_share_a_graph(traced, original64, exact64):
-    """The exact checkpoint's base has the same shapes, and dynamo does not guard on hooks: the
-    adapter's graphs must be its own (forward._owner), whichever model is traced first."""
+def test_models_of_one_shape_never_share_a_graph(traced, trained_checkpoints, exact64):
+    """The toy checkpoint and the exact one have the same shapes, and dynamo does not guard on
+    hooks (the exact one's adapter): each model's graphs must be its own (forward._owner)."""
     prompts = _prompts(exact64[1])
-    for model, tokenizer in (original64, exact64):
+    for model, tokenizer in (trained_checkpoints["mars64"], exact64):
         eager, compiled = _both(model, tokenizer, prompts, mode="lossless")
         assert compiled.accepted_per_step == eager.accepted_per_step
 
