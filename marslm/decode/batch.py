@@ -24,7 +24,9 @@ Two cache policies:
             cursor cache the paper names as future work; its own block-level cache, where rows
             commit in lockstep, is ``block_cache.py``)
 
-Keys and values live in a :class:`SlotCache` (kv.py), whose holes ``slot_valid`` masks out. Rows
+Keys and values live in a :class:`SlotCache` (kv.py), whose holes ``slot_valid`` masks out. With
+``compile=True`` the cursor cache's step runs at a few fixed shapes over a :class:`StaticSlotCache`,
+traced once per shape (forward.py); the phases around the forward are the same. Rows
 join (:meth:`add`) and leave (finished rows are dropped after each step) between steps: that is
 all continuous batching needs. A prompt that joins running rows is cached by a forward of its own
 first, so that it does not widen every row of the next step to its length. A row whose own
@@ -116,6 +118,7 @@ class DecodeBatch:
         self.rows = RowState.empty()
         # compile: every step at a bucket's shape over a static cache (forward.py)
         self.static = StepForward(model, pad_id) if compile else None
+        self._fed = 0  # the columns the last step fed, padding included: what its commit drops past the real ones
 
     def __len__(self) -> int:
         return len(self.rows)

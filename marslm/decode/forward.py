@@ -8,15 +8,15 @@ graphs per batch size). A decoding step's shape changes with every step: its row
 its cache. With ``compile=True`` it is made to repeat:
 
     rows     padded to a power of two (padding rows see only themselves; their outputs are dropped)
-    columns  padded to the next of a few widths (:func:`widths`); the padding follows the masks,
-             sees only itself, and its keys/values are dropped with the masks'
+    columns  padded to the next of a few widths (``WIDTHS``); the padding goes between the real
+             tokens and the masks, sees only itself, and its keys/values are dropped with the masks'
     cache    a :class:`~.kv.StaticSlotCache`: fixed buffers written from a position tensor the
              host sets, and an attention mask that is always a ``[rows, 1, width, capacity]`` tensor
     adapter  exact mode's gate is the tail gate (``MaskAdapter.tail_gate``): the masks' places are
              known on the host, so nothing in the forward depends on its data
 
-Each bucket (rows, width, whether masks are fed) is one graph, traced with ``fullgraph=True`` the
-first time it is met and reused by every later step, call and request; its first call's time is
+Each bucket (rows, width, masks fed, the cache's capacity) is one graph, traced with
+``fullgraph=True`` the first time it is met and reused by every later step, call and request; its first call's time is
 reported as compile time. A forward wider than the widest bucket (a prompt that starts the batch)
 runs the same function eagerly. The output is the step's logits at every fed column.
 """
@@ -62,8 +62,8 @@ class Padded:
     input_ids: np.ndarray  # [rows, width]
     position_ids: np.ndarray
     mask: np.ndarray  # [rows, 1, width, capacity]: what each fed column sees, cached slots first
-    tail: int  # the last columns of every row that are not real tokens: the masks, then padding
-    offsets: np.ndarray  # [tail] each one's offset inside its mask group (padding: 0)
+    tail: int  # the masks: every row's last columns
+    offsets: np.ndarray  # [tail] each mask's offset inside its group
 
 
 def padded(step: StepInputs, *, rows: int, width: int, cached: int, capacity: int, pad_id: int) -> Padded:
