@@ -90,24 +90,21 @@ def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, ti
     prefix = torch.randint(vocab, (batch, context), generator=generator).to(device)
     with torch.no_grad():
         model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
-    times = {w: [] for w in widths}
-    for round_ in range(repeats + 1):  # round 0: warm-up
-        for w in widths:
-            fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
-            placed = torch.zeros(batch, w, dtype=torch.bool)
-            if mask_id is not None:
-                fed[:, 1:], placed[:, 1:] = mask_id, True
-            positions = (context + torch.arange(w, device=device)).expand(batch, -1)
-            _synchronize(device)
-            started = time.perf_counter()
+
+    def prepare(w):
+        fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
+        placed = torch.zeros(batch, w, dtype=torch.bool)
+        if mask_id is not None:
+            fed[:, 1:], placed[:, 1:] = mask_id, True
+        positions = (context + torch.arange(w, device=device)).expand(batch, -1)
+
+        def forward():
             with torch.no_grad(), placed_masks(model, placed):
                 model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
-            _synchronize(device)
-            if round_:
-                times[w].append(time.perf_counter() - started)
-            cache.crop(-w)
-            tick(1)
-    return times
+
+        return forward
+
+    return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick)
 
 
 def _timed_static_widths(model, batch, context, widths, repeats, generator, mask_id, tick) -> dict[int, list[float]]:
@@ -137,20 +134,32 @@ def _timed_static_widths(model, batch, context, widths, repeats, generator, mask
     prefix = torch.randint(vocab, (batch, context), generator=generator).numpy()
     cache.prepare(batch, context)
     step.run(cache, inputs(prefix, 0), False, to_device)
+
+    def prepare(w):
+        fed = torch.randint(vocab, (batch, w), generator=generator).numpy()
+        if mask_id is not None:
+            fed[:, 1:] = mask_id
+        cache.prepare(batch, w)
+        return lambda: step.run(cache, inputs(fed, context), True, to_device)
+
+    return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick)
+
+
+def _timed_rounds(widths, repeats, device, prepare, crop, tick) -> dict[int, list[float]]:
+    """Seconds of each width's forward (``prepare(w)`` makes it) over ``repeats`` rounds after a
+    warm-up round (where a compiled width compiles), the widths in turn within each round; the
+    cache is cropped back after each."""
     times = {w: [] for w in widths}
-    for round_ in range(repeats + 1):  # round 0: warm-up, where each width compiles
+    for round_ in range(repeats + 1):
         for w in widths:
-            fed = torch.randint(vocab, (batch, w), generator=generator).numpy()
-            if mask_id is not None:
-                fed[:, 1:] = mask_id
-            cache.prepare(batch, w)
+            forward = prepare(w)
             _synchronize(device)
             started = time.perf_counter()
-            step.run(cache, inputs(fed, context), True, to_device)
+            forward()
             _synchronize(device)
             if round_:
                 times[w].append(time.perf_counter() - started)
-            cache.crop(-w)
+            crop(w)
             tick(1)
     return times
 

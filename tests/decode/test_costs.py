@@ -163,3 +163,27 @@ def test_a_probe_that_observes_nothing_ends_and_the_wait_starts_over():
         limit.step(batch)
     probes = [i for i, b in enumerate(batch.limits) if b == 8]
     assert probes == [0, 1, PROBE_EVERY + 2, PROBE_EVERY + 3]
+
+
+def test_the_compiled_cost_curve_runs_the_compiled_step_and_compares_it_to_eager(trained_dirs, monkeypatch):
+    """``--cost-curve --compile``: each width through the compiled step (a graph per width, with
+    masks where a step puts them), then as a ratio to the eager one-token step."""
+    import marslm
+    from marslm.adapter import adapter_of
+    from marslm.bench.report import format_against_eager
+    from marslm.decode import forward
+    from marslm.decode.costs import cost_curve, table_from_curve
+
+    monkeypatch.setattr(forward, "BACKEND", "eager")
+    model, _ = marslm.load(str(trained_dirs["dir"] / "exact"))
+    mask_id = adapter_of(model).spec.mask_token_id
+    settings = dict(widths=(1, 5, 9), contexts=(8,), repeats=1, progress=False)
+    eager = cost_curve(model, **settings)
+    compiled = {}
+    fed = fed_to(model, lambda: compiled.update(cost_curve(model, compile=True, **settings)))
+    assert compiled["compiled"] and not eager["compiled"]
+    assert [r["width"] for r in compiled["rows"]] == [1, 5, 9] and all(r["ms"] > 0 for r in compiled["rows"])
+    steps = [ids for ids in fed if ids.shape[1] in (5, 9)]
+    assert steps and all((ids[:, 1:] == mask_id).all() for ids in steps)
+    assert table_from_curve(compiled, 4)["costs"]  # a masked step (B + 2 = 6 columns) is padded to 9
+    assert "| 1 | 8 |" in format_against_eager(eager, compiled)

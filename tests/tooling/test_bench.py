@@ -129,6 +129,19 @@ def test_cost_curve_runs_every_width_and_is_relative_to_one_token(trained_dirs, 
     assert "| 2 | 16 | 1.00 |" in capsys.readouterr().out
 
 
+def test_a_compiled_cost_curve_runs_the_bucket_widths_beside_eager(trained_dirs, tmp_path, capsys, monkeypatch):
+    from marslm.decode import forward
+
+    monkeypatch.setattr(forward, "BACKEND", "eager")
+    out = tmp_path / "cost.json"
+    argv = ["bench", "--cost-curve", "--model", str(trained_dirs["dir"] / "mars"), "--contexts", "8"]
+    assert main(argv + ["--batch-sizes", "1", "--repeats", "1", "--compile", "--json", str(out), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    assert report["eager"]["widths"] == report["compiled"]["widths"] == [1, 2, 4, 5, 8, 9]  # up to 2B + 2
+    assert report["compiled"]["compiled"] and not report["eager"]["compiled"]
+    assert "ratio to the eager step that feeds one token" in capsys.readouterr().out
+
+
 def test_bench_config_checks_what_its_mode_reads_when_made():
     from marslm.bench.config import BenchConfig
     from marslm.errors import UserError
