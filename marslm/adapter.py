@@ -181,13 +181,17 @@ class MaskAdapter(nn.Module):
         the i-th at offset ``offsets[i]``: a decoding step's layout, known on the host before the
         forward. Nothing is then read off the forward's data (no search for the masks, no
         transfer), so a compiled step traces through the adapter as straight-line code."""
-        scale = self.spec.alpha / self.spec.rank if self.spec.rank else 0.0
-        factors = tuple(lora.factors(scale) for lora in self.lora)
+        factors = tuple(lora.factors(self.scale) for lora in self.lora)
         self._placed = _Gate(None, None, offsets.clamp(0, self.spec.rows - 1), len(offsets), factors)
         try:
             yield
         finally:
             self._placed = None
+
+    @property
+    def scale(self) -> float:
+        """The LoRA update's scale, alpha / rank (no LoRA: 0)."""
+        return self.spec.alpha / self.spec.rank if self.spec.rank else 0.0
 
     def _find_masks(self, module, args, kwargs):
         if isinstance(self._placed, _Gate):
@@ -232,7 +236,7 @@ class MaskAdapter(nn.Module):
         return flat.index_copy(0, gate.index, rows).reshape(output.shape)
 
     def _gated_update(self, i: int, lora: _LoRA):
-        scale = self.spec.alpha / self.spec.rank
+        scale = self.scale
 
         def hook(module, args, output):
             gate = self._gate
