@@ -10,6 +10,8 @@ _EXPORTS = {
     "accept_length": "acceptance",
     "confidence": "acceptance",
     "DecodeBatch": "batch",
+    "Decoder": "decoder",
+    "make_decoder": "decoder",
     "FinishedRow": "rows",
     "BlockCachedBatch": "block_cache",
     "GenerationResult": "generation",

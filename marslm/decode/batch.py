@@ -4,10 +4,11 @@ One step, for every row at once, in four phases:
 
     inputs  feed [pending, draft | mask group(s)]; pending = tokens whose keys/values are not cached,
             draft = tokens to verify, packed after them per row
-    accept  threshold rows: a confident left-to-right prefix of [AR token, mask predictions]
+    accept  each row by its mode's rule (rules.py's ACCEPTANCE), after drafting rows are verified:
+            threshold rows: a confident left-to-right prefix of [AR token, mask predictions]
             lossless rows:  the drafts the AR outputs confirm, then the AR token after them
             hybrid rows:    as lossless, then the confident prefix of the group verification selected
-    record  append the accepted tokens; lossless and hybrid rows take their next draft from the masks
+    record  append the accepted tokens; rows whose mode drafts take their next draft from the masks
     commit  keep the keys/values of the real tokens, drop the masks'
 
 Threshold mode is MARS as in the paper. Lossless mode turns the masks into a self-drafter: the
@@ -49,16 +50,15 @@ from .kv import SlotCache, StaticSlotCache
 from .params import ADAPTIVE_WIDTH, DecoderOptions, DecodingParams
 from .rows import BatchStats, FinishedRow, RowState
 from .rules import (
+    StepOutputs,
+    accept_by_mode,
     back_off,
     compaction_order,
     cut_at_stop,
-    hybrid_accept,
     lossless_candidates,
     masks_to_read,
     next_draft,
     pad_cols,
-    selected_group,
-    threshold_accept,
     tries,
     verify_drafts,
 )
@@ -68,6 +68,11 @@ SLOT_CACHE_MODES = ("none", "cursor")  # the cache policies DecodeBatch runs (bl
 
 
 class DecodeBatch:
+    """Rows that advance independently, a forward per :meth:`step` (decoder.py's interface)."""
+
+    joins_running = True  # continuous batching: rows join between any two steps
+    max_rows = None
+
     @classmethod
     def with_options(cls, model, decoder: DecoderOptions, **facts) -> DecodeBatch:
         """A batch that decodes as ``decoder`` says; ``facts``: the model's mask, stop and pad ids, a seed."""
@@ -205,7 +210,7 @@ class DecodeBatch:
             keep = keep if isinstance(keep, int) else self._to_device(keep)
             logits = self._call(step.input_ids, step.position_ids, step.mask, self.kv, keep, step.mask_offsets)
             self._fed = step.input_ids.shape[1]
-        candidates, accept, stopped, verified, mask_tokens, probs = self._accept(step, logits)
+        candidates, accept, stopped, out = self._accept(step, logits)
         if step.masks_per_group:
             # what a drafting row's masks buy shows when their drafts are verified: its first masked
             # step after one without masks (it joined, or rested) only drafts, and counts nowhere
@@ -213,8 +218,8 @@ class DecodeBatch:
             self.stats.masked_row_steps += int(counted.sum())
             self.stats.masked_row_tokens += int(accept[counted].sum())
         seq_len_before = self.rows.seq_len
-        self._record(step, candidates, accept, verified, mask_tokens, probs)
-        self._commit(step, seq_len_before, verified)
+        self._record(step, candidates, accept, out)
+        self._commit(step, seq_len_before, out.verified)
         finished = stopped | (self.rows.seq_len >= self.rows.max_len)
         if self.draws.errors:
             finished |= np.array([rid in self.draws.errors for rid in self.request_ids], bool)
@@ -281,11 +286,12 @@ class DecodeBatch:
         return inputs
 
     def _accept(self, step: StepInputs, logits: torch.Tensor):
-        """Phase 2: each row's candidates and how many of them it accepts.
+        """Phase 2: each row's candidates and how many of them it accepts, by its mode's rule.
 
         The device computes each read column's greedy token and confidence; the rest is host
         bookkeeping over ``[rows, candidates]`` (those two small arrays are the step's only
-        device-to-host copies, unless rows sample). Each mode's rule runs only if a row uses it.
+        device-to-host copies, unless rows sample). Rows whose mode drafts are verified first
+        (:meth:`_verify`); then each mode's rule runs only if a row uses it (rules.py).
         """
         r, draft_width = self.rows, self.rows.draft.shape[1]
         if logits.shape[1] == 1:  # only AR tokens, which are accepted whatever their confidence
@@ -293,75 +299,46 @@ class DecodeBatch:
         else:
             metric = self._to_device(r.metric)
             predicted, conf = (t.cpu().numpy() for t in confidence(logits, metric, set(r.metric.tolist())))
-        mask_tokens = predicted[:, draft_width + 1 :].reshape(len(r), step.groups, step.masks_per_group)
         probs = None
         if (r.temperature > 0).any():
             probs = sampling_probs(logits, *map(self._to_device, (r.temperature, r.top_p, r.top_k)))
-
-        # a hybrid row may accept its drafts, the AR token and a whole group of masks
-        width = (draft_width + step.masks_per_group if r.hybrid.any() else max(draft_width, step.masks_per_group)) + 1
-        verified = np.zeros(len(r), np.int64)
-        drafting = r.drafting
-        if not drafting.all():
-            candidates, accept = self._threshold(step, predicted, conf, probs, width)
-        if drafting.any():
-            verified, drafted = self._lossless(step, predicted, probs, width)
-            if drafting.all():
-                candidates, accept = drafted, verified + 1
-            else:
-                candidates = np.where(drafting[:, None], drafted, candidates)
-                accept = np.where(drafting, verified + 1, accept)
-            if r.hybrid.any() and step.masks_per_group:
-                candidates, accept = self._hybrid(step, conf, mask_tokens, verified, candidates, accept)
-        accept, stopped = cut_at_stop(candidates, np.minimum(accept, r.max_len - r.seq_len), self.stop_ids)
-        return candidates, accept, stopped, verified, mask_tokens, probs
-
-    def _threshold(self, step: StepInputs, predicted, conf, probs, width):
-        """The confidence rule (rules.py); a sampling row draws its AR token and its masks keep the
-        rule. Returns the candidates (``width`` columns) and accept lengths."""
-        r = self.rows
-        first_mask = r.draft.shape[1] + 1  # the first mask group's outputs follow the AR token's and the drafts'
-        tokens, accept = threshold_accept(predicted, conf, r, step.masks_read, first_mask, step.masks_per_group)
-        sampling = (r.temperature > 0) & ~r.lossless
-        if probs is not None and sampling.any():
-            tokens[:, 0] = np.where(sampling, self._draw(probs[:, 0], sampling, r.seq_len), tokens[:, 0])
-        return pad_cols(tokens, width), accept
-
-    def _hybrid(self, step: StepInputs, conf, mask_tokens, verified, candidates, accept):
-        """Hybrid rows: after verification, the threshold rule on the selected group (rules.py)."""
-        r, rows = self.rows, np.arange(len(self.rows))
-        group, usable = selected_group(r, verified, step.groups, draft_groups=self.draft_groups)
-        mask_conf = conf[:, r.draft.shape[1] + 1 :].reshape(mask_tokens.shape)
-        hybrid, usable = r.hybrid, usable & r.hybrid
-        extended, longer = hybrid_accept(
-            candidates,
-            verified,
-            mask_tokens[rows, group],
-            mask_conf[rows, group],
-            usable,
-            r.tau,
-            r.metric,
-            step.masks_read,
+        verified, checked = np.zeros(len(r), np.int64), None
+        if r.drafting.any():
+            verified, checked = self._verify(step, predicted, probs)
+        out = StepOutputs(
+            rows=r,
+            predicted=predicted,
+            conf=conf,
+            probs=probs,
+            masks_read=step.masks_read,
+            mask_tokens=predicted[:, draft_width + 1 :].reshape(len(r), step.groups, step.masks_per_group),
+            verified=verified,
+            checked=checked,
+            draft_groups=self.draft_groups,
+            draw=self._draw,
         )
-        return np.where(hybrid[:, None], extended, candidates), np.where(hybrid, longer, accept)
+        # a row may accept its drafts, the AR token and a whole group of masks
+        candidates, accept = accept_by_mode(out, draft_width + step.masks_per_group + 1)
+        accept, stopped = cut_at_stop(candidates, np.minimum(accept, r.max_len - r.seq_len), self.stop_ids)
+        return candidates, accept, stopped, out
 
-    def _lossless(self, step: StepInputs, predicted, probs, width):
-        """The drafts the AR outputs confirm, then the AR token after them. Greedy, an AR output is
-        the argmax; sampling, it is the race winner at its position (draws.py), which a draft
-        drawn with the same noise matches where it is the sample. Returns how many drafts each
-        row verified, and the candidates."""
+    def _verify(self, step: StepInputs, predicted, probs):
+        """Drafting rows: how many drafts the AR outputs confirm, and the kept drafts with the AR
+        token after them (``[rows, K + 1]``). Greedy, an AR output is the argmax; sampling, it is
+        the race winner at its position (draws.py), which a draft drawn with the same noise
+        matches where it is the sample."""
         r, draft_width = self.rows, self.rows.draft.shape[1]
         ar = predicted[:, : draft_width + 1].copy()
-        racing, draft = (r.temperature > 0) & r.lossless, pad_cols(r.draft, draft_width + 1)
+        racing, draft = (r.temperature > 0) & r.drafting, pad_cols(r.draft, draft_width + 1)
         for j in range(draft_width + 1) if probs is not None else ():
             if not racing.any():  # a column is raced only while every draft before it was kept
                 break
             ar[:, j] = np.where(racing, self._draw(probs[:, j], racing, r.seq_len + j), ar[:, j])
             racing &= (j < r.draft_len) & (ar[:, j] == draft[:, j])
         verified, correction = verify_drafts(ar, r.draft, step.draft_valid)
-        return verified, lossless_candidates(r.draft, verified, correction, width)
+        return verified, lossless_candidates(r.draft, verified, correction, draft_width + 1)
 
-    def _record(self, step: StepInputs, candidates, accept, verified, mask_tokens, probs) -> None:
+    def _record(self, step: StepInputs, candidates, accept, out: StepOutputs) -> None:
         """Phase 3: append the accepted tokens, decide which rows rest from masks, take the next drafts.
 
         Writing every candidate is harmless: only tokens below seq_len are read, and accepted ones
@@ -376,17 +353,18 @@ class DecodeBatch:
         r.seq_len = r.seq_len + accept
         r.read_masks = step.masks_read > 0
         if self.adaptive_width:
-            tried, used = tries(r, step.masks_read, verified, accept)
+            tried, used = tries(out, accept)
             if tried.any() or r.pause.any():
                 r.misses, r.pause = back_off(r.misses, r.pause, tried, used)
-        # what a hybrid row accepted past its AR token (a row cut short by a stop or its length finishes)
-        taken = np.where(r.hybrid, np.maximum(accept - verified - 1, 0), 0)
+        # what a drafting row accepted past its AR token (hybrid's masks; a row cut short by a stop
+        # or its length finishes)
+        taken = np.where(r.drafting, np.maximum(accept - out.verified - 1, 0), 0)
         r.draft, r.draft_len = next_draft(
             r,
-            mask_tokens,
-            verified,
+            out.mask_tokens,
+            out.verified,
             step.masks_read,
-            probs,
+            out.probs,
             draft_groups=self.draft_groups,
             draw=self._draw,
             taken=taken,

@@ -16,13 +16,16 @@ Each step, one row at a time:
 At tau 1, or with a target that has no mask token, no masks are fed: plain speculative decoding,
 whose output is the target's (greedy token for token, or in distribution). Rows decode one after
 another (batch size 1 per row): a ``DraftedRow`` is one row's state, one step per ``step()``;
-``run_row`` steps it to its end, the server (marslm/serve/drafting.py) one step per engine turn.
+``DraftedBatch`` holds at most one of them behind the interface every decoder shares (decoder.py),
+so ``generate`` and the server (marslm/serve/drafting.py) step it as they step any batch.
 Before any decoding, ``check_drafter`` refuses a drafter of another vocabulary and the settings
-this loop does not run (other modes, the block cache, stop strings: the server matches those on
-the text itself).
+this loop does not run (other modes, the block cache). Stop strings are matched on the text by
+whoever steps the decoder, as for any other (generation.py, the server's engine).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -56,13 +59,11 @@ def check_drafting(drafting) -> None:
     check_count("num_draft_tokens", k, MAX_DRAFT_TOKENS)
 
 
-def check_draft_settings(params: DecodingParams, decoder, *, stop_strings: bool = False) -> None:
-    """Refuse the settings this loop does not run: other modes, the block cache, and stop strings
-    unless the caller matches them on the text itself (``stop_strings``: the server does)."""
+def check_draft_settings(params: DecodingParams, decoder) -> None:
+    """Refuse the settings this loop does not run: other modes, the block cache."""
     # the drafted loop keeps both caches itself: another cache policy would be ignored
-    if params.mode != "threshold" or decoder.cache != "cursor" or (params.stop and not stop_strings):
-        without = "" if stop_strings else ", without stop strings"
-        raise UserError(f"a draft model decodes in threshold mode with the cursor cache{without}")
+    if params.mode != "threshold" or decoder.cache != "cursor":
+        raise UserError("a draft model decodes in threshold mode with the cursor cache")
 
 
 def drafter_for(target, drafting, mask_token_id, use_last_mask: bool) -> ARDrafter:
@@ -255,3 +256,58 @@ class DraftedRow:
         new = self.ids[self.prompt_len :]
         answer = new[:-1] if self.stopped else new
         return FinishedRow(self.request_id, answer, self.stopped, self.accepted_per_step, None)
+
+
+class DraftedBatch:
+    """At most one drafted row behind the interface every decoder shares (decoder.py): each
+    :meth:`step` is one ``DraftedRow.step()``. The masked-step counts stay unset and no batch limit
+    applies: the batch holds one row."""
+
+    joins_running = True
+    max_rows = 1  # the drafter keeps one row's cache
+    mask_batch_limit = None
+
+    def __init__(self, decoding: DraftModelDecoder):
+        self.decoding, self.stats = decoding, decoding.stats
+        self.row: DraftedRow | None = None
+        self.last: list[int] = []  # what the last step added to the running row's answer
+
+    def __len__(self) -> int:
+        return int(self.row is not None)
+
+    def add(self, prompts: list[list[int]], settings: list[DecodingParams], request_ids: list) -> None:
+        if not prompts:
+            return
+        if len(self) + len(prompts) > 1:
+            raise ValueError("a drafted batch decodes one request at a time")
+        params = replace(settings[0])  # set_tau replaces it; the request's own stays as it was
+        self.row, self.last = self.decoding.start_row(prompts[0], params, request_ids[0]), []
+
+    def step(self) -> list[FinishedRow]:
+        if self.row is None:
+            return []
+        self.last = self.row.step()
+        return self._pop() if self.row.finished else []
+
+    def new_tokens(self) -> dict:
+        """The running row's tokens of the last step (a row that finished is reported by ``step``)."""
+        return {self.row.request_id: list(self.last)} if self.row is not None and self.last else {}
+
+    def stop(self, request_ids) -> list[FinishedRow]:
+        """End the row now (a stop string matched): its tokens so far."""
+        return self._pop() if self._holds(request_ids) else []
+
+    def cancel(self, request_ids) -> None:
+        if self._holds(request_ids):
+            self._pop()
+
+    def set_tau(self, request_ids, tau: float) -> None:
+        if self._holds(request_ids):
+            self.row.params = replace(self.row.params, tau=tau)
+
+    def _holds(self, request_ids) -> bool:
+        return self.row is not None and self.row.request_id in set(request_ids)
+
+    def _pop(self) -> list[FinishedRow]:
+        finished, self.row, self.last = self.row.result(), None, []
+        return [finished]

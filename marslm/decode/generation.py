@@ -6,9 +6,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
-from .batch import DecodeBatch
-from .block_cache import BlockCachedBatch
 from .costs import MaskBatchLimit, saved_mask_limit
+from .decoder import Decoder, free_rows, make_decoder
 from .draft_options import DRAFT_TOKENS
 from .params import MAX_DRAFT_TOKENS, DecoderOptions, DecodingParams  # noqa: F401 - MAX_DRAFT_TOKENS: the CLI's
 from .rows import BatchStats, FinishedRow
@@ -40,7 +39,7 @@ class GenerationResult:
 
 
 def run_to_completion(
-    batch: DecodeBatch,
+    decoder: Decoder,
     prompt_ids: list[list[int]],
     params: list[DecodingParams],
     max_batch: int | None = None,
@@ -48,7 +47,8 @@ def run_to_completion(
     on_finish=None,
     mask_limit: MaskBatchLimit | None = None,
 ) -> list[FinishedRow]:
-    """Decode every prompt, keeping at most ``max_batch`` rows in flight; results in input order.
+    """Decode every prompt with any decoder (decoder.py), keeping at most ``max_batch`` rows in
+    flight, as many as the decoder lets join (:func:`free_rows`); results in input order.
 
     ``streams`` (prompt index -> :class:`TextStream`) end their rows as soon as a stop string shows.
     ``mask_limit``: every step runs under it and teaches it what the masks bought, as the server's do.
@@ -65,37 +65,18 @@ def run_to_completion(
         if on_finish is not None:
             on_finish(row)
 
-    while waiting or len(batch):
-        free = max_batch - len(batch)
+    while waiting or len(decoder):
+        free = free_rows(decoder, max_batch)
         if free > 0 and waiting:
             joining, waiting = waiting[:free], waiting[free:]
-            batch.add([prompt_ids[i] for i in joining], [params[i] for i in joining], joining)
-        for row in batch.step() if mask_limit is None else mask_limit.step(batch):
+            decoder.add([prompt_ids[i] for i in joining], [params[i] for i in joining], joining)
+        for row in decoder.step() if mask_limit is None else mask_limit.step(decoder):
             done(row)
         if streams:
-            new = batch.new_tokens().items()
-            for row in batch.stop([rid for rid, ids in new if rid in streams and streams[rid].found_stop(ids)]):
+            new = decoder.new_tokens().items()
+            for row in decoder.stop([rid for rid, ids in new if rid in streams and streams[rid].found_stop(ids)]):
                 done(row)
     return [finished[i] for i in range(len(prompt_ids))]
-
-
-def run_static_batches(
-    batch: BlockCachedBatch,
-    prompt_ids: list[list[int]],
-    params: DecodingParams,
-    batch_size: int | None = None,
-    on_finish=None,
-) -> list[FinishedRow]:
-    """Decode ``batch_size`` prompts at a time, each group to its end (the block cache cannot refill)."""
-    batch_size = batch_size or len(prompt_ids)
-    rows: list[FinishedRow] = []
-    for start in range(0, len(prompt_ids), batch_size):
-        chunk = prompt_ids[start : start + batch_size]
-        for row in batch.run(chunk, params, list(range(start, start + len(chunk)))):
-            rows.append(row)
-            if on_finish is not None:
-                on_finish(row)
-    return rows
 
 
 def generate(
@@ -138,7 +119,7 @@ def generate(
     ``draft_model`` (an HF causal LM sharing the target's vocabulary: its output rows are checked
     against the target's, and ``draft_tokenizer``, if given, token by token) proposes
     ``num_draft_tokens`` (default 4) per step, which the model verifies, adding its confident masks under tau
-    after them (draft_model.py; threshold mode, cursor cache, no stop strings; rows decode one at
+    after them (draft_model.py; threshold mode, cursor cache; rows decode one at
     a time). An AR drafter drafts one token per forward; a MARS checkpoint (its marslm.json or its
     tokenizer names a mask token, and it is no AR stage) drafts its confident masks too, while their
     top-1 probability passes ``draft_tau`` (default ``DEFAULT_DRAFT_TAU``, 0.9; refused for an AR
@@ -207,18 +188,27 @@ def _checked(model, tokenizer, params, decoder, mask_token_id, drafting):
 
 
 def _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting):
-    """``(decoder, rows)``: every prompt decoded by the loop the settings call for."""
+    """``(decoder, rows)``: every prompt decoded by the decoder the settings call for."""
     if drafting is not None:  # a target without a mask token: plain speculative decoding
-        return run_with_drafter(model, drafting, prompt_ids, params, decoder, common, on_finish)
-    if decoder.cache == "block":
-        batch = BlockCachedBatch(model, block_cache_size=decoder.block_cache_size, **common)
-        return batch, run_static_batches(batch, prompt_ids, params, batch_size, on_finish)
-    batch = DecodeBatch.with_options(model, decoder, **common)
-    mask_limit = _auto_mask_limit(model, params, decoder)
-    batch.stats.cost_table = None if mask_limit is None else mask_limit.source
+        from .draft_model import DraftModelDecoder
+
+        drafter, k, mask_token_id = drafting
+        drafting = DraftModelDecoder(
+            model,
+            drafter,
+            k,
+            mask_token_id=mask_token_id,
+            stop_ids=common["stop_ids"],
+            use_last_mask=decoder.use_last_mask,
+        )
+    running = make_decoder(model, decoder, drafting=drafting, **common)
+    mask_limit = None
+    if drafting is None and decoder.cache != "block":  # the others hold no batch to limit
+        mask_limit = _auto_mask_limit(model, params, decoder)
+        running.stats.cost_table = None if mask_limit is None else mask_limit.source
     seed = params.seed
     per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompt_ids))]
-    return batch, run_to_completion(batch, prompt_ids, per_prompt, batch_size, streams, on_finish, mask_limit)
+    return running, run_to_completion(running, prompt_ids, per_prompt, batch_size, streams, on_finish, mask_limit)
 
 
 def _auto_mask_limit(model, params: DecodingParams, decoder: DecoderOptions) -> MaskBatchLimit | None:
@@ -248,28 +238,6 @@ def _result(tokenizer, rows: list[FinishedRow], streams: dict, stats: BatchStats
         accepted_per_step=[r.accepted_per_step for r in rows],
         stats=stats,
     )
-
-
-def run_with_drafter(model, drafting, prompt_ids, params, decoder, common, on_finish=None):
-    """Decode each prompt in turn, ``drafting = (drafter, drafts per step, the target's mask token
-    or None)`` (draft_model.py; ``check_drafter`` makes the drafter)."""
-    drafter, k, mask_token_id = drafting
-    from .draft_model import DraftModelDecoder
-
-    decoding = DraftModelDecoder(
-        model,
-        drafter,
-        k,
-        mask_token_id=mask_token_id,
-        stop_ids=common["stop_ids"],
-        use_last_mask=decoder.use_last_mask,
-    )
-    seed, rows = params.seed, []
-    for i, ids in enumerate(prompt_ids):
-        rows.append(decoding.run_row(ids, replace(params, seed=None if seed is None else seed + i), i))
-        if on_finish is not None:
-            on_finish(rows[-1])
-    return decoding, rows
 
 
 def with_overrides(params: DecodingParams, decoder: DecoderOptions, overrides: dict):

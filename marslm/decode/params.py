@@ -20,10 +20,32 @@ from ..mars_json import DEFAULT_BLOCK_SIZE
 from ..settings import int_or_auto, setting
 
 METRICS = ("prob", "entropy", "margin")
-# hybrid: lossless verification, then the threshold rule on the mask group verification selected
-# (the paper's section 4.6 with the model as its own drafter): a composition of the other two
-MODES = ("threshold", "lossless", "hybrid")
-TAU_MODES = ("threshold", "hybrid")  # the modes whose acceptance reads tau (lossless ignores it)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What the decoder and the checks need to know of a decoding mode before a step; what the
+    mode accepts after it is its rule, ``rules.ACCEPTANCE[name]``. A mode is these two entries."""
+
+    drafts: bool  # its rows feed the masks' predictions of one step as drafts, which the next verifies
+    reads_tau: bool  # its rule reads tau (so a row in it at tau 1 reads no masks unless it drafts)
+    samples: bool  # it may sample (temperature > 0)
+    help: str
+
+
+MODE_SPECS = {
+    "threshold": Mode(False, True, True, "accept while confident (tau)"),
+    "lossless": Mode(True, False, True, "the masks draft, the next forward verifies, and the output is the AR model's"),
+    # the paper's section 4.6 with the model as its own drafter: a composition of the other two
+    "hybrid": Mode(
+        True,
+        True,
+        False,
+        "lossless, then the confident (tau) predictions of the masks after the verified drafts (greedy only; "
+        "tau 1: lossless)",
+    ),
+}
+MODES = tuple(MODE_SPECS)  # the built-in modes, as the command line offers them
 # The metrics whose tau lives in (0, 1] with "higher = stricter": a server's default tau applies to
 # them. Entropy runs the other way (accept while H <= tau), so an entropy request names its tau.
 DEFAULT_TAU_METRICS = ("prob", "margin")
@@ -91,9 +113,7 @@ class DecodingParams:
     max_new_tokens: int | None = setting(256, "longest answer, in tokens")
     mode: str = setting(
         "threshold",
-        "threshold: accept while confident (tau); lossless: the masks draft, the "
-        "next forward verifies, and the output is the AR model's; hybrid: lossless, then the "
-        "confident (tau) predictions of the masks after the verified drafts (greedy only; tau 1: lossless)",
+        "; ".join(f"{name}: {mode.help}" for name, mode in MODE_SPECS.items()),
         choices=MODES,
     )
     temperature: float = setting(0.0, "0: greedy; > 0 samples (lossless mode: exactly the AR model's distribution)")
@@ -119,7 +139,7 @@ class DecodingParams:
                 f"trained with), got {block_size}",
                 "block_size",
             )
-        if self.mode != "threshold" and block_size < 2:
+        if MODE_SPECS[self.mode].drafts and block_size < 2:
             raise ParamError(f"{self.mode} mode needs at least one mask to draft from (block size >= 2)", "block_size")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ParamError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}", "max_tokens")
@@ -132,12 +152,9 @@ class DecodingParams:
             )
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= 2):
             raise ParamError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
-        if self.mode == "hybrid" and self.temperature >= MIN_TEMPERATURE:
-            raise ParamError(
-                "hybrid mode decodes greedily (its threshold part takes argmax tokens); sample with "
-                "mode lossless (exact) or threshold",
-                "temperature",
-            )
+        if not MODE_SPECS[self.mode].samples and self.temperature >= MIN_TEMPERATURE:
+            sampling = " or ".join(name for name, mode in MODE_SPECS.items() if mode.samples)
+            raise ParamError(f"{self.mode} mode decodes greedily; sample with mode {sampling}", "temperature")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -209,7 +226,7 @@ class DecoderOptions:
     cache: str = setting(
         "cursor",
         "KV cache policy: cursor (each row commits every step), block (the paper's: blocks committed in "
-        "lockstep, static batches, greedy threshold mode, no stop strings) or none (recompute)",
+        "lockstep, static batches, greedy threshold mode) or none (recompute)",
         choices=CACHE_MODES,
     )
     block_cache_size: int = setting(16, "positions per block of --cache block")
@@ -263,17 +280,17 @@ class DecoderOptions:
             raise UserError(
                 f"block_cache_size must be at most the model's context of {context} tokens, got {self.block_cache_size}"
             )
-        if self.cache == "block" and (params.mode != "threshold" or params.temperature > 0 or params.stop):
-            raise UserError(
-                "the block cache decodes greedily in threshold mode, without stop strings; use cache='cursor'"
-            )
+        if self.cache == "block" and (params.mode != "threshold" or params.temperature > 0):
+            raise UserError("the block cache decodes greedily in threshold mode; use cache='cursor'")
         if self.draft_groups and params.mode == "threshold":
             raise UserError("draft_groups does nothing in threshold mode (its mask groups are lossless and hybrid's)")
 
 
 def one_token(tau: float, metric: str, mode: str = "threshold") -> bool:
-    """Whether a setting is plain AR decoding, one token per forward (:func:`one_token_rows`)."""
-    return mode == "threshold" and bool(one_token_rows(tau, metric_code(metric)))
+    """Whether a setting is plain AR decoding, one token per forward (:func:`one_token_rows`): a
+    mode that reads tau and does not draft, at tau 1."""
+    spec = MODE_SPECS[mode]
+    return spec.reads_tau and not spec.drafts and bool(one_token_rows(tau, metric_code(metric)))
 
 
 def one_token_rows(tau, metric):
@@ -289,8 +306,13 @@ def check_metric(metric: str) -> None:
 
 
 def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ParamError(f"mode must be one of {', '.join(MODES)}, got {mode!r}", "mode")
+    if mode not in MODE_SPECS:
+        raise ParamError(f"mode must be one of {', '.join(MODE_SPECS)}, got {mode!r}", "mode")
+
+
+def reads_tau(mode: str) -> bool:
+    """Whether a mode's acceptance reads tau (lossless ignores it)."""
+    return mode in MODE_SPECS and MODE_SPECS[mode].reads_tau
 
 
 def check_tau(tau: float, metric: str) -> None:
@@ -308,7 +330,7 @@ def check_tau(tau: float, metric: str) -> None:
 def check_default_tau(metric: str, mode: str) -> None:
     """A request that names no tau follows its server's default tau, a probability: refused where
     its metric reads tau on another scale and its mode reads tau at all."""
-    if metric in METRICS and metric not in DEFAULT_TAU_METRICS and mode in TAU_MODES:
+    if metric in METRICS and metric not in DEFAULT_TAU_METRICS and reads_tau(mode):
         raise ParamError(
             f"the server's default tau is a probability; a request with metric {metric!r} must set its own tau",
             "tau",

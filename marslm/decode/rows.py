@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from .params import DecodingParams, metric_code
+from .params import MODE_SPECS, DecodingParams, metric_code
 
 
 @dataclass
@@ -66,9 +66,8 @@ class RowState:
     top_p: np.ndarray
     top_k: np.ndarray
     max_masks: np.ndarray  # most masks the row may read per step
-    lossless: np.ndarray
-    hybrid: np.ndarray  # lossless verification, then threshold acceptance on the selected group
-    draft: np.ndarray  # [rows, K] lossless and hybrid: tokens to verify
+    mode: np.ndarray  # the row's mode: its place in params.MODE_SPECS (mode_code)
+    draft: np.ndarray  # [rows, K] rows whose mode drafts: tokens to verify
     draft_len: np.ndarray
     accept_log: np.ndarray  # [rows, steps] tokens accepted per forward
     forwards: np.ndarray
@@ -83,8 +82,13 @@ class RowState:
 
     @property
     def drafting(self) -> np.ndarray:
-        """Rows whose masks draft the next step and whose drafts are verified: lossless and hybrid."""
-        return self.lossless | self.hybrid
+        """Rows whose masks draft the next step and whose drafts are verified (lossless, hybrid)."""
+        return mode_flags(self.mode, "drafts")
+
+    @property
+    def reads_tau(self) -> np.ndarray:
+        """Rows whose mode's acceptance reads tau (threshold, hybrid)."""
+        return mode_flags(self.mode, "reads_tau")
 
     @classmethod
     def empty(cls) -> RowState:
@@ -127,8 +131,7 @@ class RowState:
             top_p=np.array([s.top_p for s in settings], np.float32),
             top_k=np.array([s.top_k for s in settings], long),
             max_masks=max_masks,
-            lossless=np.array([s.mode == "lossless" for s in settings], bool),
-            hybrid=np.array([s.mode == "hybrid" for s in settings], bool),
+            mode=np.array([mode_code(s.mode) for s in settings], long),
             draft=np.zeros((n, 0), long),
             draft_len=zeros,
             accept_log=np.zeros((n, int(max_new.max(initial=-1)) + 1), long),
@@ -158,6 +161,21 @@ class RowState:
             value = getattr(self, f.name)
             setattr(self, f.name, [value[i] for i in order] if isinstance(value, list) else value[order])
         return on_device
+
+
+def mode_code(mode: str) -> int:
+    """A mode's code in the per-row arrays: its place in ``MODE_SPECS``."""
+    return list(MODE_SPECS).index(mode)
+
+
+def mode_names() -> list[str]:
+    """The modes by code."""
+    return list(MODE_SPECS)
+
+
+def mode_flags(codes: np.ndarray, field: str) -> np.ndarray:
+    """Per row, one of its mode's ``Mode`` flags (``drafts``, ``reads_tau``, ``samples``)."""
+    return np.array([getattr(mode, field) for mode in MODE_SPECS.values()], bool)[codes]
 
 
 def _cat_rows(old, new):

@@ -1,5 +1,10 @@
 """The rules of one decoding step, as plain functions over per-row host arrays (batch.py runs them).
 
+A decoding mode is two entries: its facts in ``params.MODE_SPECS`` (whether it drafts, reads tau,
+samples) and its rule here, in ``ACCEPTANCE``: what a row in it accepts from a step's outputs
+(:class:`StepOutputs`), and what it tried and used there (adaptive width reads that). The batch
+runs each rule over the rows of its mode and joins the results (:func:`accept_by_mode`).
+
 Threshold rows accept a confident left-to-right prefix of ``[AR token, mask predictions]``
 (acceptance.py holds the confidence rule). Lossless rows keep the drafts the AR outputs confirm,
 then the AR token after them, and draft their next step from the masks. Hybrid rows do what
@@ -30,12 +35,15 @@ make a step slower than they make it productive; vLLM's speculative decoding has
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from .acceptance import accept_length
 from .params import one_token_rows
-from .rows import RowState
+from .rows import RowState, mode_names
 
 REST_AFTER = 2  # adaptive width: refused steps running before a row rests from masks
 MAX_PAUSE_DOUBLINGS = 4  # and it rests at most 2**4 = 16 steps between tries
@@ -46,8 +54,8 @@ def masks_to_read(rows: RowState, mask_batch_limit: int | None) -> np.ndarray:
     row or a threshold row in one-token mode (a batch of only those is plain AR), else its most."""
     if mask_batch_limit is not None and len(rows) > mask_batch_limit:
         return np.zeros(len(rows), np.int64)
-    reads = (rows.drafting | ~one_token_rows(rows.tau, rows.metric)) & (rows.pause == 0)
-    return np.where(reads, rows.max_masks, 0)
+    plain = ~rows.drafting & rows.reads_tau & one_token_rows(rows.tau, rows.metric)
+    return np.where(~plain & (rows.pause == 0), rows.max_masks, 0)
 
 
 def threshold_accept(predicted, conf, rows: RowState, masks_read, first_mask: int, masks_per_group: int):
@@ -102,21 +110,129 @@ def hybrid_accept(candidates, verified, group_tokens, group_conf, usable, tau, m
     return np.where(in_group, masks, candidates), verified + 1 + taken
 
 
+@dataclass
+class StepOutputs:
+    """A step's read columns on the host, for the modes' rules: each reads what it needs."""
+
+    rows: RowState
+    predicted: (
+        np.ndarray
+    )  # [rows, read columns] top-1 ids: the AR output at the last pending token, the drafts', the masks'
+    conf: np.ndarray | None  # their confidences under each row's metric (None: only the AR column was read)
+    probs: object  # [rows, read columns, vocab] sampling probabilities (torch) where a row samples, else None
+    masks_read: np.ndarray  # [rows] masks each row read
+    mask_tokens: np.ndarray  # [rows, groups, masks per group] the masks' top-1 ids
+    verified: np.ndarray  # [rows] drafting rows: the drafts the AR outputs confirmed (0 for the others)
+    checked: np.ndarray | None  # [rows, K + 1] drafting rows: the kept drafts, then the AR token after them
+    draft_groups: bool
+    draw: Callable  # draw(probs, selected, positions) -> one token per selected entry (draws.py)
+
+    @property
+    def first_mask(self) -> int:
+        """The column of the first mask's output: after the AR token's and the drafts'."""
+        return self.rows.draft.shape[1] + 1
+
+    @property
+    def mask_conf(self) -> np.ndarray:
+        return self.conf[:, self.first_mask :].reshape(self.mask_tokens.shape)
+
+
+def threshold_rule(out: StepOutputs, rows_of):
+    """The confidence rule; a sampling row draws its AR token and its masks keep the rule."""
+    r = out.rows
+    tokens, accept = threshold_accept(
+        out.predicted, out.conf, r, out.masks_read, out.first_mask, out.mask_tokens.shape[2]
+    )
+    sampling = (r.temperature > 0) & rows_of
+    if out.probs is not None and sampling.any():
+        tokens[:, 0] = np.where(sampling, out.draw(out.probs[:, 0], sampling, r.seq_len), tokens[:, 0])
+    return tokens, accept
+
+
+def lossless_rule(out: StepOutputs, rows_of):
+    """The drafts the AR outputs confirmed, then the AR token after them."""
+    return out.checked, out.verified + 1
+
+
+def hybrid_rule(out: StepOutputs, rows_of):
+    """As lossless, then the threshold rule on the group verification selected."""
+    if not out.mask_tokens.shape[2]:  # a step that read no masks: lossless
+        return lossless_rule(out, rows_of)
+    r, rows = out.rows, np.arange(len(out.rows))
+    group, usable = selected_group(r, out.verified, out.mask_tokens.shape[1], draft_groups=out.draft_groups)
+    width = r.draft.shape[1] + out.mask_tokens.shape[2] + 1  # the kept drafts, the AR token, a whole group
+    return hybrid_accept(
+        pad_cols(out.checked, width),
+        out.verified,
+        out.mask_tokens[rows, group],
+        out.mask_conf[rows, group],
+        usable & rows_of,
+        r.tau,
+        r.metric,
+        out.masks_read,
+    )
+
+
+def threshold_tries(out: StepOutputs, accept):
+    """A threshold row tried its masks and used what it accepted past its AR token."""
+    return out.masks_read, accept - 1
+
+
+def lossless_tries(out: StepOutputs, accept):
+    """A lossless row tried its drafts and used those verification kept."""
+    return out.rows.draft_len, out.verified
+
+
+def hybrid_tries(out: StepOutputs, accept):
+    """A hybrid row tried its drafts and its masks, except at tau 1, where the threshold part
+    accepts nothing and it rests exactly as a lossless row would."""
+    r = out.rows
+    return np.where(one_token_rows(r.tau, r.metric), 0, out.masks_read) + r.draft_len, accept - 1
+
+
+@dataclass(frozen=True)
+class Rule:
+    accept: Callable  # (StepOutputs, the mode's rows) -> (candidates [rows, any width], accept lengths)
+    tries: Callable  # (StepOutputs, accept lengths) -> (tried, used): adaptive width's inputs
+
+
+ACCEPTANCE = {
+    "threshold": Rule(threshold_rule, threshold_tries),
+    "lossless": Rule(lossless_rule, lossless_tries),
+    "hybrid": Rule(hybrid_rule, hybrid_tries),
+}
+
+
+def accept_by_mode(out: StepOutputs, width: int):
+    """Each row's candidates (``width`` columns) and accept length, by its mode's rule; a rule runs
+    only where a row uses its mode."""
+    r, names = out.rows, mode_names()
+    candidates, accept = np.zeros((len(r), width), np.int64), np.zeros(len(r), np.int64)
+    for code in np.unique(r.mode):
+        rows_of = r.mode == code
+        tokens, length = ACCEPTANCE[names[code]].accept(out, rows_of)
+        candidates = np.where(rows_of[:, None], pad_cols(tokens, width)[:, :width], candidates)
+        accept = np.where(rows_of, length, accept)
+    return candidates, accept
+
+
+def tries(out: StepOutputs, accept):
+    """Adaptive width's ``(tried, used)`` per row this step, by its mode's rule: what the row could
+    have accepted past its AR token, and how much of it it did."""
+    r, names = out.rows, mode_names()
+    tried, used = np.zeros(len(r), np.int64), np.zeros(len(r), np.int64)
+    for code in np.unique(r.mode):
+        rows_of = r.mode == code
+        t, u = ACCEPTANCE[names[code]].tries(out, accept)
+        tried, used = np.where(rows_of, t, tried), np.where(rows_of, u, used)
+    return tried, used
+
+
 def cut_at_stop(candidates, accept, stop_ids):
     """Accept lengths that end at the first stop token accepted, and which rows stopped."""
     is_stop = (candidates[:, :, None] == stop_ids).any(axis=2) & (np.arange(candidates.shape[1]) < accept[:, None])
     stopped = is_stop.any(axis=1)
     return np.where(stopped, is_stop.argmax(axis=1) + 1, accept), stopped
-
-
-def tries(rows: RowState, masks_read, verified, accept):
-    """Adaptive width's ``(tried, used)`` per row this step: what the row could have accepted past
-    its AR token, and how much of it it did. Lossless rows try their drafts; threshold rows their
-    masks; hybrid rows both, except at tau 1, where the threshold part accepts nothing and a hybrid
-    row is a lossless one, resting exactly as it would."""
-    masks = np.where(rows.hybrid & one_token_rows(rows.tau, rows.metric), 0, masks_read)
-    tried = np.where(rows.lossless, rows.draft_len, masks + np.where(rows.hybrid, rows.draft_len, 0))
-    return tried, np.where(rows.lossless, verified, accept - 1)
 
 
 def back_off(misses, pause, tried, used):
@@ -153,7 +269,7 @@ def next_draft(rows: RowState, mask_tokens, verified, masks_read, probs, *, draf
     if taken.any():  # a hybrid row's draft starts after the masks it accepted
         chosen = np.take_along_axis(chosen, np.minimum(np.arange(per_group) + taken[:, None], per_group - 1), axis=1)
     draft_len = np.where(usable, masks_read - taken, 0)
-    sampling = rows.lossless & (rows.temperature > 0)
+    sampling = rows.drafting & (rows.temperature > 0)
     if probs is not None and sampling.any():
         vocab = probs.shape[-1]
         mask_probs = probs[:, rows.draft.shape[1] + 1 :].reshape(n, groups, per_group, vocab)

@@ -5,7 +5,7 @@
                      served_names: the names a server answers to, under either engine
     requests.py      what a request is: its settings (request_params), the limits they are checked
                      against, the engine's record of it, its stream, its result, its refusals
-    engine.py        the engine: a bounded queue and one thread that admits, steps a DecodeBatch
+    engine.py        the engine: a bounded queue and one thread that admits, steps a decoder
                      and publishes tokens; the one place the default tau reaches a request
     drafting.py      a separate draft model (--draft-model): one request at a time, one drafted
                      step per engine turn, behind the batch's interface

@@ -6,11 +6,11 @@ vLLM's design, small:
     engine thread, each turn:     apply cancellations
                                   admit waiting requests while the batch has free rows
                                   give rows that follow the default tau its current value
-                                  DecodeBatch.step(): ONE forward for every running row
+                                  decoder.step(): ONE forward for every running row
                                   publish accepted tokens and finished requests
     publish                    -> requests.send_to_loop -> each request's asyncio.Queue
 
-Why one thread owns the model: a model, its KV cache and the DecodeBatch are not thread-safe,
+Why one thread owns the model: a model, its KV cache and the decoder are not thread-safe,
 and one owner needs no locks around torch. Running it off the event loop keeps HTTP responsive
 while a forward runs. Rows advance independently on the cursor cache, so admitting requests
 between steps *is* continuous batching: nobody waits for a batch to drain.
@@ -18,10 +18,11 @@ between steps *is* continuous batching: nobody waits for a batch to drain.
 Each row keeps its own tau. Requests that name no tau (tau None) follow the server's *default*
 tau, which the ``TauController`` (tau.py) may move with load (adaptive policy) or an admin may
 set. One method gives it to them (``_follow_default``): as they join the batch, and to running
-rows through ``DecodeBatch.set_tau`` before the next step after a change.
+rows through the decoder's ``set_tau`` before the next step after a change.
 
-With a separate draft model (``marslm serve --draft-model``) the batch is drafting.py's
-``DraftedBatch``: the same turn, for one request at a time, one drafted step per turn.
+The decoder is any of decode/decoder.py's, behind its one interface: a ``DecodeBatch``, or with a
+separate draft model (``marslm serve --draft-model``) a ``DraftedBatch``: the same turn, for one
+request at a time, one drafted step per turn.
 
 What a request is, as the engine holds it (its settings, stream, timings, result), is requests.py's.
 
@@ -50,11 +51,12 @@ import torch
 
 from ..adapter import adapter_of
 from ..chat import stop_token_ids
-from ..decode import DecodeBatch, DecoderOptions, DecodingParams, TextStream
+from ..decode import DecoderOptions, DecodingParams, TextStream
 from ..decode.costs import MaskBatchLimit, saved_mask_limit
+from ..decode.decoder import Decoder, free_rows, make_decoder
 from ..errors import UserError
 from .config import ServeConfig
-from .drafting import DraftedBatch, check_drafted_request, served_drafter
+from .drafting import check_drafted_request, served_drafter
 from .metrics import EngineMetrics
 from .requests import (
     EngineError,
@@ -75,7 +77,7 @@ IDLE_TICK_S = 0.05  # how often an idle engine lets the tau controller restore t
 
 # ------------------------------------------------------------------------------------------ engine
 class Engine:
-    """One model copy, one DecodeBatch, one thread that loops admit -> step -> publish."""
+    """One model copy, one decoder (decoder.py), one thread that loops admit -> step -> publish."""
 
     def __init__(
         self,
@@ -149,10 +151,9 @@ class Engine:
         return cls(model, tokenizer, config, drafting)
 
     # ---------------------------------------------------------------------------- lifecycle
-    def _new_batch(self) -> DecodeBatch | DraftedBatch:
-        if self.draft_decoder is not None:
-            return DraftedBatch(self.draft_decoder)
-        return DecodeBatch.with_options(self.model, self.decoder, **self._batch_facts)
+    def _new_batch(self) -> Decoder:
+        """The decoder the server runs (decoder.py): a ``DecodeBatch``, or a drafted server's one row."""
+        return make_decoder(self.model, self.decoder, drafting=self.draft_decoder, **self._batch_facts)
 
     @property
     def alive(self) -> bool:
@@ -290,7 +291,8 @@ class Engine:
     def _admit(self) -> None:
         joining = []
         with self._lock:
-            while self._waiting and len(self._running) + len(joining) < self.max_batch:
+            free = free_rows(self._batch, self.max_batch)
+            while self._waiting and len(joining) < free:
                 joining.append(self._waiting.popleft())
         if not joining:
             return
@@ -414,7 +416,7 @@ class Engine:
             self._deliver(r, r.cancelled())
 
 
-def _warm_up(batch: DecodeBatch, pad_id: int, block_size: int | None) -> None:
+def _warm_up(batch: Decoder, pad_id: int, block_size: int | None) -> None:
     warm = DecodingParams(tau=0.5, block_size=block_size, max_new_tokens=2).validate()
     batch.add([[pad_id] * 4], [warm], ["warmup"])
     while len(batch):

@@ -9,7 +9,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from ..decode.params import TAU_MODES, DecodingParams, ParamError, check_default_tau
+from ..decode.params import DecodingParams, ParamError, check_default_tau, reads_tau
 
 if TYPE_CHECKING:
     from ..decode import FinishedRow, TextStream
@@ -110,7 +110,7 @@ class RequestState:
     @property
     def tau(self) -> float | None:
         """The tau its result reports: its row's (None in lossless mode, which reads none)."""
-        return self.settings.tau if self.settings.mode in TAU_MODES else None
+        return self.settings.tau if reads_tau(self.settings.mode) else None
 
     def cancelled(self) -> Result:
         """What a cancelled request got so far (its steps' accept counts are dropped with its row)."""
