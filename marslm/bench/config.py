@@ -130,6 +130,11 @@ class BenchConfig:
     )
     cost_curve: bool = setting(False, "measure forward time against fed width instead of decoding")
     contexts: list = setting([128, 512], "--cost-curve: cached context lengths", parse=ints)
+    profile: bool = setting(
+        False,
+        "--cost-curve: also profile the one-token step and a masked step (B + 1 columns) at the first batch "
+        "size and context: each one's costliest operators (with --compile, eager and compiled)",
+    )
     save: bool = setting(
         False,
         "--cost-curve: keep a masked step's cost per batch size beside the checkpoint (marslm-costs.json): "
@@ -203,6 +208,8 @@ class BenchConfig:
             return
         if self.save:
             raise UserError("--save goes with --cost-curve (it keeps the cost curve's table)")
+        if self.profile:
+            raise UserError("--profile goes with --cost-curve (it profiles the curve's steps)")
         if self.ar_model is None:
             raise UserError("--ar-model is required: the AR baseline is HF generate on the AR checkpoint")
         unknown = set(self.contenders) - set(CONTENDER_GROUPS)

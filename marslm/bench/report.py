@@ -106,6 +106,20 @@ def format_cost_curve(report: dict) -> str:
     return "\n".join(lines)
 
 
+def format_profile(report: dict) -> str:
+    """A cost curve's profiles (``cost_curve(profile=...)``): per profiled width, where a forward's
+    host time goes, costliest operator first."""
+    step = "compiled" if report.get("compiled") else "eager"
+    lines = []
+    for width, profiled in report["profile"].items():
+        lines.append(f"{step} step, width {width} (batch {profiled['batch_size']}, context {profiled['context']}):")
+        lines += ["| operator | calls per forward | ms per forward | share |", "|---|---|---|---|"]
+        lines += [f"| {op['op']} | {op['calls']:g} | {op['ms']:.3f} | {op['share']:.0%} |" for op in profiled["ops"]]
+        lines.append("")
+    lines.append("Self host time per operator (torch.profiler), the inputs' making included.")
+    return "\n".join(lines)
+
+
 def format_against_eager(eager: dict, compiled: dict) -> str:
     """The compiled step's time at each width as a ratio to the eager one-token step's, the same
     batch size and context: what a compiled MARS step costs against plain eager decoding."""

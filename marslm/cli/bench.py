@@ -81,7 +81,7 @@ def run(args) -> int:
 
 
 def _cost_curve(config: BenchConfig) -> int:
-    from ..bench.report import format_against_eager, format_cost_curve
+    from ..bench.report import format_against_eager, format_cost_curve, format_profile
     from ..decode.costs import cost_curve
     from ..modeling import check_model_source, checkpoint_block_size, load_model, model_context, resolve_device
 
@@ -110,9 +110,12 @@ def _cost_curve(config: BenchConfig) -> int:
                 repeats=config.repeats,
                 progress=config.progress,
                 compile=compiled,
+                profile=(1, block_size + 1) if config.profile else (),
             )
             curves.append(curve)
             print(format_cost_curve(curve) + "\n")
+            if "profile" in curve:
+                print(format_profile(curve) + "\n")
     if config.compile:
         print(format_against_eager(*curves))
     report = curves[-1]  # the step the decoder runs with these settings: its table is the one saved

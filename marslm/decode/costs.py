@@ -37,6 +37,7 @@ def cost_curve(
     seed: int = 0,
     progress: bool = True,
     compile: bool = False,
+    profile=(),
 ) -> dict:
     """Time of one cached forward against the number of tokens it feeds, as ratios to one token.
 
@@ -48,7 +49,9 @@ def cost_curve(
     Logits are computed for every fed column, as a MARS step reads them. On an exact-mode model
     every fed column after the first is the mask token, so that the adapter, which acts at masks
     alone (adapter.py), costs what it does in a step. ``compile``: the step a compiled decoder runs
-    (forward.py), over a static cache, each width traced in the warm-up round.
+    (forward.py), over a static cache, each width traced in the warm-up round. ``profile``: widths
+    whose forwards are then run ``repeats`` times more under ``torch.profiler``, at the first batch
+    size and context: the report's ``profile`` holds their costliest operators (:func:`_profiled`).
     """
     from tqdm.auto import tqdm
 
@@ -56,14 +59,18 @@ def cost_curve(
     generator = torch.Generator().manual_seed(seed)
     adapter = adapter_of(model)
     mask_id = None if adapter is None else adapter.spec.mask_token_id
-    rows = []
+    rows, profiles = [], {}
     bar = tqdm(
         total=len(batch_sizes) * len(contexts) * (repeats + 1) * len(widths), desc="cost curve", disable=not progress
     )
     for batch in batch_sizes:
         for context in contexts:
             timed = _timed_static_widths if compile else _timed_widths
-            times = timed(model, batch, context, widths, repeats, generator, mask_id, bar.update)
+            profiling = () if profiles else profile
+            times, profiled = timed(model, batch, context, widths, repeats, generator, mask_id, bar.update, profiling)
+            profiles.update(
+                {str(w): {"batch_size": batch, "context": context, "ops": ops} for w, ops in profiled.items()}
+            )
             base = statistics.median(times[widths[0]])
             for w in widths:
                 ms = statistics.median(times[w])
@@ -77,10 +84,11 @@ def cost_curve(
         "compiled": compile,
         "widths": list(widths),
         "rows": rows,
+        **({"profile": profiles} if profiles else {}),
     }
 
 
-def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, tick) -> dict[int, list[float]]:
+def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, tick, profile=()):
     """Seconds of each width's forward over ``repeats`` rounds (after a warm-up round) on a cache of
     ``context`` random tokens; every column after the first is ``mask_id`` where given."""
     from transformers import DynamicCache
@@ -104,10 +112,10 @@ def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, ti
 
         return forward
 
-    return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick)
+    return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick, profile)
 
 
-def _timed_static_widths(model, batch, context, widths, repeats, generator, mask_id, tick) -> dict[int, list[float]]:
+def _timed_static_widths(model, batch, context, widths, repeats, generator, mask_id, tick, profile=()):
     """:func:`_timed_widths` for the compiled step: the same forwards through ``StepForward.run``
     over a static cache, with the mask always a tensor and the adapter's tail gate."""
     import numpy as np
@@ -142,13 +150,13 @@ def _timed_static_widths(model, batch, context, widths, repeats, generator, mask
         cache.prepare(batch, w)
         return lambda: step.run(cache, inputs(fed, context), True, to_device)
 
-    return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick)
+    return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick, profile)
 
 
-def _timed_rounds(widths, repeats, device, prepare, crop, tick) -> dict[int, list[float]]:
-    """Seconds of each width's forward (``prepare(w)`` makes it) over ``repeats`` rounds after a
-    warm-up round (where a compiled width compiles), the widths in turn within each round; the
-    cache is cropped back after each."""
+def _timed_rounds(widths, repeats, device, prepare, crop, tick, profile=()):
+    """``(seconds of each width's forward, the profile of each width in profile)``: each forward
+    (``prepare(w)`` makes it) over ``repeats`` rounds after a warm-up round (where a compiled
+    width compiles), the widths in turn within each round; the cache is cropped back after each."""
     times = {w: [] for w in widths}
     for round_ in range(repeats + 1):
         for w in widths:
@@ -161,7 +169,34 @@ def _timed_rounds(widths, repeats, device, prepare, crop, tick) -> dict[int, lis
                 times[w].append(time.perf_counter() - started)
             crop(w)
             tick(1)
-    return times
+    return times, {w: _profiled(prepare, crop, w, device, repeats) for w in profile if w in times}
+
+
+PROFILE_TOP = 12  # operators a profile keeps, costliest first
+
+
+def _profiled(prepare, crop, w, device, repeats) -> list[dict]:
+    """The costliest operators of ``repeats`` forwards of width ``w`` by their own (self) host time:
+    per forward, how often each ran, its milliseconds and its share of the total (the inputs'
+    making included). On a GPU each one's device time is kept too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            prepare(w)()
+            _synchronize(device)
+            crop(w)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    ops = []
+    for e in events[:PROFILE_TOP]:
+        op = {"op": e.key, "calls": e.count / repeats, "ms": e.self_cpu_time_total / 1000 / repeats}
+        op["share"] = e.self_cpu_time_total / total
+        if device.type == "cuda":
+            op["device_ms"] = getattr(e, "self_device_time_total", 0.0) / 1000 / repeats
+        ops.append(op)
+    return ops
 
 
 def _synchronize(device) -> None:

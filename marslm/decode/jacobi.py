@@ -11,6 +11,7 @@ decoding token for token.
 
 Deliberately simple: one prompt at a time, no KV cache (each forward recomputes the prefix).
 That costs wall-clock time, not tokens per forward, which is what the comparison measures.
+``JacobiBatch`` is a decoder like the others (decoder.py), driven by ``generate``'s loop.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import torch
 
 from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
+from .generation import run_to_completion
+from .params import DecodingParams
+from .rows import BatchStats, FinishedRow
 
 
 @dataclass
@@ -51,38 +55,84 @@ def _committed_count(guesses: list[int], predictions: list[int]) -> int:
     return count
 
 
-@torch.no_grad()
-def _decode_one(
-    model, prompt_ids: list[int], window: int, max_new_tokens: int, stop_ids: set[int]
-) -> tuple[list[int], list[int]]:
-    """(new tokens with the stop token if one came, tokens committed per forward) for one prompt."""
-    device = model.device
-    generated: list[int] = []
-    accepted_per_step: list[int] = []
-    guesses = [prompt_ids[-1]] * window  # no better guess before the first forward
-    while len(generated) < max_new_tokens:
-        prefix = prompt_ids + generated
-        input_ids = torch.tensor([prefix + guesses], device=device)
-        logits = model(input_ids=input_ids).logits[0]
+class JacobiBatch:
+    """Jacobi decoding of one row at a time behind the interface every decoder shares
+    (decoder.py): each :meth:`step` is one causal forward over prefix + guesses, without a cache."""
+
+    joins_running = True
+    max_rows = 1
+    mask_batch_limit = None
+
+    def __init__(self, model, window: int, stop_ids):
+        self.model, self.window, self.stop_ids = model, window, set(stop_ids)
+        self.stats = BatchStats()
+        self.row = None
+        self.last: list[int] = []
+
+    def __len__(self) -> int:
+        return int(self.row is not None)
+
+    def add(self, prompts: list[list[int]], settings: list, request_ids: list) -> None:
+        if not prompts:
+            return
+        if len(self) + len(prompts) > 1:
+            raise ValueError("Jacobi decoding runs one row at a time")
+        prompt = list(prompts[0])
+        # no better guess before the first forward than the prompt's last token
+        self.row = dict(
+            id=request_ids[0],
+            prompt=prompt,
+            new=[],
+            steps=[],
+            guesses=[prompt[-1]] * self.window,
+            max_new=settings[0].max_new_tokens,
+        )
+
+    @torch.no_grad()
+    def step(self) -> list[FinishedRow]:
+        """One forward; the guesses that were fixed points are committed (:func:`_committed_count`)."""
+        self.last = []
+        if self.row is None:
+            return []
+        row, device = self.row, next(self.model.parameters()).device
+        prefix = row["prompt"] + row["new"]
+        self.stats.forwards += 1
+        logits = self.model(input_ids=torch.tensor([prefix + row["guesses"]], device=device)).logits[0]
         # The output at the last prefix position predicts the first guess's slot, and so on; the
         # output at the last guess predicts one token past the window.
         predictions = logits[len(prefix) - 1 :].argmax(dim=-1).tolist()  # window + 1 of them
-
-        committed = predictions[: _committed_count(guesses, predictions)]
-        committed = committed[: max_new_tokens - len(generated)]
-        for i, token in enumerate(committed):  # stop at the first stop token, keeping it
-            if token in stop_ids:
-                committed = committed[: i + 1]
-                break
-        generated += committed
-        accepted_per_step.append(len(committed))
-        if committed[-1] in stop_ids:
-            break
+        committed = predictions[: _committed_count(row["guesses"], predictions)]
+        committed = committed[: row["max_new"] - len(row["new"])]
+        stopped = next((i for i, token in enumerate(committed) if token in self.stop_ids), None)
+        if stopped is not None:  # the row ends at its first stop token, which counts as decoded
+            committed = committed[: stopped + 1]
+        row["new"] += committed
+        row["steps"].append(len(committed))
+        if stopped is not None or len(row["new"]) >= row["max_new"]:
+            return self._pop(stopped is not None)
+        self.last = committed
         # The predictions past the committed ones are the next iteration's guesses, shifted left;
         # pad with the last of them to keep the window full.
-        guesses = predictions[len(committed) :][:window]
-        guesses += [guesses[-1] if guesses else generated[-1]] * (window - len(guesses))
-    return generated, accepted_per_step
+        guesses = predictions[len(committed) :][: self.window]
+        row["guesses"] = guesses + [guesses[-1] if guesses else row["new"][-1]] * (self.window - len(guesses))
+        return []
+
+    def new_tokens(self) -> dict:
+        return {self.row["id"]: list(self.last)} if self.row is not None and self.last else {}
+
+    def stop(self, request_ids) -> list[FinishedRow]:
+        return self._pop(False) if self.row is not None and self.row["id"] in set(request_ids) else []
+
+    def cancel(self, request_ids) -> None:
+        self.stop(request_ids)
+
+    def set_tau(self, request_ids, tau: float) -> None:
+        """Jacobi decoding reads no tau."""
+
+    def _pop(self, stopped: bool) -> list[FinishedRow]:
+        row, self.row, self.last = self.row, None, []
+        answer = row["new"][:-1] if stopped else row["new"]
+        return [FinishedRow(row["id"], answer, stopped, row["steps"])]
 
 
 def jacobi_generate(
@@ -98,16 +148,13 @@ def jacobi_generate(
         raise UserError(f"Jacobi window must be >= 1, got {window}")
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    stop_ids = set(stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
-
-    texts, token_ids, forwards, accepted = [], [], [], []
-    for prompt in prompts:
-        generated, steps = _decode_one(
-            model, encode_prompt(tokenizer, prompt, apply_chat_template), window, max_new_tokens, stop_ids
-        )
-        answer = generated[:-1] if generated and generated[-1] in stop_ids else generated
-        texts.append(tokenizer.decode(answer, skip_special_tokens=True))
-        token_ids.append(answer)
-        forwards.append(len(steps))
-        accepted.append(steps)
-    return JacobiResult(texts, token_ids, forwards, accepted)
+    stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    prompt_ids = [encode_prompt(tokenizer, prompt, apply_chat_template) for prompt in prompts]
+    params = [DecodingParams(max_new_tokens=max_new_tokens)] * len(prompt_ids)
+    rows = run_to_completion(JacobiBatch(model, window, stop_ids), prompt_ids, params)
+    return JacobiResult(
+        texts=[tokenizer.decode(row.token_ids, skip_special_tokens=True) for row in rows],
+        token_ids=[row.token_ids for row in rows],
+        forwards=[row.forwards for row in rows],
+        accepted_per_step=[row.accepted_per_step for row in rows],
+    )

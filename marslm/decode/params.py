@@ -289,8 +289,8 @@ class DecoderOptions:
 def one_token(tau: float, metric: str, mode: str = "threshold") -> bool:
     """Whether a setting is plain AR decoding, one token per forward (:func:`one_token_rows`): a
     mode that reads tau and does not draft, at tau 1."""
-    spec = MODE_SPECS[mode]
-    return spec.reads_tau and not spec.drafts and bool(one_token_rows(tau, metric_code(metric)))
+    spec = MODE_SPECS.get(mode)  # a report's other decoders (the ablation's Jacobi rows) are none
+    return spec is not None and spec.reads_tau and not spec.drafts and bool(one_token_rows(tau, metric_code(metric)))
 
 
 def one_token_rows(tau, metric):

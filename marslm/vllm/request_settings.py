@@ -13,7 +13,7 @@ Each request decodes in one of three row modes:
     THRESHOLD  [AR token, mask predictions], the leading confident ones (acceptance.py)
     LOSSLESS   the masks draft, the next forward verifies: greedy output, token for token
 
-Hybrid mode (marslm serve's) is refused here: ``HYBRID_REFUSED`` says why.
+Hybrid mode (marslm serve's), and any mode but those two, is refused here: ``refused_mode`` says why.
 
 This module imports nothing of vLLM, so the CLI and the HTTP middleware can use it too.
 """
@@ -36,10 +36,15 @@ from ..decode.params import (
 OFF, THRESHOLD, LOSSLESS = range(3)
 # vLLM's sampler emits at most the drafts it verified and one token after them, and the plugin's
 # scheduler re-feeds accepted mask positions only right after the AR token (sampler.py, scheduler.py)
-HYBRID_REFUSED = (
-    "'mode' hybrid is not served by the vLLM plugin (its sampler cannot accept masks after verified "
-    "drafts); use marslm serve, or mode lossless or threshold"
-)
+SERVED_MODES = ("threshold", "lossless")
+
+
+def refused_mode(mode: str) -> str:
+    """Why a mode the plugin's sampler does not run is refused."""
+    why = "its sampler cannot accept masks after verified drafts" if mode == "hybrid" else "its sampler runs two"
+    return f"'mode' {mode} is not served by the vLLM plugin ({why}); use marslm serve, or mode lossless or threshold"
+
+
 FIELDS = ("tau", "metric", "mode")
 CONFIG_KEY = "marslm"
 
@@ -88,8 +93,8 @@ def check_request(fields: dict, greedy: bool = True) -> None:
         check_metric(metric)
     if mode is not None:
         check_mode(mode)
-    if mode == "hybrid":
-        raise ParamError(HYBRID_REFUSED, "mode")
+    if mode is not None and mode not in SERVED_MODES:
+        raise ParamError(refused_mode(mode), "mode")
     if tau is not None:
         check_tau(tau, metric or "prob")
     else:  # a request that names no mode runs in the server's default mode, which may read tau

@@ -131,3 +131,13 @@ def test_a_new_mode_is_its_facts_and_its_rule(trained_checkpoints, prompts, monk
     mixed = run_to_completion(batch, prompts, params)
     assert mixed[0].token_ids == out.token_ids[0]
     assert mixed[1].token_ids == greedy.token_ids[1]  # lossless beside it is still greedy AR
+
+
+def test_jacobi_decoding_is_a_decoder_and_greedy(trained_checkpoints, prompts):
+    from marslm.decode.jacobi import jacobi_generate
+    from tests.helpers import hf_greedy
+
+    model, tokenizer = trained_checkpoints["ar64"]
+    out = jacobi_generate(model, tokenizer, prompts, window=3, max_new_tokens=12, apply_chat_template=False)
+    assert out.token_ids == hf_greedy(model, tokenizer, prompts, 12)
+    assert sum(out.forwards) < sum(map(len, out.token_ids)) + len(prompts)  # some fixed points held

@@ -142,6 +142,20 @@ def test_a_compiled_cost_curve_runs_the_bucket_widths_beside_eager(trained_dirs,
     assert "ratio to the eager step that feeds one token" in capsys.readouterr().out
 
 
+def test_a_profiled_cost_curve_names_where_each_step_s_time_goes(trained_dirs, tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    argv = ["bench", "--cost-curve", "--model", str(trained_dirs["dir"] / "mars"), "--contexts", "8,16"]
+    assert main(argv + ["--batch-sizes", "1", "--repeats", "2", "--profile", "--json", str(out), "--quiet"]) == 0
+    profile = json.loads(out.read_text())["profile"]
+    assert set(profile) == {"1", "5"}  # the one-token step and a masked step at the checkpoint's B = 4
+    for profiled in profile.values():
+        assert profiled["context"] == 8 and profiled["ops"]
+        ops = {op["op"]: op for op in profiled["ops"]}
+        assert ops["aten::mm"]["calls"] >= 2 and all(op["ms"] >= 0 for op in ops.values())
+        assert 0 < sum(op["share"] for op in ops.values()) <= 1 + 1e-9
+    assert "eager step, width 5 (batch 1, context 8):" in capsys.readouterr().out
+
+
 def test_bench_config_checks_what_its_mode_reads_when_made():
     from marslm.bench.config import BenchConfig
     from marslm.errors import UserError
