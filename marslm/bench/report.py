@@ -63,6 +63,15 @@ def format_bench_table(report: dict) -> str:
             f"Drafter {report.get('draft_model')}: tok/fwd counts the target's forwards; drafter fwd, the "
             "drafter's over one pass; both models' time is in tok/s."
         )
+    compiled = [r for r in report["rows"] if "speedup_vs_hf_compiled" in r and r["options"].get("compile")]
+    if compiled:
+        lines.append(
+            "Against HF generate compiled (its static cache, torch.compile of its step): "
+            + ", ".join(
+                f"{r['contender']} at batch {r['batch_size']}: {r['speedup_vs_hf_compiled']:.2f}x" for r in compiled
+            )
+            + "."
+        )
     lines.append(
         f"n={report['n']} prompts, {report['repeats']} repeats, max {report['max_new_tokens']} new tokens, "
         f"device {report['device']}, {report.get('dtype', 'float32')}, {report['threads']} threads. "

@@ -31,6 +31,7 @@ from .config import DRAFTER_GROUPS, BenchConfig
 from .report import PAPER_REFERENCE, check_targets
 
 BLOCK_CACHE_SIZES = (16, 32)  # the block contenders' --block-cache-size values
+HF_COMPILED = "HF generate static+compile (AR ckpt)"  # --compile: HF generate's own compiled decoding
 
 
 @dataclass
@@ -115,6 +116,8 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
         )
     if config.compile:
         contenders += [_compiled(c) for c in contenders if c.decoder is not None and c.decoder.cache == "cursor"]
+        # HF generate's own compiled decoding: its static cache and torch.compile of its step
+        contenders.append(Contender(HF_COMPILED, "hf", "ar", {"compile": True}))
     unique = {}
     for c in contenders + _drafter_contenders(config):
         unique.setdefault(c.name, c)
@@ -178,7 +181,9 @@ def _kv_bytes_per_slot(model) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
 
 
-def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options: dict) -> dict:
+def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options: dict, pad_to: int = 0) -> dict:
+    """HF generate over ``prompt_ids`` in batches, each left-padded to its longest prompt or to
+    ``pad_to`` (a compiled static cache then keeps one shape)."""
     assistant = options.get("assistant_model")
     if (options.get("prompt_lookup_num_tokens") or assistant is not None) and batch_size > 1:
         return {"refused": "HF assisted/prompt-lookup decoding supports batch size 1 only"}
@@ -189,7 +194,7 @@ def _run_hf(model, tokenizer, prompt_ids, batch_size, max_new_tokens, options: d
     try:
         for start in range(0, len(prompt_ids), batch_size):
             chunk = prompt_ids[start : start + batch_size]
-            width = max(map(len, chunk))
+            width = max(pad_to, *map(len, chunk))
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
             attn = (
                 torch.arange(width, device=model.device)[None]
@@ -304,14 +309,16 @@ def _timed_rounds(models, prompts, contenders, batch_size, config: BenchConfig, 
             if "refused" in results.get(c.name, {}):
                 bar.update(1)
                 continue
-            prompt_ids = prompts[c.checkpoint][:batch_size] if round_ == 0 else prompts[c.checkpoint]
+            # HF's compiled step compiles in the warm-up, on every prompt: its compile time is not reported
+            hf_compiled = c.kind == "hf" and c.options.get("compile")
+            every = prompts[c.checkpoint]
+            prompt_ids = every[:batch_size] if round_ == 0 and not hf_compiled else every
             started = time.perf_counter()
             if c.kind in ("mars", "draft"):
                 result = _run_mars(model, tokenizer, prompt_ids, batch_size, c, _drafting(c, models))
             else:
-                result = _run_hf(
-                    model, tokenizer, prompt_ids, batch_size, config.max_new_tokens, _hf_keywords(c, models)
-                )
+                keywords, pad_to = _hf_keywords(c, models), max(map(len, every)) if hf_compiled else 0
+                result = _run_hf(model, tokenizer, prompt_ids, batch_size, config.max_new_tokens, keywords, pad_to)
             # a bucket compiles the first time a step meets it, warm-up or not: reported, never timed
             paid = result.pop("compile_seconds", 0.0)
             compile_seconds[c.name] = compile_seconds.get(c.name, 0.0) + paid
@@ -336,7 +343,16 @@ def _drafting(c: Contender, models: dict) -> dict:
 
 def _hf_keywords(c: Contender, models: dict) -> dict:
     """HF generate's keywords. Assisted generation reads K, its schedule and its confidence cut-off
-    from the assistant's generation config, so they go there."""
+    from the assistant's generation config, so they go there. Compiled, HF generate runs its
+    static cache and compiles its decoding step (fullgraph, static shapes), on any device."""
+    if c.options.get("compile"):
+        from transformers.generation.configuration_utils import CompileConfig
+
+        from ..decode.forward import BACKEND
+
+        config = CompileConfig(fullgraph=True, dynamic=False, backend=BACKEND, mode="default")
+        config._compile_all_devices = True  # transformers compiles on GPUs alone unless told
+        return {"cache_implementation": "static", "compile_config": config}
     if c.kind != "hf-assisted":
         return c.options
     drafter = models["drafter"][0]
@@ -372,20 +388,20 @@ def _row(c: Contender, batch_size: int, result: dict, seconds: list[float], mode
 
 
 def _add_speedups(rows) -> None:
-    """Each row's speed-up over HF generate on the AR checkpoint at the same batch size."""
+    """Each row's speed-up over HF generate on the AR checkpoint at the same batch size, and where
+    HF generate ran compiled too (``--compile``), over that (``speedup_vs_hf_compiled``)."""
     for row in rows:
-        base = next(
-            (
-                r
-                for r in rows
-                if r["batch_size"] == row["batch_size"]
-                and r["contender"] == "HF generate (AR ckpt)"
-                and "tokens_per_second" in r
-            ),
-            None,
-        )
-        if base and "tokens_per_second" in row:
-            row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
+        for baseline, key in (("HF generate (AR ckpt)", "speedup"), (HF_COMPILED, "speedup_vs_hf_compiled")):
+            base = next(
+                (
+                    r
+                    for r in rows
+                    if r["batch_size"] == row["batch_size"] and r["contender"] == baseline and "tokens_per_second" in r
+                ),
+                None,
+            )
+            if base and "tokens_per_second" in row:
+                row[key] = row["tokens_per_second"] / base["tokens_per_second"]
 
 
 def _mark_identical_outputs(rows) -> None:

@@ -50,7 +50,11 @@ def test_bench_runs_each_cursor_contender_eager_and_compiled(trained_dirs, capsy
         "MARS lossless",
         "MARS cursor tau=0.9 compiled",
         "MARS lossless compiled",
+        "HF generate static+compile (AR ckpt)",
     }
     for name in ("MARS cursor tau=0.9", "MARS lossless"):
         assert rows[name + " compiled"]["tokens_per_forward"] == rows[name]["tokens_per_forward"]
+        assert rows[name + " compiled"]["speedup_vs_hf_compiled"] > 0
+    # HF generate compiled decodes as HF generate does
+    assert rows["HF generate static+compile (AR ckpt)"]["same_as_greedy"] is True
     assert {d.compile for d in decoders} == {False, True}
