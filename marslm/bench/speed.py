@@ -28,10 +28,9 @@ from ..decode import generate
 from ..decode.generation import with_overrides
 from ..decode.params import PAPER_RULE, DecoderOptions, DecodingParams
 from .config import DRAFTER_GROUPS, BenchConfig
-from .report import PAPER_REFERENCE, check_targets
+from .report import HF_COMPILED, PAPER_REFERENCE, check_targets
 
 BLOCK_CACHE_SIZES = (16, 32)  # the block contenders' --block-cache-size values
-HF_COMPILED = "HF generate static+compile (AR ckpt)"  # --compile: HF generate's own compiled decoding
 
 
 @dataclass
@@ -164,12 +163,19 @@ def _drafted(name: str, max_new_tokens: int, k: int, checkpoint: str, drafting: 
 
 
 class _ForwardCounter:
+    """Counts a model's forwards. The count is a tensor, so that a compiled forward (HF generate's
+    static+compile, which traces the hooks) adds to it instead of specialising on its value."""
+
     def __init__(self, model):
-        self.calls = 0
+        self.count = torch.zeros((), dtype=torch.long, device=model.device)
         self.handle = model.register_forward_hook(self._hook)
 
+    @property
+    def calls(self) -> int:
+        return int(self.count)
+
     def _hook(self, *_):
-        self.calls += 1
+        self.count.add_(1)
 
     def close(self):
         self.handle.remove()
