@@ -156,6 +156,48 @@ def training_mask(
     return for_attention(dense, model)
 
 
+CLEAN_WIDTH = "mars_clean_width"  # a two-stream forward's keyword to its attention: where the clean stream ends
+CLEAN_CAUSAL = "mars_clean_causal"  # and whether that stream is plain causal attention (one sequence a row)
+
+
+def split_attention(model, clean_width: int, segment_ids: torch.Tensor | None) -> dict:
+    """The keywords that let sdpa attend the two streams apart in a training forward: the clean
+    stream's queries see only clean keys, so they attend over ``clean_width`` keys (causally, with
+    no mask at all, where each row holds one sequence), and only the noisy queries read the whole
+    width. transformers hands a forward's keywords to its attention function; :func:`two_stream_sdpa`
+    reads them. Other back-ends get none (FlexAttention's block mask skips the blocks itself)."""
+    if attention_implementation(model) != "sdpa":
+        return {}
+    _register_two_stream_sdpa()
+    one_sequence = segment_ids is None or bool((segment_ids[:, :clean_width] <= 0).all())
+    return {CLEAN_WIDTH: clean_width, CLEAN_CAUSAL: one_sequence}
+
+
+@functools.cache
+def _register_two_stream_sdpa() -> None:
+    """Put :func:`two_stream_sdpa` in transformers' attention registry under "sdpa": a forward
+    without the two-stream keywords runs transformers' own function, unchanged."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("sdpa", functools.partial(two_stream_sdpa, sdpa_attention_forward))
+
+
+def two_stream_sdpa(sdpa, module, query, key, value, attention_mask, **kwargs):
+    """``sdpa`` (transformers' sdpa attention) over a two-stream training forward, one call per
+    stream: the clean queries over the clean keys, the noisy ones over every key. Equal to one call
+    over the whole mask (the clean stream never sees the noisy one), at about three quarters of its
+    cost with one noisy copy, and less where the clean stream is plain causal."""
+    width, causal = kwargs.pop(CLEAN_WIDTH, None), kwargs.pop(CLEAN_CAUSAL, False)
+    if width is None or attention_mask is None or query.shape[2] != key.shape[2] or width >= query.shape[2]:
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    keys, values = key[:, :, :width], value[:, :, :width]
+    clean_mask = None if causal else attention_mask[:, :, :width, :width]
+    clean, _ = sdpa(module, query[:, :, :width], keys, values, clean_mask, **kwargs)
+    noisy, _ = sdpa(module, query[:, :, width:], key, value, attention_mask[:, :, width:], **kwargs)
+    return torch.cat([clean, noisy], dim=1), None
+
+
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True = may attend) as the scores' addend: 0 where True, the dtype's lowest
     value elsewhere (what eager needs, and what sdpa makes of a boolean mask at each call)."""

@@ -527,3 +527,31 @@ def test_flex_attention_gives_the_sdpa_and_eager_loss(tiny_tokenizer, make_tiny_
         torch.testing.assert_close(flex, loss, rtol=1e-5, atol=1e-5)
         for name in grads:
             torch.testing.assert_close(flex_grads[name], grads[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sdpa_split_by_stream_gives_the_whole_mask_s_loss_and_gradients(
+    tiny_tokenizer, make_tiny_model, packed, monkeypatch
+):
+    """masks.two_stream_sdpa attends the clean queries over the clean keys alone (causally where a
+    row holds one sequence): the loss and gradients of one call over the whole mask, in float64,
+    with two noisy copies at random phases."""
+    from marslm.data import toy
+    from marslm.training import objective
+    from marslm.training.objective import Masking
+
+    examples = []
+    for example in toy.make_split("train", 6):
+        enc = encode_conversation(tiny_tokenizer, toy.to_chat_record(example)["messages"])
+        examples.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    batch = (collate_packed if packed else collate)(examples, pad_id=PAD_ID, block_size=4, eos_id=EOS_ID)
+    masking = Masking(random_phase=True, streams=2)
+
+    def run():
+        torch.manual_seed(0)  # the phases
+        return stage_loss_and_grads(make_tiny_model("llama", seed=5).double(), batch, "mars", masking=masking)
+
+    split = run()
+    monkeypatch.setattr(objective, "split_attention", lambda *args: {})
+    whole = run()
+    assert_same_loss_and_grads(split, whole, loss_atol=1e-12)

@@ -32,7 +32,7 @@ import torch
 
 from ..adapter import placed_masks
 from ..chat import IGNORE
-from ..masks import packed_two_stream_mask, training_mask
+from ..masks import packed_two_stream_mask, split_attention, training_mask
 from .head_loss import SparseTargets, cross_entropy, has_linear_head, target_loss
 
 
@@ -335,12 +335,13 @@ def mars_loss(
     o = options
     phases = o.masking.phases(segment_ids, len(input_ids), o.block_size)
     batch = two_stream_batch(input_ids, labels, o.block_size, o.mask_token_id, position_ids, segment_ids, phases)
+    seq_len = input_ids.shape[1]
     inputs = {
         "input_ids": batch.input_ids,
         "position_ids": batch.position_ids,
         "attention_mask": batch.mask_for(model),
+        **split_attention(model, seq_len, segment_ids),
     }
-    seq_len = input_ids.shape[1]
 
     weights = target_weights(labels, segment_ids, o.normalization)
     if denominator is None:
