@@ -127,6 +127,7 @@ class EvalConfig:
         for name, allowed in (("cache", CACHE_MODES), ("mode", MODES)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        DecoderOptions(cache=self.cache, compile=self.compile)  # --compile with another cache is refused there
         DecoderOptions(adaptive_width=self.adaptive_width, mask_batch_limit=self.mask_batch_limit)  # checks them
 
 
@@ -403,7 +404,7 @@ def _run_cell(loaded, eval_set: EvalSet, cell: dict, model_name: str, config: Ev
             params=DecodingParams(**settings, max_new_tokens=config.max_new_tokens),
             decoder=DecoderOptions(
                 **{k: cell[k] for k in ("cache", "adaptive_width", "mask_batch_limit")},
-                compile=config.compile and cell["cache"] == "cursor",
+                compile=config.compile,
             ),
             batch_size=config.batch_size,
             progress=config.progress,

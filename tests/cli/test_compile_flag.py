@@ -10,7 +10,7 @@ import pytest
 
 from marslm.cli import build_parser
 from marslm.decode import forward
-from tests.cli.test_errors import run
+from tests.cli.test_errors import assert_one_line_error, run
 from tests.cli.test_fallback_options import COMMANDS, decoders  # noqa: F401 - a fixture
 
 ALL = {**COMMANDS, "serve": ["serve", "--model", "m"]}
@@ -34,6 +34,13 @@ def test_generate_and_eval_hand_it_to_the_decoder(trained_dirs, capsys, decoders
     rc, _, err = run(capsys, *argv, "--compile", "--json", tmp_path / "eval.json")
     assert rc == 0, err
     assert [d.compile for d in decoders] == [True, True]
+
+
+@pytest.mark.parametrize("cache", ["block", "none"])
+def test_eval_refuses_it_with_another_cache_before_loading(cache, capsys, tmp_path):
+    rc, out, err = run(capsys, "eval", "--model", tmp_path / "absent", "--cache", cache, "--compile")
+    assert out == ""
+    assert_one_line_error(rc, err, f"compile runs the cursor cache's step; cache={cache!r} decodes eagerly")
 
 
 def test_bench_runs_each_cursor_contender_eager_and_compiled(trained_dirs, capsys, decoders, tmp_path, monkeypatch):  # noqa: F811

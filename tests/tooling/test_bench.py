@@ -182,7 +182,7 @@ def test_bench_config_checks_what_its_mode_reads_when_made():
 
 def test_contenders_carry_their_decoding_settings_built_once():
     from marslm.bench.config import BenchConfig
-    from marslm.bench.speed import default_contenders
+    from marslm.bench.contenders import default_contenders
 
     config = BenchConfig(model="m", ar_model="a", taus=[0.9], contenders=["block", "lossless-groups"], max_new_tokens=7)
     contenders = {c.name: c for c in default_contenders(config)}
@@ -203,7 +203,7 @@ def test_contenders_carry_their_decoding_settings_built_once():
 
 def test_hybrid_contenders_run_per_tau_with_and_without_draft_groups():
     from marslm.bench.config import BenchConfig
-    from marslm.bench.speed import default_contenders
+    from marslm.bench.contenders import default_contenders
 
     config = BenchConfig(model="m", ar_model="a", taus=[0.9, 0.8], contenders=["hybrid", "hybrid-groups"])
     contenders = {c.name: c for c in default_contenders(config)}

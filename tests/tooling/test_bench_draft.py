@@ -11,7 +11,7 @@ import json
 import pytest
 
 from marslm.bench.config import CONTENDER_GROUPS, DRAFTER_GROUPS, BenchConfig
-from marslm.bench.speed import default_contenders
+from marslm.bench.contenders import default_contenders
 from marslm.cli import main
 from marslm.errors import UserError
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from marslm.bench.config import BenchConfig
-from marslm.bench.speed import default_contenders
+from marslm.bench.contenders import default_contenders
 from marslm.cli import main
 from marslm.decode import PAPER_RULE, costs
 from marslm.errors import UserError
