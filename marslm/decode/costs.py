@@ -132,7 +132,7 @@ def _timed_static_widths(model, batch, context, widths, repeats, generator, mask
 
     def inputs(ids, start):
         w = ids.shape[1]
-        mask = np.zeros((batch, 1, w, capacity), bool)
+        mask = np.zeros((batch, 1, w, cache.window), bool)
         mask[:, 0, :, :start] = True
         mask[:, 0, :, start : start + w] = np.tril(np.ones((w, w), bool))
         positions = np.broadcast_to(start + np.arange(w), (batch, w)).copy()

@@ -11,11 +11,12 @@ its cache. With ``compile=True`` it is made to repeat:
     columns  padded to the next of a few widths (``WIDTHS``); the padding goes between the real
              tokens and the masks, sees only itself, and its keys/values are dropped with the masks'
     cache    a :class:`~.kv.StaticSlotCache`: fixed buffers written from a position tensor the
-             host sets, and an attention mask that is always a ``[rows, 1, width, capacity]`` tensor
+             host sets, attended over a window of a power of two slots that covers those in use,
+             with an attention mask that is always a ``[rows, 1, width, window]`` tensor
     adapter  exact mode's gate is the tail gate (``MaskAdapter.tail_gate``): the masks' places are
              known on the host, so nothing in the forward depends on its data
 
-Each bucket (rows, width, masks fed, the cache's capacity) is one graph, traced with
+Each bucket (rows, width, masks fed, the window, the buffers' capacity) is one graph, traced with
 ``fullgraph=True`` the first time it is met and reused by every later step, call and request; its first call's time is
 reported as compile time. A forward wider than the widest bucket (a prompt that starts the batch)
 runs the same function eagerly. The output is the step's logits at every fed column.
@@ -61,14 +62,14 @@ class Padded:
 
     input_ids: np.ndarray  # [rows, width]
     position_ids: np.ndarray
-    mask: np.ndarray  # [rows, 1, width, capacity]: what each fed column sees, cached slots first
+    mask: np.ndarray  # [rows, 1, width, window]: what each fed column sees, cached slots first
     tail: int  # the masks: every row's last columns
     offsets: np.ndarray  # [tail] each mask's offset inside its group
 
 
 def padded(step: StepInputs, *, rows: int, width: int, cached: int, capacity: int, pad_id: int) -> Padded:
     """``step`` (its mask ``[n, 1, W, cached + W]``, never None) padded to ``rows`` x ``width``
-    over a cache of ``capacity`` slots whose first ``cached`` are in use.
+    over ``capacity`` slots (the window it attends over) whose first ``cached`` are in use.
 
     The padding columns go between the real tokens and the masks, so that the masks stay every
     row's last columns (the adapter's tail, one per bucket whatever the padding) and the padding
@@ -112,7 +113,7 @@ class StepForward:
         rows, width = (row_bucket(n), bucket(fed)) if compiled else (n, fed)
         cached = cache.get_seq_length()
         cache.prepare(rows, width)
-        inputs = padded(step, rows=rows, width=width, cached=cached, capacity=cache.capacity, pad_id=self.pad_id)
+        inputs = padded(step, rows=rows, width=width, cached=cached, capacity=cache.window, pad_id=self.pad_id)
         logits = self.run(cache, inputs, compiled, to_device)
         read_cols = columns(step, width)[step.read_cols]
         return logits[torch.arange(n, device=logits.device)[:, None], to_device(read_cols)], width
@@ -129,7 +130,7 @@ class StepForward:
             cache,
             owner,
         )
-        key = (BACKEND, owner, *inputs.input_ids.shape, inputs.tail, cache.capacity)
+        key = (BACKEND, owner, *inputs.input_ids.shape, inputs.tail, cache.window, cache.capacity)
         with torch.no_grad(), tail_gate(self.model, to_device(inputs.offsets)):
             if not compiled or key in _EAGER:
                 compiled, logits = False, _forward(*args)

@@ -148,13 +148,14 @@ class SlotCache(Cache):
 class StaticSlotLayer(SlotLayer):
     """A :class:`SlotLayer` whose buffers keep their shape from step to step, as a compiled step
     needs: a forward writes its keys/values at the slots from ``start`` (a tensor the host sets, so
-    a traced step does not specialise on it) and attends over every slot, the attention mask
-    hiding those not in use. The host moves ``length`` itself (:meth:`StaticSlotCache.advance`);
-    rows, holes, cropping and compaction are the :class:`SlotLayer`'s own."""
+    a traced step does not specialise on it) and attends over the first ``window`` slots (a power
+    of two the host sets, :func:`window_for`), the attention mask hiding those not in use. The host
+    moves ``length`` itself (:meth:`StaticSlotCache.advance`); rows, holes, cropping and compaction
+    are the :class:`SlotLayer`'s own."""
 
     def __init__(self, capacity: int, rows: int, start: torch.Tensor):
         super().__init__(capacity)
-        self.rows, self.start = rows, start
+        self.rows, self.start, self.window = rows, start, capacity
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows = self.rows  # a step may feed padding rows past the ones in use
@@ -168,10 +169,10 @@ class StaticSlotLayer(SlotLayer):
         at = self.start + torch.arange(key_states.shape[-2], device=key_states.device)
         self.keys[:fed].index_copy_(2, at, key_states)
         self.values[:fed].index_copy_(2, at, value_states)
-        return self.keys[:fed], self.values[:fed]
+        return self.keys[:fed, :, : self.window], self.values[:fed, :, : self.window]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.capacity, 0
+        return self.window, 0
 
     def ensure(self, rows: int, slots: int) -> None:
         """Room for a step that feeds ``rows`` rows (padding included) into ``slots`` slots from
@@ -186,13 +187,22 @@ class StaticSlotLayer(SlotLayer):
         self.capacity = self.keys.shape[2]
 
 
+MIN_WINDOW = 64  # the fewest slots a compiled step attends over
+
+
+def window_for(slots: int, capacity: int) -> int:
+    """The slots a step that needs ``slots`` attends over: a power of two, so that a run meets a
+    few windows (a graph each) and no step attends over much more of the cache than it uses."""
+    return min(capacity, max(MIN_WINDOW, 1 << (slots - 1).bit_length()))
+
+
 class StaticSlotCache(SlotCache):
     """One :class:`StaticSlotLayer` per model layer, all writing at one shared ``start``."""
 
     def __init__(self, capacity: int, rows: int, device: torch.device):
         self.start = torch.zeros((), dtype=torch.long, device=device)
         Cache.__init__(self, layer_class_to_replicate=lambda: StaticSlotLayer(self.capacity, self.rows, self.start))
-        self.capacity, self.rows = capacity, rows
+        self.capacity, self.rows, self.window = capacity, rows, capacity
 
     @property
     def ready(self) -> bool:
@@ -200,12 +210,15 @@ class StaticSlotCache(SlotCache):
         return bool(self.layers) and all(layer.is_initialized for layer in self.layers)
 
     def prepare(self, rows: int, width: int) -> None:
-        """Before a forward of ``rows`` x ``width`` (padding included): room for it, and its slots'
-        start set to the first free one."""
+        """Before a forward of ``rows`` x ``width`` (padding included): room for it, its slots'
+        start set to the first free one, and the slots it attends over (``window``)."""
         length = self.get_seq_length()
         for layer in self.layers:
             layer.ensure(rows, length + width)
         self.capacity = self.layers[0].capacity if self.layers else max(self.capacity, length + width)
+        self.window = window_for(length + width, self.capacity) if self.ready else self.capacity
+        for layer in self.layers:
+            layer.window = self.window
         self.start.fill_(length)
 
     def advance(self, width: int) -> None:

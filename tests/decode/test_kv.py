@@ -42,3 +42,11 @@ def test_compaction_keeps_each_rows_chosen_slots():
     layer.batch_select_indices(torch.tensor([1]))
     layer.gather_slots(torch.tensor([[3, 1]]))
     assert layer.length == 2 and layer.keys[0, 0, :2, 0].tolist() == [3.0, 1.0]
+
+
+def test_a_compiled_step_attends_over_a_power_of_two_window_that_covers_its_slots():
+    from marslm.decode.kv import MIN_WINDOW, window_for
+
+    assert window_for(1, 512) == MIN_WINDOW
+    assert [window_for(s, 512) for s in (64, 65, 128, 129, 300)] == [64, 128, 128, 256, 512]
+    assert window_for(600, 512) == 512  # never past the buffers
