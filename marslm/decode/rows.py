@@ -83,12 +83,22 @@ class RowState:
     @property
     def drafting(self) -> np.ndarray:
         """Rows whose masks draft the next step and whose drafts are verified (lossless, hybrid)."""
-        return mode_flags(self.mode, "drafts")
+        return self._mode_flags("drafts")
 
     @property
     def reads_tau(self) -> np.ndarray:
         """Rows whose mode's acceptance reads tau (threshold, hybrid)."""
-        return mode_flags(self.mode, "reads_tau")
+        return self._mode_flags("reads_tau")
+
+    def _mode_flags(self, field: str) -> np.ndarray:
+        # read several times a step: kept until rows join or leave (which replace ``mode``)
+        cache = self.__dict__.setdefault("_flags", {})
+        if cache.get("mode") is not self.mode:
+            cache.clear()
+            cache["mode"] = self.mode
+        if field not in cache:
+            cache[field] = mode_flags(self.mode, field)
+        return cache[field]
 
     @classmethod
     def empty(cls) -> RowState:

@@ -207,8 +207,12 @@ def accept_by_mode(out: StepOutputs, width: int):
     """Each row's candidates (``width`` columns) and accept length, by its mode's rule; a rule runs
     only where a row uses its mode."""
     r, names = out.rows, mode_names()
+    codes = np.unique(r.mode)
+    if len(codes) == 1:  # the common case: one mode for every row
+        tokens, length = ACCEPTANCE[names[codes[0]]].accept(out, np.ones(len(r), bool))
+        return pad_cols(tokens, width)[:, :width], length
     candidates, accept = np.zeros((len(r), width), np.int64), np.zeros(len(r), np.int64)
-    for code in np.unique(r.mode):
+    for code in codes:
         rows_of = r.mode == code
         tokens, length = ACCEPTANCE[names[code]].accept(out, rows_of)
         candidates = np.where(rows_of[:, None], pad_cols(tokens, width)[:, :width], candidates)
@@ -220,8 +224,11 @@ def tries(out: StepOutputs, accept):
     """Adaptive width's ``(tried, used)`` per row this step, by its mode's rule: what the row could
     have accepted past its AR token, and how much of it it did."""
     r, names = out.rows, mode_names()
+    codes = np.unique(r.mode)
+    if len(codes) == 1:
+        return ACCEPTANCE[names[codes[0]]].tries(out, accept)
     tried, used = np.zeros(len(r), np.int64), np.zeros(len(r), np.int64)
-    for code in np.unique(r.mode):
+    for code in codes:
         rows_of = r.mode == code
         t, u = ACCEPTANCE[names[code]].tries(out, accept)
         tried, used = np.where(rows_of, t, tried), np.where(rows_of, u, used)
