@@ -78,10 +78,8 @@ class BlockCachedBatch:
 
     def set_tau(self, request_ids, tau: float) -> None:
         """Change tau for running rows; it applies from the next step."""
-        wanted = set(request_ids)
-        for i, rid in enumerate(self.request_ids):
-            if rid in wanted:
-                self.tau[i] = tau
+        for i in self._rows_of(request_ids):
+            self.tau[i] = tau
 
     def new_tokens(self) -> dict:
         """Tokens each running row accepted in the last step (finished rows are reported by :meth:`step`)."""
@@ -89,10 +87,14 @@ class BlockCachedBatch:
 
     def stop(self, request_ids) -> list[FinishedRow]:
         """End rows now, as stopped (a stop string matched): their tokens so far."""
-        return self._end([i for i, rid in enumerate(self.request_ids) if rid in set(request_ids)])
+        return self._end(self._rows_of(request_ids))
 
     def cancel(self, request_ids) -> None:
         self.stop(request_ids)
+
+    def _rows_of(self, request_ids) -> list[int]:
+        wanted = set(request_ids)
+        return [i for i, rid in enumerate(self.request_ids) if rid in wanted]
 
     # ------------------------------------------------------------------ one forward
     @torch.no_grad()

@@ -204,35 +204,34 @@ ACCEPTANCE = {
 
 
 def accept_by_mode(out: StepOutputs, width: int):
-    """Each row's candidates (``width`` columns) and accept length, by its mode's rule; a rule runs
-    only where a row uses its mode."""
-    r, names = out.rows, mode_names()
-    codes = np.unique(r.mode)
-    if len(codes) == 1:  # the common case: one mode for every row
-        tokens, length = ACCEPTANCE[names[codes[0]]].accept(out, np.ones(len(r), bool))
+    """Each row's candidates (``width`` columns) and accept length, by its mode's rule."""
+
+    def accept(rule: Rule, rows_of):
+        tokens, length = rule.accept(out, rows_of)
         return pad_cols(tokens, width)[:, :width], length
-    candidates, accept = np.zeros((len(r), width), np.int64), np.zeros(len(r), np.int64)
-    for code in codes:
-        rows_of = r.mode == code
-        tokens, length = ACCEPTANCE[names[code]].accept(out, rows_of)
-        candidates = np.where(rows_of[:, None], pad_cols(tokens, width)[:, :width], candidates)
-        accept = np.where(rows_of, length, accept)
-    return candidates, accept
+
+    return _by_mode(out.rows, accept)
 
 
 def tries(out: StepOutputs, accept):
     """Adaptive width's ``(tried, used)`` per row this step, by its mode's rule: what the row could
     have accepted past its AR token, and how much of it it did."""
-    r, names = out.rows, mode_names()
-    codes = np.unique(r.mode)
-    if len(codes) == 1:
-        return ACCEPTANCE[names[codes[0]]].tries(out, accept)
-    tried, used = np.zeros(len(r), np.int64), np.zeros(len(r), np.int64)
+    return _by_mode(out.rows, lambda rule, rows_of: rule.tries(out, accept))
+
+
+def _by_mode(rows: RowState, run):
+    """``run(rule, rows_of)``'s arrays (each ``[rows, ...]``), every row's taken from its own mode's
+    rule; a rule runs only where a row uses its mode, and one mode's arrays need no joining."""
+    names, codes = mode_names(), np.unique(rows.mode)
+    joined = None
     for code in codes:
-        rows_of = r.mode == code
-        t, u = ACCEPTANCE[names[code]].tries(out, accept)
-        tried, used = np.where(rows_of, t, tried), np.where(rows_of, u, used)
-    return tried, used
+        rows_of = rows.mode == code if len(codes) > 1 else np.ones(len(rows), bool)
+        arrays = run(ACCEPTANCE[names[code]], rows_of)
+        if joined is None:  # every row's, until its own mode's overwrite it
+            joined = arrays
+        else:
+            joined = tuple(np.where(rows_of.reshape(-1, *[1] * (a.ndim - 1)), a, j) for a, j in zip(arrays, joined))
+    return joined
 
 
 def cut_at_stop(candidates, accept, stop_ids):
