@@ -140,14 +140,14 @@ def _timed_static_widths(model, batch, context, widths, repeats, generator, mask
         return Padded(ids, positions, mask, tail, np.arange(tail))
 
     prefix = torch.randint(vocab, (batch, context), generator=generator).numpy()
-    cache.prepare(batch, context)
+    cache.prepare(batch, context, compiled=False)
     step.run(cache, inputs(prefix, 0), False, to_device)
 
     def prepare(w):
         fed = torch.randint(vocab, (batch, w), generator=generator).numpy()
         if mask_id is not None:
             fed[:, 1:] = mask_id
-        cache.prepare(batch, w)
+        cache.prepare(batch, w, compiled=True)
         return lambda: step.run(cache, inputs(fed, context), True, to_device)
 
     return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick, profile)

@@ -112,7 +112,7 @@ class StepForward:
         compiled = cache.ready and bucket(fed) is not None
         rows, width = (row_bucket(n), bucket(fed)) if compiled else (n, fed)
         cached = cache.get_seq_length()
-        cache.prepare(rows, width)
+        cache.prepare(rows, width, compiled=compiled)
         inputs = padded(step, rows=rows, width=width, cached=cached, capacity=cache.window, pad_id=self.pad_id)
         logits = self.run(cache, inputs, compiled, to_device)
         read_cols = columns(step, width)[step.read_cols]

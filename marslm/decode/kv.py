@@ -153,9 +153,9 @@ class StaticSlotLayer(SlotLayer):
     moves ``length`` itself (:meth:`StaticSlotCache.advance`); rows, holes, cropping and compaction
     are the :class:`SlotLayer`'s own."""
 
-    def __init__(self, capacity: int, rows: int, start: torch.Tensor):
+    def __init__(self, capacity: int, rows: int, start: torch.Tensor, window: int):
         super().__init__(capacity)
-        self.rows, self.start, self.window = rows, start, capacity
+        self.rows, self.start, self.window = rows, start, window
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows = self.rows  # a step may feed padding rows past the ones in use
@@ -201,7 +201,7 @@ class StaticSlotCache(SlotCache):
 
     def __init__(self, capacity: int, rows: int, device: torch.device):
         self.start = torch.zeros((), dtype=torch.long, device=device)
-        Cache.__init__(self, layer_class_to_replicate=lambda: StaticSlotLayer(self.capacity, self.rows, self.start))
+        Cache.__init__(self, layer_class_to_replicate=lambda: StaticSlotLayer(self.capacity, self.rows, self.start, self.window))
         self.capacity, self.rows, self.window = capacity, rows, capacity
 
     @property
@@ -209,14 +209,16 @@ class StaticSlotCache(SlotCache):
         """Its buffers exist (the first forward, run eagerly, makes them): a compiled step may run."""
         return bool(self.layers) and all(layer.is_initialized for layer in self.layers)
 
-    def prepare(self, rows: int, width: int) -> None:
+    def prepare(self, rows: int, width: int, *, compiled: bool) -> None:
         """Before a forward of ``rows`` x ``width`` (padding included): room for it, its slots'
-        start set to the first free one, and the slots it attends over (``window``)."""
+        start set to the first free one, and the slots it attends over (``window``): a bucket's
+        window for a compiled step, exactly those in use for an eager one (a prompt's prefill
+        attends over its own tokens, not over the whole buffer)."""
         length = self.get_seq_length()
         for layer in self.layers:
             layer.ensure(rows, length + width)
         self.capacity = self.layers[0].capacity if self.layers else max(self.capacity, length + width)
-        self.window = window_for(length + width, self.capacity) if self.ready else self.capacity
+        self.window = window_for(length + width, self.capacity) if compiled else length + width
         for layer in self.layers:
             layer.window = self.window
         self.start.fill_(length)

@@ -50,3 +50,20 @@ def test_a_compiled_step_attends_over_a_power_of_two_window_that_covers_its_slot
     assert window_for(1, 512) == MIN_WINDOW
     assert [window_for(s, 512) for s in (64, 65, 128, 129, 300)] == [64, 128, 128, 256, 512]
     assert window_for(600, 512) == 512  # never past the buffers
+
+
+def test_an_eager_step_attends_over_exactly_its_slots_and_a_compiled_one_over_a_window():
+    from marslm.decode.kv import MIN_WINDOW, StaticSlotCache
+
+    cache = StaticSlotCache(512, rows=2, device=torch.device("cpu"))
+    cache.prepare(2, 48, compiled=False)  # a prompt's prefill: its layers are made by this forward
+    keys, _ = cache.update(torch.ones(2, 2, 48, 4), torch.ones(2, 2, 48, 4), 0)
+    assert keys.shape[2] == 48 and cache.capacity == 512  # the buffer is whole; the step reads its slots
+    cache.advance(48)
+    cache.prepare(2, 5, compiled=True)
+    keys, _ = cache.update(torch.ones(2, 2, 5, 4), torch.ones(2, 2, 5, 4), 0)
+    assert keys.shape[2] == MIN_WINDOW == 64  # 53 slots in use
+    cache.advance(5)
+    cache.prepare(2, 40, compiled=False)  # wider than any bucket: eager again, over its slots alone
+    keys, _ = cache.update(torch.ones(2, 2, 40, 4), torch.ones(2, 2, 40, 4), 0)
+    assert keys.shape[2] == 93
