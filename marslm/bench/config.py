@@ -141,7 +141,9 @@ class BenchConfig:
         "the table that mask_batch_limit auto decides from, so decoding times nothing",
     )
     block_size: int | None = setting(
-        None, "--cost-curve: B, for widths 1 .. 2B + 2; --train-step: B (default: the checkpoint's, else 4)"
+        None,
+        "B: the masks a MARS contender's step reads (at most the checkpoint's); --cost-curve: widths "
+        "1 .. 2B + 2; --train-step: B (default: the checkpoint's, else 4)",
     )
     train_step: bool = setting(False, "time a MARS training step against an AR step instead of decoding")
     shape: str | None = setting(

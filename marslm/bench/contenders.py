@@ -94,6 +94,8 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
         contenders.append(
             _mars("lossless +groups", length, mode="lossless", cache="cursor", draft_groups=True, **fallback)
         )
+    if config.block_size is not None:
+        contenders = [_sized(c, config.block_size) if c.kind == "mars" else c for c in contenders]
     if config.compile:
         contenders += [_compiled(c) for c in contenders if c.decoder is not None and c.decoder.cache == "cursor"]
         # HF generate's own compiled decoding: its static cache and torch.compile of its step
@@ -102,6 +104,12 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
     for c in contenders + _drafter_contenders(config):
         unique.setdefault(c.name, c)
     return list(unique.values())
+
+
+def _sized(c: Contender, block_size: int) -> Contender:
+    """``c`` reading ``block_size`` masks a step (a draft group as many), named so."""
+    params = replace(c.params, block_size=block_size)
+    return replace(c, name=f"{c.name} B={block_size}", options={**c.options, "block_size": block_size}, params=params)
 
 
 def _compiled(c: Contender) -> Contender:

@@ -304,6 +304,7 @@ def load_bench_models(config: BenchConfig) -> dict:
         model_context,
         resolve_device,
         saved_config,
+        trained_block_size,
         warn_untrained_masks,
     )
 
@@ -311,6 +312,8 @@ def load_bench_models(config: BenchConfig) -> dict:
     for path in (config.model, config.ar_model):  # every refusal before the first model loads
         check_model_source(path)
         DecodingParams(max_new_tokens=config.max_new_tokens).validate(context=model_context(path))
+    # --block-size against what the checkpoint was trained with: generate's line, before anything loads
+    DecodingParams(block_size=config.block_size).validate(trained_block_size(saved_config(config.model)))
     if drafter is not None:
         check_model_source(drafter)
     saved = saved_config(config.model)

@@ -27,6 +27,7 @@ def no_model_loads(monkeypatch):
         (["bench", "--ar-model", "{mars}", "--max-new-tokens", "0", "--json", "{out}"], "--max-new-tokens must be >="),
         (["bench", "--cost-curve", "--contexts", "999999", "--json", "{out}"], "exceeds the model's context of 1024"),
         (["eval", "--block-size", "99", "--json", "{out}"], "block size must be in 1..4 (the block size the model"),
+        (["bench", "--ar-model", "{mars}", "--block-size", "5", "--json", "{out}"], "block size must be in 1..4"),
         (["eval", "--block-size", "2,5", "--json", "{out}"], "got 5"),
     ],
 )

@@ -201,6 +201,23 @@ def test_contenders_carry_their_decoding_settings_built_once():
     assert (groups.params.mode, groups.params.max_new_tokens, groups.decoder.draft_groups) == ("lossless", 7, True)
 
 
+def test_block_size_sets_every_mars_contenders_masks_and_names_them():
+    from marslm.bench.config import BenchConfig
+    from marslm.bench.contenders import default_contenders
+
+    config = BenchConfig(model="m", ar_model="a", contenders=["lossless-groups"], block_size=2, compile=True)
+    contenders = {c.name: c for c in default_contenders(config)}
+    assert list(contenders) == [
+        "HF generate (AR ckpt)",
+        "MARS lossless +groups B=2",
+        "MARS lossless +groups B=2 compiled",
+        "HF generate static+compile (AR ckpt)",
+    ]
+    for name in ("MARS lossless +groups B=2", "MARS lossless +groups B=2 compiled"):
+        assert contenders[name].params.block_size == 2 and contenders[name].options["block_size"] == 2
+    assert contenders["HF generate (AR ckpt)"].params is None
+
+
 def test_hybrid_contenders_run_per_tau_with_and_without_draft_groups():
     from marslm.bench.config import BenchConfig
     from marslm.bench.contenders import default_contenders
