@@ -19,7 +19,7 @@ its cache. With ``compile=True`` it is made to repeat:
 Each bucket (rows, width, masks fed, the window, the buffers' capacity) is one graph, traced with
 ``fullgraph=True`` the first time it is met and reused by every later step, call and request; its first call's time is
 reported as compile time. A forward wider than the widest bucket (a prompt that starts the batch)
-runs the same function eagerly. The output is the step's logits at every fed column.
+runs the same function eagerly, its head on the columns the step reads alone.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from ..adapter import adapter_of, tail_gate
 from ..masks import for_attention
-from .inputs import StepInputs
+from .inputs import StepInputs, logits_to_keep
 from .kv import StaticSlotCache
 
 # The widths a compiled step is padded to: powers of two, and one past them, so that the common
@@ -114,13 +114,17 @@ class StepForward:
         cached = cache.get_seq_length()
         cache.prepare(rows, width, compiled=compiled)
         inputs = padded(step, rows=rows, width=width, cached=cached, capacity=cache.window, pad_id=self.pad_id)
-        logits = self.run(cache, inputs, compiled, to_device)
         read_cols = columns(step, width)[step.read_cols]
+        if not compiled:  # a prompt's prefill: the head runs on the read columns alone, as HF generate's does
+            keep = logits_to_keep(read_cols, width)
+            return self.run(cache, inputs, False, to_device, keep if isinstance(keep, int) else to_device(keep)), width
+        logits = self.run(cache, inputs, True, to_device)
         return logits[torch.arange(n, device=logits.device)[:, None], to_device(read_cols)], width
 
-    def run(self, cache: StaticSlotCache, inputs: Padded, compiled: bool, to_device) -> torch.Tensor:
+    def run(self, cache: StaticSlotCache, inputs: Padded, compiled: bool, to_device, keep=0) -> torch.Tensor:
         """One forward of ``inputs`` over ``cache`` (prepared for its shape), compiled or not; the
-        logits of every fed column. The cache's slots in use grow by the columns fed."""
+        logits of the columns ``keep`` says (the model's ``logits_to_keep``; a compiled step keeps
+        every fed column: one graph whatever it reads). The cache's slots in use grow by the columns fed."""
         owner = _owner(self.model)
         args = (
             self.model,
@@ -129,6 +133,7 @@ class StepForward:
             for_attention(to_device(inputs.mask), self.model),
             cache,
             owner,
+            keep,
         )
         key = (BACKEND, owner, *inputs.input_ids.shape, inputs.tail, cache.window, cache.capacity)
         with torch.no_grad(), tail_gate(self.model, to_device(inputs.offsets)):
@@ -150,10 +155,17 @@ class StepForward:
         return logits
 
 
-def _forward(model, input_ids, position_ids, mask, cache, owner: int):
+def _forward(model, input_ids, position_ids, mask, cache, owner: int, keep=0):
     if owner < 0:  # read, so that a graph is kept per owner (see _owner)
         raise ValueError(owner)
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True)
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=mask,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+    )
     return out.logits
 
 

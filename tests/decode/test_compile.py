@@ -161,3 +161,18 @@ def test_padding_sees_only_itself_and_nothing_sees_padding():
         pad_slots = cached + np.flatnonzero(is_pad[r])
         assert not seen[r][np.ix_(place, pad_slots)].any()
         assert (seen[r][np.ix_(place, np.r_[np.arange(cached), cached + place])] == mask[r, 0]).all()
+
+
+def test_the_eager_prefill_runs_the_head_on_the_read_columns_alone(traced, trained_checkpoints):
+    # a prompt's first step is too wide for a bucket and runs eagerly; a head over every prompt
+    # column would cost a real vocabulary more than the rest of the step
+    model, tokenizer = trained_checkpoints["mars64"]
+    prompts = _prompts(tokenizer, n=2)
+    head_columns = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: head_columns.append(args[0].shape[1]))
+    try:
+        marslm.generate(model, tokenizer, prompts, max_new_tokens=8, tau=0.6, compile=True)
+    finally:
+        hook.remove()
+    # the AR token's column and the masks' (B = 4), not the prompt's
+    assert max(map(len, prompts)) > 33 and head_columns[0] == 5
