@@ -201,8 +201,11 @@ class StaticSlotCache(SlotCache):
 
     def __init__(self, capacity: int, rows: int, device: torch.device):
         self.start = torch.zeros((), dtype=torch.long, device=device)
-        Cache.__init__(self, layer_class_to_replicate=lambda: StaticSlotLayer(self.capacity, self.rows, self.start, self.window))
+        Cache.__init__(self, layer_class_to_replicate=self._layer)
         self.capacity, self.rows, self.window = capacity, rows, capacity
+
+    def _layer(self) -> StaticSlotLayer:
+        return StaticSlotLayer(self.capacity, self.rows, self.start, self.window)
 
     @property
     def ready(self) -> bool:

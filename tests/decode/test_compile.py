@@ -169,7 +169,8 @@ def test_the_eager_prefill_runs_the_head_on_the_read_columns_alone(traced, train
     model, tokenizer = trained_checkpoints["mars64"]
     prompts = _prompts(tokenizer, n=2)
     head_columns = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: head_columns.append(args[0].shape[1]))
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda module, args, out: head_columns.append(args[0].shape[1]))
     try:
         marslm.generate(model, tokenizer, prompts, max_new_tokens=8, tau=0.6, compile=True)
     finally:
