@@ -115,7 +115,7 @@ class StepForward:
         cache.prepare(rows, width, compiled=compiled)
         inputs = padded(step, rows=rows, width=width, cached=cached, capacity=cache.window, pad_id=self.pad_id)
         read_cols = columns(step, width)[step.read_cols]
-        if not compiled:  # a prompt's prefill: the head runs on the read columns alone, as HF generate's does
+        if not compiled:  # a prefill, or a step past the widest bucket: the head on the read columns alone
             keep = logits_to_keep(read_cols, width)
             return self.run(cache, inputs, False, to_device, keep if isinstance(keep, int) else to_device(keep)), width
         logits = self.run(cache, inputs, True, to_device)
