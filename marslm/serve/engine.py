@@ -54,6 +54,7 @@ from ..chat import stop_token_ids
 from ..decode import DecoderOptions, DecodingParams, TextStream
 from ..decode.costs import MaskBatchLimit, saved_mask_limit
 from ..decode.decoder import Decoder, free_rows, make_decoder
+from ..decode.draft_model import DraftedBatch
 from ..errors import UserError
 from .config import ServeConfig
 from .drafting import check_drafted_request, served_drafter
@@ -90,8 +91,9 @@ class Engine:
         config = config or ServeConfig()
         self.config = config
         self.model, self.tokenizer = model, tokenizer
-        # a drafter drafts for one row (drafting.py): its requests decode one at a time
-        self.max_batch, self.max_queue = 1 if drafting else config.max_batch, config.max_queue
+        # a drafted decoder holds as many rows as its drafter keeps caches for (one)
+        self.max_batch = DraftedBatch.max_rows if drafting else config.max_batch
+        self.max_queue = config.max_queue
         from ..modeling import checkpoint_facts
 
         facts = checkpoint_facts(model, tokenizer)
