@@ -312,11 +312,11 @@ def load_bench_models(config: BenchConfig) -> dict:
     for path in (config.model, config.ar_model):  # every refusal before the first model loads
         check_model_source(path)
         DecodingParams(max_new_tokens=config.max_new_tokens).validate(context=model_context(path))
+    saved = saved_config(config.model)
     # --block-size against what the checkpoint was trained with: generate's line, before anything loads
-    DecodingParams(block_size=config.block_size).validate(trained_block_size(saved_config(config.model)))
+    DecodingParams(block_size=config.block_size).validate(trained_block_size(saved))
     if drafter is not None:
         check_model_source(drafter)
-    saved = saved_config(config.model)
     if saved is not None and saved.stage == "ar":
         warn_untrained_masks(config.model, "every MARS contender at tau < 1")
     models = {}
