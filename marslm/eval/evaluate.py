@@ -127,13 +127,8 @@ class EvalConfig:
         for name, allowed in (("cache", CACHE_MODES), ("mode", MODES)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        # checks them, and refuses --compile with a cache whose step does not compile
-        DecoderOptions(
-            cache=self.cache,
-            compile=self.compile,
-            adaptive_width=self.adaptive_width,
-            mask_batch_limit=self.mask_batch_limit,
-        )
+        fallback = dict(adaptive_width=self.adaptive_width, mask_batch_limit=self.mask_batch_limit)
+        DecoderOptions(cache=self.cache, compile=self.compile, **fallback)  # checks them (--compile: cursor cache)
 
 
 def evaluate(
