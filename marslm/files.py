@@ -12,6 +12,12 @@ from pathlib import Path
 from .errors import UserError
 
 
+def cache_root() -> Path:
+    """Where marslm keeps what it can compute again (tokenised data, exported adapters):
+    ``$MARSLM_CACHE``, else ``~/.cache/marslm``."""
+    return Path(os.environ.get("MARSLM_CACHE") or Path.home() / ".cache" / "marslm")
+
+
 def parse_json(text: str, path: str | Path, line: int | None = None, hint: str = "") -> object:
     """The JSON value of ``text``, read from ``path`` (at ``line``, for a JSONL file), or one
     UserError line naming the file and, where known, the line; ``hint`` (what the user can do)

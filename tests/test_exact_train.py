@@ -154,15 +154,3 @@ def test_probe_reads_an_exact_checkpoint(trained_dirs, tmp_path):
     assert reports["exact"]["fidelity"] == reports["ar"]["fidelity"]
     assert reports["exact"]["clean_ce"] == pytest.approx(reports["ar"]["clean_ce"], rel=1e-5)
     assert reports["exact"]["tokens_per_forward_lossless_tf"] > reports["ar"]["tokens_per_forward_lossless_tf"]
-
-
-def test_vllm_refuses_an_exact_checkpoint_in_one_line(trained_dirs):
-    """vLLM's LoRA is per request, exact mode's adapter per token: the plugin says so instead of
-    serving the original with a mask id it cannot embed."""
-    from marslm.errors import UserError
-    from marslm.vllm.engine_args import plugin_config
-
-    with pytest.raises(UserError, match="exact-mode checkpoint") as refused:
-        plugin_config(trained_dirs["dir"] / "exact")
-    assert "\n" not in str(refused.value)
-    assert plugin_config(trained_dirs["dir"] / "mars").mask_token_id is not None

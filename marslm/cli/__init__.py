@@ -14,8 +14,7 @@ import logging
 import sys
 from importlib import import_module
 
-from ..errors import UserError
-from .common import EXIT_USAGE
+from ..errors import EXIT_USAGE, UserError
 
 METHOD = ("train", "generate", "evaluate", "serve", "convert", "distill", "probe")
 TOOLING = ("demo", "ablate", "bench", "loadtest", "plot", "show")

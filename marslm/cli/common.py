@@ -7,7 +7,6 @@ from contextlib import contextmanager
 
 from ..errors import UserError
 
-EXIT_USAGE = 2  # a mistake the user can fix: one line on stderr
 EXIT_FAILED_CELLS = 1  # eval: some settings failed (out of memory, say); the rest is reported
 
 

@@ -73,7 +73,7 @@ ENGINES: dict[str, Engine] = {
     ),
     "vllm": Engine(
         "vllm",
-        serves=("full",),
+        serves=("full", "exact"),
         starts_servers=True,
         serve_with="marslm.vllm.launch:serve_checkpoint",
         loadtest_with="marslm.bench.vllm_loadtest:loadtest",

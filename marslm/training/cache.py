@@ -24,14 +24,14 @@ import torch
 
 from ..chat import IGNORE
 from ..errors import UserError
-from ..files import output_directory, write_text_atomically
+from ..files import cache_root, output_directory, write_text_atomically
 
 log = logging.getLogger("marslm.train")
 
 
 def cache_dir() -> Path:
-    """Where the caches are kept: ``$MARSLM_CACHE``, else ``~/.cache/marslm``."""
-    return Path(os.environ.get("MARSLM_CACHE") or Path.home() / ".cache" / "marslm") / "tokenized"
+    """Where the tokenised data and teacher rows are kept, under :func:`~marslm.files.cache_root`."""
+    return cache_root() / "tokenized"
 
 
 def check_cache_dir() -> None:

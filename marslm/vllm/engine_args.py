@@ -19,8 +19,8 @@ import json
 import math
 from pathlib import Path
 
-from ..errors import UserError
 from ..mars_json import MarsConfig
+from .exact import adapter_spec, export_lora, vllm_lora_rank
 from .request_settings import PluginConfig, check_request
 
 PROPOSER = "marslm.vllm.proposer.MarsProposer"
@@ -40,14 +40,16 @@ def plugin_config(
     """The checkpoint's mask token and block size (``marslm.json``), or none for a plain AR checkpoint."""
     check_request({"mode": mode})  # the server's default mode, checked as a request's
     mars = MarsConfig.load(model_dir) if Path(model_dir).is_dir() else None
-    if mars is not None and mars.exact:
-        raise UserError(
-            f"{model_dir} is an exact-mode checkpoint: its adapter acts per token, at mask positions, and "
-            "vLLM applies a LoRA per request; serve it with marslm's own engine (marslm serve --engine marslm)"
-        )
     if mars is None or mars.stage != "mars" or mars.mask_token_id is None or mars.block_size < 1:
         return PluginConfig(tau=tau, metric=metric, mode=mode)
-    return PluginConfig(mask_token_id=mars.mask_token_id, num_masks=mars.block_size, tau=tau, metric=metric, mode=mode)
+    spec = adapter_spec(model_dir)  # an exact checkpoint's adapter, served as vLLM's LoRA (exact.py)
+    lora = export_lora(model_dir, spec) if spec is not None else None
+    exact = {}
+    if lora is not None:
+        exact = dict(exact_lora=lora.directory, exact_rank=lora.rank, exact_rows=lora.rows, exact_modules=lora.modules)
+    return PluginConfig(
+        mask_token_id=mars.mask_token_id, num_masks=mars.block_size, tau=tau, metric=metric, mode=mode, **exact
+    )
 
 
 def engine_kwargs(
@@ -75,6 +77,14 @@ def engine_kwargs(
             "num_speculative_tokens": plugin.num_speculative_tokens,
         }
         kwargs["additional_config"] = plugin.to_additional_config()
+        if plugin.exact_rank:
+            # the adapter's LoRA, which the plugin maps onto the mask tokens alone (exact_runner.py)
+            kwargs.update(
+                enable_lora=True,
+                max_loras=1,
+                max_lora_rank=vllm_lora_rank(plugin.exact_rank),
+                lora_target_modules=list(plugin.exact_modules),
+            )
     elif speculative == "ngram":
         kwargs["speculative_config"] = {
             "method": "ngram",
@@ -103,6 +113,8 @@ def server_args(kwargs: dict) -> list[str]:
             args.append(flag)
         elif isinstance(value, dict):
             args += [flag, json.dumps(value)]
+        elif isinstance(value, list):
+            args += [flag, *map(str, value)]
         else:
             args += [flag, str(value)]
     if "speculative_config" in kwargs:

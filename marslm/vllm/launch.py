@@ -82,8 +82,13 @@ def exec_server(cmd: list[str]) -> None:
 
 
 def serve_checkpoint(model: str, config, vllm_args: list[str]) -> int:
-    """``marslm serve --engine vllm``: this process becomes vLLM's server on ``model`` (a ``ServeConfig``)."""
+    """``marslm serve --engine vllm``: this process becomes vLLM's server on ``model`` (a ``ServeConfig``).
+    The checkpoint is proved here first (an exact one's adapter too), so that a bad one is refused
+    in one line before vLLM starts."""
     from ..serve.config import served_names
+    from .engine_args import plugin_config
+
+    plugin_config(model, tau=config.tau)
 
     exec_server(
         serve_command(

@@ -47,7 +47,13 @@ class MarsProposer:
             if not new_tokens or rows.mode[i] == OFF:
                 out.append([])
             elif rows.mode[i] == LOSSLESS and drafts is not None and lengths[i]:
-                out.append(tokens[i, : lengths[i]].tolist() + self.masks)
+                out.append(self._predictions(tokens[i, : lengths[i]].tolist()) + self.masks)
             else:
                 out.append(self.masks)
         return out
+
+    def _predictions(self, predicted: list[int]) -> list[int]:
+        """The drafts before the masks: up to the first that is the mask token itself, since a draft
+        of that id is read as a mask (the sampler hides it, an exact checkpoint gates it)."""
+        mask = self.config.mask_token_id
+        return predicted[: predicted.index(mask)] if mask in predicted else predicted

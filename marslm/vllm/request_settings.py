@@ -60,6 +60,11 @@ class PluginConfig:
     tau: float = 0.95
     metric: str = "prob"
     mode: str = "threshold"
+    # An exact checkpoint's adapter (exact.py), exported where vLLM reads it; None: a full checkpoint
+    exact_lora: str | None = None
+    exact_rank: int = 0  # its LoRA rank; 0: mask rows only
+    exact_rows: int = 0  # its mask rows: 1 shared, or one per offset
+    exact_modules: tuple[str, ...] = ()  # the Linears its LoRA gates, by their own names (q_proj, ...)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -72,7 +77,7 @@ class PluginConfig:
     @classmethod
     def from_vllm_config(cls, vllm_config) -> PluginConfig:
         raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
-        return cls(**raw) if raw else cls()
+        return cls(**{**raw, "exact_modules": tuple(raw.get("exact_modules", ()))}) if raw else cls()
 
 
 @dataclass(frozen=True)

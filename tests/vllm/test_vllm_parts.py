@@ -281,6 +281,7 @@ def test_plugin_needs_no_transformers():
     """What the plugin imports of marslm must work with the transformers vLLM pins: it imports none."""
     code = (
         "import sys; import marslm.vllm.request_settings, marslm.vllm.engine_args, marslm.vllm.middleware, "
+        "marslm.vllm.exact, "
         "marslm.decode.acceptance; "
         "sys.exit('transformers' in sys.modules)"
     )
