@@ -17,28 +17,16 @@ Oracles:
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from marslm import generate
 from marslm.chat import encode_prompt
 from marslm.data import toy
-from marslm.decode import PAPER_RULE
-from marslm.errors import UserError
-from marslm.vllm.launch import vllm_python
 from tests.trained import TRAIN_N
+from tests.vllm.harness import MAX_TOKENS, answer, check_against_marslm, marslm_oracle, run_job, vllm_server
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parent
-MAX_TOKENS = 48
 MAX_MODEL_LEN = 512
 SERVED_NAMES = ("mars-a", "mars-b")
 MIXED = [
@@ -51,16 +39,6 @@ MIXED = [
     {"tau": 0.6},
     {},
 ]
-
-
-@pytest.fixture(scope="module")
-def vllm_env():
-    try:
-        return vllm_python()
-    except UserError as exc:
-        if os.environ.get("MARSLM_REQUIRE_VLLM"):
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -102,22 +80,7 @@ def decoded(vllm_env, trained_dirs, prompts, tmp_path_factory):
             },
         ],
     }
-    work = tmp_path_factory.mktemp("vllm")
-    (work / "job.json").write_text(json.dumps(job))
-    run = subprocess.run(
-        [str(vllm_env), str(HERE / "run_vllm.py"), str(work / "job.json"), str(work / "out.json")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads((work / "out.json").read_text())
-
-
-def answer(output: dict) -> list[int]:
-    """vLLM's tokens without the stop token (marslm's and the HF oracle's convention)."""
-    ids = output["token_ids"]
-    return ids[:-1] if output["finish_reason"] == "stop" else ids
+    return run_job(vllm_env, job, tmp_path_factory.mktemp("vllm"))
 
 
 @pytest.fixture(scope="module")
@@ -126,35 +89,6 @@ def hf_greedy(trained_checkpoints, prompts):
 
     model, tokenizer = trained_checkpoints["mars64"]
     return [reference(model, tokenizer, [p], MAX_TOKENS)[0] for p in prompts]
-
-
-def marslm_oracle(trained_checkpoints, prompt, first_token, settings):
-    """marslm.generate from the prompt and vLLM's prefill token: (tokens, forwards)."""
-    model, tokenizer = trained_checkpoints["mars64"]
-    out = generate(
-        model,
-        tokenizer,
-        [prompt + [first_token]],
-        tau=settings.get("tau", 0.95),
-        metric=settings.get("metric", "prob"),
-        mode=settings.get("mode", "threshold"),
-        cache="none",
-        use_last_mask=True,
-        max_new_tokens=MAX_TOKENS - 1,
-        **PAPER_RULE,  # the plugin reads every mask at every step
-        apply_chat_template=False,
-    )
-    return [first_token] + out.token_ids[0], 1 + out.forwards[0]
-
-
-def check_against_marslm(trained_checkpoints, prompt, output, settings, greedy):
-    """Same tokens as marslm's decoding, in the same forwards (lossless drafts the same way too)."""
-    if not greedy:  # the first token already stops the answer
-        assert answer(output) == []
-        return
-    expected, forwards = marslm_oracle(trained_checkpoints, prompt, greedy[0], settings)
-    assert answer(output) == expected
-    assert output["forwards"] == forwards
 
 
 def test_plain_vllm_equals_hf_greedy(decoded, hf_greedy):
@@ -166,14 +100,14 @@ def test_lossless_equals_greedy_in_fewer_forwards(decoded, trained_checkpoints, 
     assert [answer(o) for o in lossless] == hf_greedy
     assert sum(o["forwards"] for o in lossless) < sum(len(o["token_ids"]) for o in lossless)
     for prompt, output, greedy in zip(prompts, lossless, hf_greedy):
-        check_against_marslm(trained_checkpoints, prompt, output, {"mode": "lossless"}, greedy)
+        check_against_marslm(trained_checkpoints["mars64"], prompt, output, {"mode": "lossless"}, greedy)
 
 
 @pytest.mark.parametrize("tau", [0.95, 0.8])
 def test_threshold_equals_marslm_generate(decoded, trained_checkpoints, prompts, hf_greedy, tau):
     outputs = decoded["mars"][f"tau{tau}"]
     for prompt, output, greedy in zip(prompts, outputs, hf_greedy):
-        check_against_marslm(trained_checkpoints, prompt, output, {"tau": tau}, greedy)
+        check_against_marslm(trained_checkpoints["mars64"], prompt, output, {"tau": tau}, greedy)
     assert sum(o["forwards"] for o in outputs) < sum(len(o["token_ids"]) for o in outputs)
 
 
@@ -184,83 +118,27 @@ def test_mixed_settings_share_a_batch(decoded, trained_checkpoints, prompts, hf_
             assert answer(output) == greedy
             assert output["forwards"] == len(output["token_ids"])
         else:
-            check_against_marslm(trained_checkpoints, prompt, output, settings, greedy)
+            check_against_marslm(trained_checkpoints["mars64"], prompt, output, settings, greedy)
 
 
 def test_negative_control_without_rollback_fails(decoded, trained_checkpoints, prompts, hf_greedy):
     """Accepted mask positions left with mask KV: some answer must leave the oracle."""
     differs = 0
     for prompt, output, greedy in zip(prompts, decoded["no_rollback"]["tau0.8"], hf_greedy):
-        expected, _ = marslm_oracle(trained_checkpoints, prompt, greedy[0], {"tau": 0.8})
+        expected, _ = marslm_oracle(trained_checkpoints["mars64"], prompt, greedy[0], {"tau": 0.8})
         differs += answer(output) != expected
     assert differs > 0
 
 
 # ------------------------------------------------------------------ the server, multiprocessing on
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(vllm_env, trained_dirs, tmp_path_factory):
-    """`marslm serve --engine vllm`: vLLM's engine core in its own process, the plugin loaded there
-    through its entry point."""
-    port = _free_port()
-    log = (tmp_path_factory.mktemp("server") / "log").open("w+")
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "marslm.cli",
-            "serve",
-            "--engine",
-            "vllm",
-            "--model",
-            str(trained_dirs["dir"] / "mars"),
-            "--served-model-name",
-            *SERVED_NAMES,
-            "--port",
-            str(port),
-            "--tau",
-            "0.95",
-            "--",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            *os.environ.get("MARSLM_VLLM_EXTRA_ARGS", "").split(),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail("the vLLM server exited:\n" + log.read()[-4000:])
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the vLLM server did not come up in 300 s"
-            time.sleep(1)
+    args = ("--served-model-name", *SERVED_NAMES, "--tau", "0.95")
+    model = trained_dirs["dir"] / "mars"
+    with vllm_server(
+        model, tmp_path_factory.mktemp("server"), *args, vllm_args=("--max-model-len", str(MAX_MODEL_LEN))
+    ) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def _chat(url, messages, **fields):
