@@ -10,6 +10,10 @@ Oracles:
     MARS request then reads it, and some answer leaves the original's. The comparison can fail.
 """
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 
 from marslm.chat import encode_prompt
@@ -143,3 +147,40 @@ def test_the_openai_client_gets_the_originals_answers(server, decoded, exact64, 
         client.chat.completions.create(
             model=model, messages=examples[0].messages, max_tokens=4, extra_body={"tau": 1.5}
         )
+
+
+REAL = os.environ.get("MARSLM_EXACT_CHECKPOINT")  # e.g. runs/sm2/mars, the smollm2 preset's
+
+
+@pytest.mark.skipif(not REAL, reason="set MARSLM_EXACT_CHECKPOINT to an exact checkpoint directory")
+def test_a_real_exact_checkpoint_answers_as_its_original(vllm_env, tmp_path):
+    """The same checks on a real exact checkpoint, through the official client: tau 1 and lossless
+    give the text of transformers' greedy ``generate`` on its weights (float32, the original's),
+    and tau 0.95 is served, reporting its tokens per forward."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers import hf_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(REAL)
+    original = AutoModelForCausalLM.from_pretrained(REAL, dtype=torch.float32).eval()
+    examples = toy.make_split("test", 16, seed=0)
+    greedy = [hf_greedy(original, tokenizer, [encode_prompt(tokenizer, ex.messages)], 64)[0] for ex in examples]
+    report = {}
+    with vllm_server(Path(REAL), tmp_path, vllm_args=("--max-model-len", "1024")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        for name, fields in {"tau1": {"tau": 1.0}, "lossless": {"mode": "lossless"}, "tau0.95": {"tau": 0.95}}.items():
+            replies = [
+                client.chat.completions.create(model=model, messages=ex.messages, max_tokens=64, extra_body=fields)
+                for ex in examples
+            ]
+            texts = [r.choices[0].message.content for r in replies]
+            same = sum(t == tokenizer.decode(g, skip_special_tokens=True) for t, g in zip(texts, greedy))
+            tokens = sum(r.usage.completion_tokens for r in replies)
+            forwards = sum(r.usage.model_extra["forwards"] for r in replies)
+            report[name] = {"same_as_original": same, "answers": len(texts), "tokens_per_forward": tokens / forwards}
+    print(json.dumps(report))
+    assert report["tau1"]["same_as_original"] == report["lossless"]["same_as_original"] == len(examples)
+    assert report["tau0.95"]["tokens_per_forward"] > 1
