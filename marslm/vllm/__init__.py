@@ -9,6 +9,8 @@ Install it into vLLM's own environment (``make vllm-env``) and serve a MARS chec
     proposer.py          drafts: masks, and in lossless mode the last step's mask predictions
     sampler.py           acceptance: vLLM's rejection sampler plus the MARS rule (decode/acceptance.py)
     scheduler.py         re-feeds accepted mask positions; counts forwards per request
+    exact.py             an exact checkpoint: its adapter exported as a PEFT LoRA; where a step's masks are
+    exact_runner.py      ... and in the runner: the LoRA mapped per token onto the masks, the mask rows
     plugin.py            the entry points vLLM loads in every process
     middleware.py        HTTP: tau/metric/mode as top-level request fields, tokens per forward in usage
     serve.py             `python -m marslm.vllm.serve`, run inside vLLM's environment

@@ -34,6 +34,11 @@ class GatedPunicaWrapperCPU(PunicaWrapperCPU):
     left exactly as the base layer computed them, and no per-segment metadata is built (a gated
     batch alternates adapter and none many times more often than vLLM sizes that metadata for)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._factors: dict = {}
+        self._by_slot: list = []
+
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
         self._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
         self.is_prefill = False
@@ -43,17 +48,28 @@ class GatedPunicaWrapperCPU(PunicaWrapperCPU):
         self._by_slot = [(int(s), self._gated[slots == s]) for s in slots.unique().tolist()]
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
-        flat = y.view(-1, y.shape[-1])
+        flat = y.view(-1, y.shape[-1])[:, : sum(output_slices)]  # the slices lie side by side from column 0
         x = x.reshape(-1, x.shape[-1])
         for slot, tokens in self._by_slot:
-            picked = x[tokens].float()
-            start = 0
-            for a, b, width in zip(lora_a_stacked, lora_b_stacked, output_slices):
-                # a: [slots, 1, rank, in], b: [slots, 1, out, rank]
-                update = (picked @ a[slot, 0].float().T) * scale @ b[slot, 0].float().T
-                flat[:, start : start + width].index_add_(0, tokens, update.to(flat.dtype))
-                start += width
+            a_t, b_t = self._fused(lora_a_stacked, lora_b_stacked, slot)
+            update = x.index_select(0, tokens).to(a_t.dtype) @ a_t
+            update = (update * scale if scale != 1.0 else update) @ b_t
+            flat.index_add_(0, tokens, update.to(flat.dtype))
         return y
+
+    def _fused(self, lora_a_stacked, lora_b_stacked, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One slot's factors over every output slice of a layer (a packed q/k/v has three): the ``a``s
+        stacked, the ``b``s block-diagonal, so that a step's update is two products, not two per
+        slice. Rebuilt when vLLM writes new weights into the slot (their versions change)."""
+        # a: [slots, 1, rank, in], b: [slots, 1, out, rank]
+        versions = tuple(t._version for t in (*lora_a_stacked, *lora_b_stacked))
+        key = (id(lora_a_stacked[0]), slot)
+        cached = self._factors.get(key)
+        if cached is None or cached[0] != versions:
+            a_t = torch.cat([a[slot, 0] for a in lora_a_stacked]).float().T.contiguous()
+            b_t = torch.block_diag(*[b[slot, 0] for b in lora_b_stacked]).float().T.contiguous()
+            cached = self._factors[key] = (versions, a_t, b_t)
+        return cached[1], cached[2]
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
         return y  # the head is never a target: its outputs are the original's
@@ -69,15 +85,16 @@ class MaskRowsEmbedding(nn.Module):
         super().__init__()
         self.base = base
         self.register_buffer("rows", rows, persistent=False)
-        self.gate: tuple[torch.Tensor, torch.Tensor] | None = None  # set before a step, read by its forward
+        # (mask positions, their offsets, the step's token count): set before a step, read by its forward
+        self.gate: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         gate, self.gate = self.gate, None  # one forward's: a profile or warm-up run sees none
         if gate is None or not len(gate[0]):
             return self.base(input_ids)
-        where, offsets = gate
-        if int(where[-1]) >= len(input_ids):
-            raise RuntimeError(f"a mask gate up to token {int(where[-1])} for a forward of {len(input_ids)} tokens")
+        where, offsets, tokens = gate
+        if tokens > len(input_ids):
+            raise RuntimeError(f"a mask gate for {tokens} tokens reached a forward of {len(input_ids)}")
         out = self.base(input_ids.index_fill(0, where, 0))
         return out.index_copy(0, where, self.rows[offsets].to(out.dtype))
 
@@ -107,7 +124,8 @@ def install(runner, config: PluginConfig) -> None:
         )
         runner._mars_gate = where
         to = {"device": runner.device}
-        runner._mars_embedding.gate = (torch.from_numpy(where).to(**to), torch.from_numpy(offsets).to(**to))
+        tokens = int(np.sum(num_scheduled_tokens))
+        runner._mars_embedding.gate = (torch.from_numpy(where).to(**to), torch.from_numpy(offsets).to(**to), tokens)
         return prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs)
 
     runner.load_model = load_with_rows

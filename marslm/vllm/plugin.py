@@ -4,7 +4,10 @@
 rejection sampler in each model runner whose drafter is :class:`MarsProposer`. vLLM builds its
 ``RejectionSampler`` inside the runner and has no registration point for another acceptance
 rule, so the runner's constructor is wrapped once; runners without the MARS proposer are left
-exactly as they were.
+exactly as they were. A runner serving an exact checkpoint also gets its adapter (exact_runner.py).
+Two vLLM methods are wrapped for exact checkpoints as well: the front end's LoRA check refuses a
+request's own LoRA beside the adapter, and the weight loader leaves the adapter's file out of the
+model's weights.
 
 ``vllm.logits_processors`` -> :class:`MarsRequestCheck`: vLLM asks every logits-processor class
 to validate each request's ``SamplingParams`` in the front end, which is where a bad ``tau``
