@@ -43,9 +43,9 @@ class GatedPunicaWrapperCPU(PunicaWrapperCPU):
         self._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
         self.is_prefill = False
         indices = self.token_lora_indices
-        self._gated = (indices >= 0).nonzero().squeeze(1)
-        slots = indices[self._gated]
-        self._by_slot = [(int(s), self._gated[slots == s]) for s in slots.unique().tolist()]
+        gated = (indices >= 0).nonzero().squeeze(1)
+        slots = indices[gated]
+        self._by_slot = [(int(s), gated[slots == s]) for s in slots.unique().tolist()]
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
         flat = y.view(-1, y.shape[-1])[:, : sum(output_slices)]  # the slices lie side by side from column 0
