@@ -85,6 +85,10 @@ def engine_kwargs(
                 max_lora_rank=vllm_lora_rank(plugin.exact_rank),
                 lora_target_modules=list(plugin.exact_modules),
             )
+        if plugin.exact_lora:
+            # the mask rows go in by a Python branch on each step's gate, which a compiled or
+            # graph-captured forward would fix at its first trace
+            kwargs["enforce_eager"] = True
     elif speculative == "ngram":
         kwargs["speculative_config"] = {
             "method": "ngram",

@@ -90,6 +90,7 @@ def test_engine_arguments_of_an_exact_checkpoint(trained_dirs):
     args = server_args(kwargs)
     at = args.index("--lora-target-modules")
     assert args[at + 1 : at + 8] == kwargs["lora_target_modules"] and "--enable-lora" in args
+    assert engine_kwargs(exact, cpu=False)["enforce_eager"]  # on a GPU too: no graph fixes the mask rows' branch
     # served plainly, the exact checkpoint is the original model: no drafts and no LoRA
     assert engine_kwargs(exact, speculative="none") == {"model": str(exact)}
 
