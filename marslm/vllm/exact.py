@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import UserError
 from ..files import cache_root
 from ..mars_json import ADAPTER_FILENAME, AdapterSpec, MarsConfig, ModelLimits
-from ..mars_json import FILENAME as CONFIG_FILENAME
+from ..mars_json import FILENAME as MARS_JSON
 
 LORA_ID = 1  # vLLM's id of the one adapter; 0 means none
 LORA_NAME = "marslm-exact"
@@ -58,14 +58,14 @@ def vllm_lora_rank(rank: int) -> int:
 
 def adapter_spec(model_dir: str | Path) -> AdapterSpec | None:
     """The exact checkpoint's adapter entry, checked against the model's ``config.json`` (None: not exact)."""
-    if not Path(model_dir, CONFIG_FILENAME).is_file():
+    if not Path(model_dir, MARS_JSON).is_file():
         return None
     config = _model_config(model_dir)
     limits = ModelLimits(*(_positive(config.get(k)) for k in ("vocab_size", "hidden_size", "max_position_embeddings")))
     mars = MarsConfig.load(model_dir, limits)
     if mars is None or not mars.exact:
         return None
-    where = Path(model_dir, CONFIG_FILENAME)
+    where = Path(model_dir, MARS_JSON)
     if any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts")):
         raise UserError(
             f"{model_dir} is an exact checkpoint of a mixture-of-experts model: vLLM's CPU LoRA has no "
