@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..decode.params import check_tau
+from ..decode.params import check_mask_batch_limit, check_tau
 from ..errors import UserError
 from ..files import output_file
 from ..serve.config import no_extra_args
@@ -127,6 +127,11 @@ class LoadtestConfig:
     )
     checkpoint: str | None = setting(None, "with --engine vllm: the checkpoint to serve", metavar="DIR")
     taus: list = setting([0.95], "with --engine vllm: MARS taus", parse=floats)
+    mask_batch_limit: int | None = setting(
+        None,
+        "with --engine vllm: the MARS server's --mask-batch-limit (plain steps above that many requests)",
+        metavar="N",
+    )
     repeats: int = setting(
         3,
         "interleaved rounds: each runs every level and every policy (vLLM: every server) once, "
@@ -148,8 +153,11 @@ class LoadtestConfig:
             self._check_load()
             for tau in self.taus:
                 check_tau(tau, "prob")
+            check_mask_batch_limit(self.mask_batch_limit, flag_of(LoadtestConfig, "mask_batch_limit"))
             return
         no_extra_args(self.vllm_args)
+        if self.mask_batch_limit is not None:
+            raise UserError("--mask-batch-limit is for --engine vllm; a marslm server takes its own at start")
         self._check_load()
         check_url(self.url)
         if not self.policies:

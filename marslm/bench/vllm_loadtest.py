@@ -61,7 +61,7 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, model: str, speculative: str, vllm_args: list[str], log_dir: Path):
+    def __init__(self, model: str, speculative: str, vllm_args: list[str], log_dir: Path, mask_batch_limit=None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"vllm-{speculative}.log"
@@ -69,7 +69,14 @@ class _Server:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
-                serve_command(model, port=self.port, speculative=speculative, log_level="warning", vllm_args=vllm_args),
+                serve_command(
+                    model,
+                    port=self.port,
+                    speculative=speculative,
+                    log_level="warning",
+                    mask_batch_limit=mask_batch_limit if speculative == "mars" else None,
+                    vllm_args=vllm_args,
+                ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -111,7 +118,9 @@ def run_vllm_bench(config: LoadtestConfig, *, start_timeout: float = 600.0, log=
     with tempfile.TemporaryDirectory(prefix="marslm-vllm-bench-") as log_dir:
         try:
             for kind in dict.fromkeys(c.server for c in field):
-                servers[kind] = _Server(config.checkpoint, kind, list(config.vllm_args), Path(log_dir))
+                servers[kind] = _Server(
+                    config.checkpoint, kind, list(config.vllm_args), Path(log_dir), config.mask_batch_limit
+                )
             deadline = time.monotonic() + start_timeout
             for server in servers.values():
                 server.wait(deadline)
@@ -126,6 +135,7 @@ def run_vllm_bench(config: LoadtestConfig, *, start_timeout: float = 600.0, log=
         "requests": config.requests,
         "max_tokens": config.max_tokens,
         "repeats": config.repeats,
+        "mask_batch_limit": config.mask_batch_limit,
         "concurrency": list(config.concurrency),
         "data": "toy test split",
         "runs": runs,

@@ -39,9 +39,11 @@ class Engine:
             found.append(f"--tau-policy adaptive is marslm's engine; {self.label} serves a fixed default tau")
         if config.threads is not None:
             found.append(f"--threads is marslm's engine; {self.label} sets its own threads")
-        # marslm's engine may rest masks; the plugins read every mask at every step (the paper's rule)
-        if config.mask_batch_limit is not None:
-            found.append(f"--mask-batch-limit is marslm's engine; {self.label} reads masks at every batch size")
+        # the cost table that sets the auto limit is measured on marslm's engine's steps
+        if config.mask_batch_limit == "auto":
+            found.append(
+                f"--mask-batch-limit auto reads a cost table timed on marslm's engine; give {self.label} a number"
+            )
         if config.drafting.draft_model is not None:
             found.append(
                 f"--draft-model is marslm's engine; with {self.label}, its own draft-model speculative decoding "

@@ -19,6 +19,7 @@ import json
 import math
 from pathlib import Path
 
+from ..decode.params import check_mask_batch_limit
 from ..mars_json import MarsConfig
 from .exact import adapter_spec, export_lora, vllm_lora_rank
 from .request_settings import PluginConfig, check_request
@@ -35,10 +36,17 @@ GIB = 2**30
 
 
 def plugin_config(
-    model_dir: str | Path, *, tau: float = 0.95, metric: str = "prob", mode: str = "threshold"
+    model_dir: str | Path,
+    *,
+    tau: float = 0.95,
+    metric: str = "prob",
+    mode: str = "threshold",
+    mask_batch_limit: int | None = None,
 ) -> PluginConfig:
-    """The checkpoint's mask token and block size (``marslm.json``), or none for a plain AR checkpoint."""
+    """The checkpoint's mask token and block size (``marslm.json``), or none for a plain AR checkpoint;
+    the server's defaults, and ``mask_batch_limit``: above that many rows in a step, none drafts."""
     check_request({"mode": mode})  # the server's default mode, checked as a request's
+    check_mask_batch_limit(mask_batch_limit, "--mask-batch-limit")
     mars = MarsConfig.load(model_dir) if Path(model_dir).is_dir() else None
     if mars is None or mars.stage != "mars" or mars.mask_token_id is None or mars.block_size < 1:
         return PluginConfig(tau=tau, metric=metric, mode=mode)
@@ -47,9 +55,8 @@ def plugin_config(
     exact = {}
     if lora is not None:
         exact = dict(exact_lora=lora.directory, exact_rank=lora.rank, exact_rows=lora.rows, exact_modules=lora.modules)
-    return PluginConfig(
-        mask_token_id=mars.mask_token_id, num_masks=mars.block_size, tau=tau, metric=metric, mode=mode, **exact
-    )
+    settings = dict(tau=tau, metric=metric, mode=mode, mask_batch_limit=mask_batch_limit)
+    return PluginConfig(mask_token_id=mars.mask_token_id, num_masks=mars.block_size, **settings, **exact)
 
 
 def engine_kwargs(

@@ -45,6 +45,7 @@ def serve_command(
     api_key: str | None = None,
     served_model_names: tuple[str, ...] = (),
     max_batch: int | None = None,
+    mask_batch_limit: int | None = None,
     log_level: str = "info",
     vllm_args: list[str] = (),
 ) -> list[str]:
@@ -71,6 +72,8 @@ def serve_command(
         cmd += ["--served-model-name", *served_model_names]
     if max_batch:
         cmd += ["--max-batch", str(max_batch)]
+    if mask_batch_limit is not None:
+        cmd += ["--mask-batch-limit", str(mask_batch_limit)]
     return cmd + ["--", *vllm_args] if vllm_args else cmd
 
 
@@ -88,7 +91,7 @@ def serve_checkpoint(model: str, config, vllm_args: list[str]) -> int:
     from ..serve.config import served_names
     from .engine_args import plugin_config
 
-    plugin_config(model, tau=config.tau)
+    plugin_config(model, tau=config.tau, mask_batch_limit=config.mask_batch_limit)
 
     exec_server(
         serve_command(
@@ -99,6 +102,7 @@ def serve_checkpoint(model: str, config, vllm_args: list[str]) -> int:
             api_key=config.api_key,
             served_model_names=served_names(model, config.served_model_name),
             max_batch=config.max_batch,
+            mask_batch_limit=config.mask_batch_limit,
             log_level=config.log_level,
             vllm_args=vllm_args,
         )

@@ -5,6 +5,7 @@ each row's drafts for the next step. MARS needs no second model and no forward o
 draft of B masks is read by the next target forward itself.
 
     OFF rows        []                                  vLLM's plain decoding
+    every row       [], while more rows than the server's --mask-batch-limit decode together
     THRESHOLD rows  [M] * B
     LOSSLESS rows   [predictions of last step's masks] + [M] * B
                     (the predictions only when every draft of that step was accepted: the
@@ -40,6 +41,9 @@ class MarsProposer:
             )
         rows = self.rows.refresh()
         drafts = rows.take_next_drafts()
+        limit = self.config.mask_batch_limit
+        if limit is not None and len(sampled_token_ids) > limit:  # plain steps while the batch is above it
+            return [[] for _ in sampled_token_ids]
         if drafts is not None:
             tokens, lengths = (t.cpu().numpy() for t in drafts)  # the runner has synced already
         out = []

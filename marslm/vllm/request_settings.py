@@ -60,6 +60,7 @@ class PluginConfig:
     tau: float = 0.95
     metric: str = "prob"
     mode: str = "threshold"
+    mask_batch_limit: int | None = None  # a load policy: no drafts while more rows than this decode together
     # An exact checkpoint's adapter (exact.py), exported where vLLM reads it; None: a full checkpoint
     exact_lora: str | None = None
     exact_rank: int = 0  # its LoRA rank; 0: mask rows only

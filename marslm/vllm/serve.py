@@ -45,11 +45,17 @@ def build_argv(argv: list[str]) -> list[str]:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME")
     parser.add_argument("--max-batch", type=int, default=None, help="vLLM's --max-num-seqs")
+    parser.add_argument(
+        "--mask-batch-limit",
+        type=int,
+        default=None,
+        help="plain steps (no masks) while more requests than this decode together (default: masks at every size)",
+    )
     parser.add_argument("--log-level", default="info")
     split = argv.index("--") if "--" in argv else len(argv)
     args, vllm_args = parser.parse_args(argv[:split]), argv[split + 1 :]
 
-    plugin = plugin_config(args.model, tau=args.tau)
+    plugin = plugin_config(args.model, tau=args.tau, mask_batch_limit=args.mask_batch_limit)
     own_lora = [a.split("=")[0] for a in vllm_args if a.split("=")[0] in LORA_FLAGS]
     if plugin.exact_lora and args.speculative == "mars" and own_lora:
         raise UserError(

@@ -3,7 +3,7 @@
     python tests/vllm/run_vllm.py JOB.json OUT.json
 
 JOB: {"model": DIR, "max_model_len": N, "engines": [{"name": ..., "speculative": "mars" | "none",
-      "no_rollback": bool, "ungated": bool, "batches": {NAME: [{"prompt_token_ids", "max_tokens",
+      "no_rollback": bool, "ungated": bool, "mask_batch_limit": N, "batches": {NAME: [{"prompt_token_ids", "max_tokens",
       "extra_args", "own_lora": bool}]}}]}
 OUT: {ENGINE: {BATCH: [{"token_ids", "finish_reason", "forwards"}]}}, with the stop token kept
 as vLLM returns it; a batch vLLM refused is {"error": its message}. Each batch is one ``generate``
@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from marslm.vllm import exact, exact_runner  # noqa: E402
-from marslm.vllm.engine_args import engine_kwargs  # noqa: E402
+from marslm.vllm.engine_args import engine_kwargs, plugin_config  # noqa: E402
 from marslm.vllm.scheduler import MarsScheduler  # noqa: E402
 
 
@@ -54,6 +54,7 @@ def run(job: dict) -> dict:
         kwargs = engine_kwargs(
             job["model"],
             speculative=engine["speculative"],
+            plugin=plugin_config(job["model"], mask_batch_limit=engine.get("mask_batch_limit")),
             cpu=current_platform.is_cpu(),
             **({"scheduler_cls": NoRollbackScheduler} if engine.get("no_rollback") else {}),
         )

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 512
 SERVED_NAMES = ("mars-a", "mars-b")
+LIMIT = 4  # the limited engine's --mask-batch-limit
 MIXED = [
     {"tau": 0.95},
     {"tau": 0.8},
@@ -70,6 +71,15 @@ def decoded(vllm_env, trained_dirs, prompts, tmp_path_factory):
                     "tau0.95": _requests(prompts, [{"tau": 0.95}] * n),
                     "tau0.8": _requests(prompts, [{"tau": 0.8}] * n),
                     "mixed": _requests(prompts, [MIXED[i % len(MIXED)] for i in range(n)]),
+                },
+            },
+            {
+                "name": "limited",
+                "speculative": "mars",
+                "mask_batch_limit": LIMIT,
+                "batches": {
+                    "lossless": _requests(prompts, [{"mode": "lossless"}] * n),
+                    "within": _requests(prompts[:LIMIT], [{"mode": "lossless"}] * LIMIT),
                 },
             },
             {
@@ -119,6 +129,19 @@ def test_mixed_settings_share_a_batch(decoded, trained_checkpoints, prompts, hf_
             assert output["forwards"] == len(output["token_ids"])
         else:
             check_against_marslm(trained_checkpoints["mars64"], prompt, output, settings, greedy)
+
+
+def test_above_the_mask_batch_limit_rows_decode_plainly(decoded, prompts, hf_greedy):
+    """8 requests under a limit of 4 take plain steps while more than 4 decode (lossless, so the
+    answers stay greedy); 4 requests read their masks as without a limit (a lossless row's forwards
+    do not depend on the rows beside it)."""
+    assert len(prompts) > LIMIT
+    limited, free = decoded["limited"]["lossless"], decoded["mars"]["lossless"]
+    assert [answer(o) for o in limited] == hf_greedy
+    assert sum(o["forwards"] for o in limited) > sum(o["forwards"] for o in free)
+    within = decoded["limited"]["within"]
+    assert [answer(o) for o in within] == hf_greedy[:LIMIT]
+    assert [o["forwards"] for o in within] == [o["forwards"] for o in free[:LIMIT]]
 
 
 def test_negative_control_without_rollback_fails(decoded, trained_checkpoints, prompts, hf_greedy):

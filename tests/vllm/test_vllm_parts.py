@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -286,3 +287,54 @@ def test_plugin_needs_no_transformers():
         "sys.exit('transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+class _Rows:
+    """MarsRows as the proposer reads it, for three threshold rows with nothing pending."""
+
+    mode = [THRESHOLD] * 3
+
+    def refresh(self):
+        return self
+
+    def take_next_drafts(self):
+        return None
+
+
+def test_above_the_mask_batch_limit_no_row_drafts():
+    from marslm.vllm.proposer import MarsProposer
+
+    proposer = MarsProposer.__new__(MarsProposer)
+    proposer.config = replace(MARS, mask_batch_limit=2)
+    proposer.masks, proposer.rows = [3] * 4, _Rows()
+    assert proposer.propose([[5], [6], [7]]) == [[], [], []]
+    assert proposer.propose([[5], [6]]) == [[3] * 4, [3] * 4]
+    proposer.config = MARS  # no limit: masks at every batch size
+    assert proposer.propose([[5], [6], [7]]) == [[3] * 4] * 3
+
+
+def test_the_mask_batch_limit_reaches_the_vllm_server_and_is_checked(trained_dirs, tmp_path, monkeypatch):
+    from marslm.bench.loadtest import LoadtestConfig
+    from marslm.cli import main
+    from marslm.errors import UserError
+    from marslm.vllm import launch as vllm_launch
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    monkeypatch.setenv("MARSLM_VLLM_VENV", str(tmp_path / "venv"))
+    commands = []
+    monkeypatch.setattr(vllm_launch, "exec_server", commands.append)
+    path = str(trained_dirs["dir"] / "mars")
+    assert main(["serve", "--engine", "vllm", "--model", path, "--mask-batch-limit", "8"]) == 0
+    at = commands[0].index("--mask-batch-limit")
+    assert commands[0][at + 1] == "8"
+    assert main(["serve", "--engine", "vllm", "--model", path, "--mask-batch-limit", "auto"]) == 2
+    assert len(commands) == 1  # refused before anything started
+    with pytest.raises(UserError, match="--mask-batch-limit must be an integer >= 1"):
+        plugin_config(path, mask_batch_limit=0)
+    assert plugin_config(path, mask_batch_limit=8).mask_batch_limit == 8
+    with pytest.raises(UserError, match="--mask-batch-limit is for --engine vllm"):
+        LoadtestConfig(mask_batch_limit=4)
+    with pytest.raises(UserError, match="--mask-batch-limit must be an integer >= 1"):
+        LoadtestConfig(engine="vllm", checkpoint=path, mask_batch_limit=0)
