@@ -26,7 +26,7 @@ KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 LORA_FLAGS = ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras")
 
 
-def build_argv(argv: list[str]) -> list[str]:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m marslm.vllm.serve [-- VLLM_ARGS]",
         description=__doc__,
@@ -52,9 +52,12 @@ def build_argv(argv: list[str]) -> list[str]:
         help="plain steps (no masks) while more requests than this decode together (default: masks at every size)",
     )
     parser.add_argument("--log-level", default="info")
-    split = argv.index("--") if "--" in argv else len(argv)
-    args, vllm_args = parser.parse_args(argv[:split]), argv[split + 1 :]
+    return parser
 
+
+def build_argv(argv: list[str]) -> list[str]:
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, vllm_args = _parser().parse_args(argv[:split]), argv[split + 1 :]
     plugin = plugin_config(args.model, tau=args.tau, mask_batch_limit=args.mask_batch_limit)
     own_lora = [a.split("=")[0] for a in vllm_args if a.split("=")[0] in LORA_FLAGS]
     if plugin.exact_lora and args.speculative == "mars" and own_lora:
