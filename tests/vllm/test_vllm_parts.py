@@ -256,9 +256,10 @@ def test_serve_vllm_without_its_environment_fails_in_one_line(trained_dirs, tmp_
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr
 
 
-def test_serve_vllm_serves_the_path_and_every_name(trained_dirs, tmp_path, monkeypatch):
-    """As under marslm's engine: the directory's name (or --served-model-name's), then the path."""
-    from marslm.cli import main
+@pytest.fixture
+def vllm_commands(tmp_path, monkeypatch):
+    """The command lines ``marslm serve --engine vllm`` would run, in place of running them (a
+    stand-in for vLLM's environment: only its Python's path is looked up)."""
     from marslm.vllm import launch as vllm_launch
 
     python = tmp_path / "venv" / "bin" / "python"
@@ -267,6 +268,14 @@ def test_serve_vllm_serves_the_path_and_every_name(trained_dirs, tmp_path, monke
     monkeypatch.setenv("MARSLM_VLLM_VENV", str(tmp_path / "venv"))
     commands = []
     monkeypatch.setattr(vllm_launch, "exec_server", commands.append)
+    return commands
+
+
+def test_serve_vllm_serves_the_path_and_every_name(trained_dirs, vllm_commands):
+    """As under marslm's engine: the directory's name (or --served-model-name's), then the path."""
+    from marslm.cli import main
+
+    commands = vllm_commands
     path = str(trained_dirs["dir"] / "mars")
     assert main(["serve", "--engine", "vllm", "--model", path]) == 0
     assert main(["serve", "--engine", "vllm", "--model", path, "--served-model-name", "a", "b"]) == 0
@@ -313,18 +322,12 @@ def test_above_the_mask_batch_limit_no_row_drafts():
     assert proposer.propose([[5], [6], [7]]) == [[3] * 4] * 3
 
 
-def test_the_mask_batch_limit_reaches_the_vllm_server_and_is_checked(trained_dirs, tmp_path, monkeypatch):
+def test_the_mask_batch_limit_reaches_the_vllm_server_and_is_checked(trained_dirs, vllm_commands):
     from marslm.bench.loadtest import LoadtestConfig
     from marslm.cli import main
     from marslm.errors import UserError
-    from marslm.vllm import launch as vllm_launch
 
-    python = tmp_path / "venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.touch()
-    monkeypatch.setenv("MARSLM_VLLM_VENV", str(tmp_path / "venv"))
-    commands = []
-    monkeypatch.setattr(vllm_launch, "exec_server", commands.append)
+    commands = vllm_commands
     path = str(trained_dirs["dir"] / "mars")
     assert main(["serve", "--engine", "vllm", "--model", path, "--mask-batch-limit", "8"]) == 0
     at = commands[0].index("--mask-batch-limit")
