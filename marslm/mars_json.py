@@ -37,6 +37,17 @@ class ModelLimits:
     hidden_size: int | None
     context: int | None  # max_position_embeddings
 
+    @classmethod
+    def read(cls, get) -> ModelLimits:
+        """The limits in a model's config, each field read by ``get(name)``; anything but a
+        positive integer there is unknown (None)."""
+
+        def positive(name: str) -> int | None:
+            value = get(name)
+            return value if _is_int(value) and value > 0 else None
+
+        return cls(positive("vocab_size"), positive("hidden_size"), positive("max_position_embeddings"))
+
 
 def _is_int(value) -> bool:
     # bool is an int subclass: True would pass for 1

@@ -164,12 +164,7 @@ def model_limits(directory: str) -> ModelLimits | None:
     with loading_errors(directory):
         config = AutoConfig.from_pretrained(directory)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-
-    def read(name: str) -> int | None:
-        value = getattr(text, name, None)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-    return ModelLimits(read("vocab_size"), read("hidden_size"), read("max_position_embeddings"))
+    return ModelLimits.read(lambda name: getattr(text, name, None))
 
 
 def trained_block_size(config: MarsConfig | None) -> int:

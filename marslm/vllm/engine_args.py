@@ -50,7 +50,7 @@ def plugin_config(
     mars = MarsConfig.load(model_dir) if Path(model_dir).is_dir() else None
     if mars is None or mars.stage != "mars" or mars.mask_token_id is None or mars.block_size < 1:
         return PluginConfig(tau=tau, metric=metric, mode=mode)
-    spec = adapter_spec(model_dir)  # an exact checkpoint's adapter, served as vLLM's LoRA (exact.py)
+    spec = adapter_spec(model_dir, mars)  # an exact checkpoint's adapter, served as vLLM's LoRA (exact.py)
     lora = export_lora(model_dir, spec) if spec is not None else None
     exact = {}
     if lora is not None:

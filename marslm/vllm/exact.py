@@ -56,29 +56,23 @@ def vllm_lora_rank(rank: int) -> int:
     return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
-def adapter_spec(model_dir: str | Path) -> AdapterSpec | None:
-    """The exact checkpoint's adapter entry, checked against the model's ``config.json`` (None: not exact)."""
-    if not Path(model_dir, MARS_JSON).is_file():
+def adapter_spec(model_dir: str | Path, mars: MarsConfig) -> AdapterSpec | None:
+    """The adapter entry of ``mars`` (``model_dir``'s ``marslm.json``), the record checked against the
+    model's ``config.json`` first (None: not an exact checkpoint)."""
+    if not mars.exact:
         return None
     config = _model_config(model_dir)
-    limits = ModelLimits(*(_positive(config.get(k)) for k in ("vocab_size", "hidden_size", "max_position_embeddings")))
-    mars = MarsConfig.load(model_dir, limits)
-    if mars is None or not mars.exact:
-        return None
     where = Path(model_dir, MARS_JSON)
+    mars.validate(where, ModelLimits.read(config.get))
     if any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts")):
         raise UserError(
             f"{model_dir} is an exact checkpoint of a mixture-of-experts model: vLLM's CPU LoRA has no "
             "expert kernels; serve it with marslm serve --engine marslm"
         )
-    spec = AdapterSpec.from_dict(mars.adapter, where, limits, mars.block_size)
+    spec = AdapterSpec.from_dict(mars.adapter, where)  # (checked against the model by validate)
     if spec.rank > VLLM_LORA_RANKS[-1]:
         raise UserError(f"{where}: adapter.rank {spec.rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
     return spec
-
-
-def _positive(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def export_lora(model_dir: str | Path, spec: AdapterSpec, cache: str | Path | None = None) -> ExactLoRA:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from marslm.errors import UserError
-from marslm.mars_json import ADAPTER_FILENAME, FILENAME
+from marslm.mars_json import ADAPTER_FILENAME, FILENAME, MarsConfig
 from marslm.vllm.engine_args import engine_kwargs, plugin_config, server_args
 from marslm.vllm.exact import ROWS_FILENAME, adapter_spec, export_lora, mask_gate
 from marslm.vllm.proposer import MarsProposer
@@ -37,7 +37,7 @@ def test_the_export_is_a_peft_lora_whose_update_is_the_adapters(trained_dirs, tm
     from transformers import AutoModelForCausalLM
 
     exact = trained_dirs["dir"] / "exact"
-    spec = adapter_spec(exact)
+    spec = adapter_spec(exact, MarsConfig.load(exact))
     lora = export_lora(exact, spec, cache=tmp_path)
     assert (lora.rank, lora.rows) == (spec.rank, spec.rows) and lora.modules == LINEARS
     config = json.loads((tmp_path / lora.directory / "adapter_config.json").read_text())
@@ -57,7 +57,7 @@ def test_the_export_is_a_peft_lora_whose_update_is_the_adapters(trained_dirs, tm
 
 
 def test_the_export_is_written_once_per_adapter(exact_copy, tmp_path):
-    spec = adapter_spec(exact_copy)
+    spec = adapter_spec(exact_copy, MarsConfig.load(exact_copy))
     first = export_lora(exact_copy, spec, cache=tmp_path / "cache")
     assert export_lora(exact_copy, spec, cache=tmp_path / "cache") == first
     tensors = load_file(str(exact_copy / ADAPTER_FILENAME))
@@ -73,7 +73,7 @@ def test_an_adapter_of_mask_rows_alone_exports_no_lora(exact_copy, tmp_path):
     record["adapter"].update(rank=0, targets=[])
     (exact_copy / FILENAME).write_text(json.dumps(record))
     save_file({"rows": load_file(str(exact_copy / ADAPTER_FILENAME))["rows"]}, str(exact_copy / ADAPTER_FILENAME))
-    lora = export_lora(exact_copy, adapter_spec(exact_copy), cache=tmp_path)
+    lora = export_lora(exact_copy, adapter_spec(exact_copy, MarsConfig.load(exact_copy)), cache=tmp_path)
     assert lora.rank == 0 and lora.modules == ()
     assert sorted(p.name for p in (tmp_path / lora.directory).iterdir()) == [ROWS_FILENAME]
     kwargs = engine_kwargs(exact_copy, plugin=plugin_config(exact_copy))
