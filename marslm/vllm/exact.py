@@ -12,7 +12,7 @@ its output is the row of that mask's offset (exact_runner.py).
 This module needs no vLLM (the CLI calls it while it builds the server's command line):
 
     export_lora    proves the adapter file and writes its LoRA in PEFT's layout, the layout vLLM
-                   loads, into a cache directory keyed by the file's digest
+                   loads, into a cache directory keyed by what it is written from
     mask_gate      where one step's masks are in vLLM's flat token layout, and their offsets
 """
 
@@ -79,7 +79,8 @@ def export_lora(model_dir: str | Path, spec: AdapterSpec, cache: str | Path | No
     """The adapter of ``model_dir``, proved (its tensors are the ones ``spec`` and the model's weight
     shapes call for, all finite) and written where vLLM reads it: ``adapter_config.json`` and
     ``adapter_model.safetensors`` (rank > 0) and ``mask_rows.safetensors``, in a directory of
-    ``cache`` named by the adapter file's digest. The checkpoint's own files are left as they are.
+    ``cache`` named by a digest of what it is written from: the adapter file's bytes, and the
+    entry's rank, alpha and targets. The checkpoint's own files are left as they are.
 
     The LoRA scale alpha / rank is folded into ``lora_B`` and the config says alpha = r, so vLLM's
     scaling is exactly 1 whatever alpha training used.
@@ -92,7 +93,9 @@ def export_lora(model_dir: str | Path, spec: AdapterSpec, cache: str | Path | No
     tensors = read_tensors(path)
     check_tensors(tensors, _expected_tensors(model_dir, spec), path)
     modules = tuple(sorted({name.rsplit(".", 1)[-1] for name in spec.targets})) if spec.rank else ()
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:24]
+    digest = hashlib.sha256(path.read_bytes())
+    digest.update(json.dumps([spec.rank, spec.alpha, list(spec.targets)]).encode())  # alpha folds into lora_B
+    digest = digest.hexdigest()[:24]
     directory = Path(cache or cache_root() / "vllm-lora", f"{digest}-v{EXPORT_VERSION}")
     result = ExactLoRA(str(directory), spec.rank, spec.rows, modules)
     if (directory / ROWS_FILENAME).is_file():

@@ -7,6 +7,8 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,17 +32,22 @@ def exact_copy(trained_dirs, tmp_path):
     return shutil.copytree(trained_dirs["dir"] / "exact", tmp_path / "exact")
 
 
-def test_the_export_is_a_peft_lora_whose_update_is_the_adapters(trained_dirs, tmp_path):
+def test_the_export_is_a_peft_lora_whose_update_is_the_adapters(exact_copy, tmp_path):
     """PEFT loads the exported LoRA onto the original model, and its update of every gated Linear is
-    the adapter's own (``x a^T b^T alpha / r``): vLLM's LoRA then adds what marslm's hook adds."""
+    the adapter's own (``x a^T b^T alpha / r``): vLLM's LoRA then adds what marslm's hook adds. The
+    record's alpha is made 3r, since training's default (alpha = r) would hide a scale left out."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    exact = trained_dirs["dir"] / "exact"
+    exact = exact_copy
+    record = json.loads((exact / FILENAME).read_text())
+    record["adapter"]["alpha"] = 3.0 * record["adapter"]["rank"]
+    (exact / FILENAME).write_text(json.dumps(record))
     spec = adapter_spec(exact, MarsConfig.load(exact))
-    lora = export_lora(exact, spec, cache=tmp_path)
+    assert spec.alpha / spec.rank == 3.0
+    lora = export_lora(exact, spec, cache=tmp_path / "cache")
     assert (lora.rank, lora.rows) == (spec.rank, spec.rows) and lora.modules == LINEARS
-    config = json.loads((tmp_path / lora.directory / "adapter_config.json").read_text())
+    config = json.loads(Path(lora.directory, "adapter_config.json").read_text())
     assert config["r"] == config["lora_alpha"] == spec.rank  # the scale is folded into lora_B
     adapter = load_file(str(exact / ADAPTER_FILENAME))
     assert torch.equal(load_file(f"{lora.directory}/{ROWS_FILENAME}")["rows"], adapter["rows"])
@@ -65,6 +72,8 @@ def test_the_export_is_written_once_per_adapter(exact_copy, tmp_path):
     save_file(tensors, str(exact_copy / ADAPTER_FILENAME))
     changed = export_lora(exact_copy, spec, cache=tmp_path / "cache")
     assert changed.directory != first.directory  # keyed by the file's bytes, never its name or date
+    rescaled = export_lora(exact_copy, replace(spec, alpha=2 * spec.alpha), cache=tmp_path / "cache")
+    assert rescaled.directory not in (first.directory, changed.directory)  # alpha is folded into lora_B
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
 
 
