@@ -35,6 +35,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tokenised datasets are cached (train.cached_encoding): in a directory of the test session's own.
 os.environ.setdefault("MARSLM_CACHE", tempfile.mkdtemp(prefix="marslm-cache-"))
+# The library's defaults compile the decoding step (compile_policy.py) and measure a cost table on
+# first need (costs.py): per tiny random model that is compile time and a changed baseline, so the
+# suite decodes eagerly and reads saved tables only; the tests of those defaults set them back.
+os.environ["MARSLM_COMPILE"] = "off"
+os.environ["MARSLM_COSTS"] = "off"
 
 import torch  # noqa: E402
 

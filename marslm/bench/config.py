@@ -167,9 +167,10 @@ class BenchConfig:
     # their own); the CLI's --[no-]adaptive-width and --mask-batch-limit (cli/common.py add_fallback)
     adaptive_width: bool = setting(ADAPTIVE_WIDTH, "see DecoderOptions", cli=False)
     mask_batch_limit: int | str | None = setting(MASK_BATCH_LIMIT, "see DecoderOptions", cli=False)
-    # the CLI's --compile: each cursor-cache contender runs eagerly and compiled, and HF generate
-    # runs with its static cache compiled too, so that the reader sees what compiling buys each
-    compile: bool = setting(False, "see DecoderOptions", cli=False)
+    # the CLI's --[no-]compile. auto: each MARS contender as its decoder's default (compiled where
+    # the device can); True: each cursor-cache contender eagerly and compiled, and HF generate with
+    # its static cache compiled too, so that the reader sees what compiling buys each; False: eager
+    compile: bool | str = setting("auto", "see DecoderOptions", cli=False)
     device: str = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
     drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
     json_path: str | None = setting(None, "write the report as JSON to FILE", flag="--json", metavar="FILE")

@@ -96,7 +96,10 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
         )
     if config.block_size is not None:
         contenders = [_sized(c, config.block_size) if c.kind == "mars" else c for c in contenders]
-    if config.compile:
+    if config.compile is not True:  # auto: each decoder's own default; False: eager
+        contenders = [_compile_as(c, config.compile) for c in contenders]
+    else:
+        contenders = [_compile_as(c, False) for c in contenders]
         contenders += [_compiled(c) for c in contenders if c.decoder is not None and c.decoder.cache == "cursor"]
         # HF generate's own compiled decoding: its static cache and torch.compile of its step
         contenders.append(Contender(HF_COMPILED, "hf", "ar", {"compile": True}))
@@ -110,6 +113,11 @@ def _sized(c: Contender, block_size: int) -> Contender:
     """``c`` reading ``block_size`` masks a step (a draft group as many), named so."""
     params = replace(c.params, block_size=block_size)
     return replace(c, name=f"{c.name} B={block_size}", options={**c.options, "block_size": block_size}, params=params)
+
+
+def _compile_as(c: Contender, setting) -> Contender:
+    """``c`` with its decoder's ``compile`` set to ``setting`` (an HF contender has no decoder)."""
+    return c if c.decoder is None else replace(c, decoder=replace(c.decoder, compile=setting))
 
 
 def _compiled(c: Contender) -> Contender:

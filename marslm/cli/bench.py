@@ -95,13 +95,15 @@ def _cost_curve(config: BenchConfig) -> int:
             f"2 --block-size + 2) exceeds the model's context of {room} tokens"
         )
     model, _, _ = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
+    from ..decode.compile_policy import resolve_compile
     from ..decode.forward import WIDTHS
 
     # compiled, each width is a graph of its own: the widths a compiled decoder pads its steps to
-    widths = [w for w in range(1, widest + 1) if not config.compile or w in WIDTHS]
+    ways = (False, True) if config.compile is True else (resolve_compile(config.compile, "cursor", model.device),)
+    widths = [w for w in range(1, widest + 1) if not ways[-1] or w in WIDTHS]
     curves = []
     with allocation_errors("--batch-sizes or --contexts"):
-        for compiled in (False, True) if config.compile else (False,):
+        for compiled in ways:
             curve = cost_curve(
                 model,
                 widths=widths,
@@ -116,7 +118,7 @@ def _cost_curve(config: BenchConfig) -> int:
             print(format_cost_curve(curve) + "\n")
             if "profile" in curve:
                 print(format_profile(curve) + "\n")
-    if config.compile:
+    if len(curves) == 2:
         print(format_against_eager(*curves))
     report = curves[-1]  # the step the decoder runs with these settings: its table is the one saved
     if config.save:

@@ -36,15 +36,32 @@ def add_fallback(parser) -> None:
     add_options(parser, DecoderOptions, skip=tuple(name for name in fields if name != "mask_batch_limit"))
 
 
+def add_dtype(parser) -> None:
+    from ..settings import DTYPE_NAMES
+
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_NAMES,
+        help="weights dtype to decode in (auto: as saved; bfloat16 is faster on a CPU with native bf16, "
+        "and may round a near-tie differently from float32: docs/usage.md)",
+    )
+
+
 def add_compile(parser) -> None:
-    """``--compile``, with ``DecoderOptions``' help: a run option of eval and bench, whose settings
-    objects carry it without a flag of their own."""
+    """``--compile`` / ``--no-compile`` (unset: auto), with ``DecoderOptions``' help: a run option
+    of generate, eval, bench and serve, whose settings objects carry it without a flag of their own."""
     import dataclasses
 
     from ..decode.params import DecoderOptions
 
     field = next(f for f in dataclasses.fields(DecoderOptions) if f.name == "compile")
-    parser.add_argument("--compile", action="store_true", help=field.metadata["help"])
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=field.default,
+        help=field.metadata["help"] + " (default: auto; --compile insists, --no-compile decodes eagerly)",
+    )
 
 
 def add_drafter(parser) -> None:
@@ -102,7 +119,7 @@ def allocation_errors(flags: str):
         raise UserError(f"out of memory ({text[:200]}); lower {flags}") from None
 
 
-def load_for_decoding(model_path: str, params, device: str = "auto", decoder=None):
+def load_for_decoding(model_path: str, params, device: str = "auto", decoder=None, dtype: str = "auto"):
     """``(model, tokenizer, params)`` for ``generate`` and ``show``: the settings checked, also
     against the block size the checkpoint was trained with, its context and whether it has a mask
     token, before the model loads, so that a refusal is the only line (loading warns about a
@@ -128,7 +145,7 @@ def load_for_decoding(model_path: str, params, device: str = "auto", decoder=Non
         decoder.validate(params, context)
     if not params.one_token:
         params.check_mask_token(saved_mask_token(model_path))
-    model, tokenizer, _ = load_model(model_path, device=resolve_device(device))
+    model, tokenizer, _ = load_model(model_path, dtype=dtype, device=resolve_device(device))
     if config is not None and config.stage == "ar" and not params.one_token:
         warn_untrained_masks(model_path, f"tau {params.tau:g}")
     return model, tokenizer, params

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .common import FALLBACK_OPTIONS, add_device, add_drafter, add_fallback
+from .common import FALLBACK_OPTIONS, add_compile, add_device, add_drafter, add_dtype, add_fallback
 
 COMMAND = "generate"
 
@@ -25,7 +25,9 @@ def add_parser(sub) -> None:
     decoder = parser.add_argument_group("decoder")
     add_options(decoder, DecoderOptions, skip=FALLBACK_OPTIONS)
     add_fallback(decoder)
+    add_compile(decoder)
     add_device(decoder)
+    add_dtype(decoder)
     add_drafter(decoder)
     parser.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
@@ -44,7 +46,7 @@ def run(args) -> int:
 
         check_draft_settings(params, decoder)  # before either model loads
     drafting = load_drafter(args)
-    model, tokenizer, params = load_for_decoding(args.model, params, args.device, decoder)
+    model, tokenizer, params = load_for_decoding(args.model, params, args.device, decoder, args.dtype)
     result = generate(
         model, tokenizer, [args.prompt], params, decoder, apply_chat_template=not args.no_chat_template, **drafting
     )

@@ -3,7 +3,7 @@ plugin; its options are ``ServeConfig``'s fields."""
 
 from __future__ import annotations
 
-from .common import add_drafter
+from .common import add_compile, add_drafter
 
 COMMAND = "serve"
 
@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
     )
     srv.add_argument("--model", required=True, help="MARS checkpoint directory (or hub id)")
     add_options(srv, ServeConfig)
+    add_compile(srv)
     add_drafter(srv)
     srv.add_argument(
         "vllm_args",

@@ -43,8 +43,9 @@ import torch
 from ..adapter import tail_gate
 from ..masks import for_attention
 from .acceptance import confidence
+from .compile_policy import resolve_compile
 from .draws import RowDraws
-from .forward import WIDTHS, StepForward
+from .forward import StepForward, static_capacity
 from .inputs import StepInputs, logits_to_keep, prefill_inputs, step_inputs
 from .kv import SlotCache, StaticSlotCache
 from .params import ADAPTIVE_WIDTH, DecoderOptions, DecodingParams
@@ -74,8 +75,11 @@ class DecodeBatch:
     max_rows = None
 
     @classmethod
-    def with_options(cls, model, decoder: DecoderOptions, **facts) -> DecodeBatch:
-        """A batch that decodes as ``decoder`` says; ``facts``: the model's mask, stop and pad ids, a seed."""
+    def with_options(cls, model, decoder: DecoderOptions, max_len: int | None = None, **facts) -> DecodeBatch:
+        """A batch that decodes as ``decoder`` says (``compile="auto"`` resolved for the model's
+        device, compile_policy.py); ``max_len``: the longest row (prompt and answer) it will hold,
+        where known up front; ``facts``: the model's mask, stop and pad ids, a seed."""
+        device = next(model.parameters()).device
         return cls(
             model,
             cache=decoder.cache,
@@ -84,7 +88,8 @@ class DecodeBatch:
             adaptive_width=decoder.adaptive_width,
             # auto: whoever steps the batch sets the limit before each step (MaskBatchLimit.step)
             mask_batch_limit=None if decoder.mask_batch_limit == "auto" else decoder.mask_batch_limit,
-            compile=decoder.compile,
+            compile=resolve_compile(decoder.compile, decoder.cache, device),
+            max_len=max_len,
             **facts,
         )
 
@@ -102,6 +107,7 @@ class DecodeBatch:
         mask_batch_limit: int | None = None,
         seed: int | None = None,
         compile: bool = False,
+        max_len: int | None = None,
     ):
         if cache not in SLOT_CACHE_MODES:
             raise ValueError(f"cache must be one of {SLOT_CACHE_MODES}, got {cache!r}")
@@ -123,10 +129,16 @@ class DecodeBatch:
         self.rows = RowState.empty()
         # compile: every step at a bucket's shape over a static cache (forward.py)
         self.static = StepForward(model, pad_id) if compile else None
+        self.max_len = max_len  # sizes the static cache once, so that every step's graphs are the same ones
         self._fed = 0  # the columns the last step fed, padding included: what its commit drops past the real ones
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def capacity(self) -> int | None:
+        """The static cache's slots, where the step is compiled and the longest row known up front."""
+        return static_capacity(self.max_len) if self.static is not None and self.max_len else None
 
     @property
     def request_ids(self) -> list:
@@ -278,9 +290,8 @@ class DecodeBatch:
             causal_as_none=self.static is None,
         )
         if self.kv is None and self.static is not None:
-            # the slots a row can use before compaction squeezes its holes out (rules.py), and a step
-            room = 2 * int(r.max_len.max()) + 8 + WIDTHS[-1]
-            self.kv = StaticSlotCache(1 << (room - 1).bit_length(), len(r), self.device)  # a few shapes
+            longest = max(int(r.max_len.max()), self.max_len or 0)
+            self.kv = StaticSlotCache(static_capacity(longest), len(r), self.device)
         elif self.kv is None and self.cache_mode != "none":
             self.kv = SlotCache(capacity=2 * (int(r.seq_len.max()) + inputs.input_ids.shape[1]))
         return inputs

@@ -13,8 +13,11 @@ in any process, after any earlier call. Without a table ``auto`` sets no limit.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +26,9 @@ import torch
 
 from ..adapter import adapter_of, placed_masks
 from ..errors import UserError
+from ..files import cache_root, write_json_atomically
+
+log = logging.getLogger("marslm.costs")
 
 COST_TABLE = "marslm-costs.json"  # beside the checkpoint's marslm.json
 
@@ -37,6 +43,7 @@ def cost_curve(
     seed: int = 0,
     progress: bool = True,
     compile: bool = False,
+    capacity: int | None = None,
     profile=(),
 ) -> dict:
     """Time of one cached forward against the number of tokens it feeds, as ratios to one token.
@@ -49,7 +56,8 @@ def cost_curve(
     Logits are computed for every fed column, as a MARS step reads them. On an exact-mode model
     every fed column after the first is the mask token, so that the adapter, which acts at masks
     alone (adapter.py), costs what it does in a step. ``compile``: the step a compiled decoder runs
-    (forward.py), over a static cache, each width traced in the warm-up round. ``profile``: widths
+    (forward.py), over a static cache of ``capacity`` slots (default: a decoder's for rows of the
+    longest context and width: the graphs decoding meets), each width traced in the warm-up round. ``profile``: widths
     whose forwards are then run ``repeats`` times more under ``torch.profiler``, at the first batch
     size and context: the report's ``profile`` holds their costliest operators (:func:`_profiled`).
     """
@@ -65,9 +73,15 @@ def cost_curve(
     )
     for batch in batch_sizes:
         for context in contexts:
-            timed = _timed_static_widths if compile else _timed_widths
             profiling = () if profiles else profile
-            times, profiled = timed(model, batch, context, widths, repeats, generator, mask_id, bar.update, profiling)
+            args = (model, batch, context, widths, repeats, generator, mask_id, bar.update, profiling)
+            if compile:
+                from .forward import static_capacity
+
+                room = capacity or static_capacity(max(contexts) + max(widths))
+                times, profiled = _timed_static_widths(*args, capacity=room)
+            else:
+                times, profiled = _timed_widths(*args)
             profiles.update(
                 {str(w): {"batch_size": batch, "context": context, "ops": ops} for w, ops in profiled.items()}
             )
@@ -115,7 +129,7 @@ def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, ti
     return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick, profile)
 
 
-def _timed_static_widths(model, batch, context, widths, repeats, generator, mask_id, tick, profile=()):
+def _timed_static_widths(model, batch, context, widths, repeats, generator, mask_id, tick, profile=(), *, capacity):
     """:func:`_timed_widths` for the compiled step: the same forwards through ``StepForward.run``
     over a static cache, with the mask always a tensor and the adapter's tail gate."""
     import numpy as np
@@ -124,7 +138,6 @@ def _timed_static_widths(model, batch, context, widths, repeats, generator, mask
     from .kv import StaticSlotCache
 
     device, vocab = next(model.parameters()).device, model.config.vocab_size
-    capacity = context + max(widths)
     cache, step = StaticSlotCache(capacity, batch, device), StepForward(model, pad_id=0)
 
     def to_device(array):
@@ -238,6 +251,110 @@ def saved_mask_limit(model, block_size: int) -> MaskBatchLimit | None:
         return None
     costs, path = table
     return MaskBatchLimit(costs, most=2 * block_size + 1, source=path)
+
+
+def mask_limit(model, block_size: int, *, rows: int, compiled: bool, capacity: int | None = None):
+    """``mask_batch_limit="auto"``'s :class:`MaskBatchLimit` for a decoder of up to ``rows`` rows:
+    over the table saved beside the checkpoint (``bench --cost-curve --save``), else over the one
+    kept in marslm's cache for this checkpoint, machine and setting (:func:`kept_table_key`),
+    measured there on first need (seconds: :func:`measure_table`). None where neither can be had:
+    a model with no checkpoint folder to key a table by, or ``MARSLM_COSTS=off``.
+
+    Measuring is a phase before decoding, never inside it: once kept, a table is read, so the same
+    inputs and settings decode to the same text on every later run on that machine."""
+    saved = saved_mask_limit(model, block_size)
+    if saved is not None:
+        return saved
+    key = kept_table_key(model, block_size, compiled)
+    if key is None:
+        return None
+    path = cache_root() / "costs" / f"{key['digest']}.json"
+    table = _read_kept(path, key)
+    if table is None:
+        if os.environ.get(COSTS_ENV, "auto").strip().lower() in ("off", "0", "no", "false"):
+            return None
+        table = measure_table(model, block_size, rows=rows, compiled=compiled, capacity=capacity)
+        write_json_atomically(path, {**table, "key": key})
+    costs = {int(b): float(c) for b, c in table["costs"].items()}
+    return MaskBatchLimit(costs, most=2 * block_size + 1, source=str(path))
+
+
+COSTS_ENV = "MARSLM_COSTS"  # off: auto reads a saved table only, and measures none
+KEPT_TABLE_ROWS = 8  # a kept table covers batch sizes 1, 2, 4 .. this many rows at least
+
+
+def kept_table_key(model, block_size: int, compiled: bool) -> dict | None:
+    """What a kept cost table is for: the checkpoint (its folder and its files' names, sizes and
+    modification times: a retrained checkpoint is another one), torch's version, the device, the
+    dtype, the thread count, the block size and whether the step is compiled; with its digest.
+    None for a model that names no checkpoint folder."""
+    folder = Path(str(getattr(model, "name_or_path", "") or ""))
+    if not folder.is_dir():
+        return None
+    files = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.iterdir()
+        if p.is_file() and p.suffix in (".json", ".safetensors", ".bin") and p.name != COST_TABLE
+    )
+    param = next(model.parameters())
+    key = {
+        "checkpoint": str(folder.resolve()),
+        "files": [list(f) for f in files],
+        "torch": torch.__version__,
+        "device": str(param.device),
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "block_size": block_size,
+        "compiled": compiled,
+    }
+    key["digest"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return key
+
+
+def _read_kept(path: Path, key: dict) -> dict | None:
+    """The table kept at ``path`` if it is whole and made for ``key``; a damaged one is dropped
+    with one warning (it is measured again)."""
+    if not path.is_file():
+        return None
+    try:
+        table = json.loads(path.read_text())
+        costs = {int(b): float(c) for b, c in table["costs"].items()}
+        if table["key"] != key or not costs or any(b < 1 or not (math.isfinite(c) and c > 0) for b, c in costs.items()):
+            raise ValueError("not this checkpoint's table")
+        return table
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("the kept cost table %s is unreadable (%s); measuring it again", path, exc.__class__.__name__)
+        return None
+
+
+def measure_table(model, block_size: int, *, rows: int, compiled: bool, capacity: int | None = None) -> dict:
+    """A cost table measured now: a masked step's cost against a one-token step at batch sizes 1,
+    2, 4 .. (at least ``KEPT_TABLE_ROWS``, and ``rows``), over a short context, through the step
+    decoding runs (compiled over a static cache of ``capacity`` slots, or eager)."""
+    from .forward import bucket
+
+    most = max(rows, KEPT_TABLE_ROWS)
+    batch_sizes = [1 << i for i in range((most - 1).bit_length() + 1)]
+    masked = bucket(block_size + 2) if compiled else block_size + 2
+    log.info(
+        "measuring the cost table for batch sizes %s (%s step; once per checkpoint and machine)",
+        batch_sizes,
+        "compiled" if compiled else "eager",
+    )
+    report = cost_curve(
+        model,
+        widths=(1, masked or block_size + 2),
+        contexts=(TABLE_CONTEXT,),
+        batch_sizes=batch_sizes,
+        repeats=TABLE_REPEATS,
+        compile=compiled and masked is not None,
+        capacity=capacity,
+    )
+    return table_from_curve(report, block_size)
+
+
+TABLE_CONTEXT = 128  # the cached tokens a kept table's steps attend over
+TABLE_REPEATS = 5
 
 
 def read_cost_table(model, block_size: int) -> tuple[dict[int, float], str] | None:

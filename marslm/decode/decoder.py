@@ -54,10 +54,19 @@ def free_rows(decoder: Decoder, capacity: int) -> int:
 
 
 def make_decoder(
-    model, options: DecoderOptions, *, mask_token_id: int, pad_id: int, stop_ids, seed=None, drafting=None
+    model,
+    options: DecoderOptions,
+    *,
+    mask_token_id: int,
+    pad_id: int,
+    stop_ids,
+    seed=None,
+    drafting=None,
+    max_len: int | None = None,
 ):
     """The decoder ``options`` call for: ``drafting`` (a checked ``DraftModelDecoder``) decodes
-    with its draft model, ``cache="block"`` with the paper's block cache, else a ``DecodeBatch``."""
+    with its draft model, ``cache="block"`` with the paper's block cache, else a ``DecodeBatch``
+    (``max_len``: its longest row, where known up front, which sizes a compiled step's cache)."""
     if drafting is not None:
         from .draft_model import DraftedBatch
 
@@ -75,5 +84,5 @@ def make_decoder(
     from .batch import DecodeBatch
 
     return DecodeBatch.with_options(
-        model, options, mask_token_id=mask_token_id, pad_id=pad_id, stop_ids=stop_ids, seed=seed
+        model, options, max_len, mask_token_id=mask_token_id, pad_id=pad_id, stop_ids=stop_ids, seed=seed
     )

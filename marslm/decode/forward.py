@@ -34,6 +34,7 @@ import torch
 
 from ..adapter import adapter_of, tail_gate
 from ..masks import for_attention
+from .compile_policy import keep_compiled_graphs
 from .inputs import StepInputs, logits_to_keep
 from .kv import StaticSlotCache
 
@@ -50,6 +51,15 @@ BACKEND = "inductor"  # torch.compile's backend (tests trace with "eager": the s
 def bucket(width: int) -> int | None:
     """The width a step of ``width`` columns is padded to, or None: wider than any bucket."""
     return next((w for w in WIDTHS if w >= width), None)
+
+
+def static_capacity(longest: int) -> int:
+    """The slots of a static cache for rows of up to ``longest`` tokens: what a row can use before
+    compaction squeezes its holes out (rules.py), and a step, as a power of two. Taken from a bound
+    known before the first step (the call's longest prompt and answer, a server's longest request),
+    so that every batch of a call, or of a server, meets the same graphs."""
+    room = 2 * longest + 8 + WIDTHS[-1]
+    return 1 << (room - 1).bit_length()
 
 
 def row_bucket(rows: int) -> int:
@@ -195,6 +205,7 @@ def _compiled_forward():
     if BACKEND not in _COMPILED:
         import torch._dynamo
 
+        keep_compiled_graphs()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         _COMPILED[BACKEND] = torch.compile(_forward, backend=BACKEND, fullgraph=True, dynamic=False)
     return _COMPILED[BACKEND]

@@ -6,11 +6,10 @@ from dataclasses import dataclass, field, fields, replace
 
 from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
-from .costs import MaskBatchLimit, saved_mask_limit
-from .decoder import Decoder, free_rows, make_decoder
 from .draft_options import DRAFT_TOKENS
 from .params import MAX_DRAFT_TOKENS, DecoderOptions, DecodingParams  # noqa: F401 - MAX_DRAFT_TOKENS: the CLI's
 from .rows import BatchStats, FinishedRow
+from .run_loop import RunLoop, make_run_loop
 from .text import TextStream
 
 
@@ -39,43 +38,34 @@ class GenerationResult:
 
 
 def run_to_completion(
-    decoder: Decoder,
+    loop: RunLoop,
     prompt_ids: list[list[int]],
     params: list[DecodingParams],
     max_batch: int | None = None,
     streams: dict | None = None,
     on_finish=None,
-    mask_limit: MaskBatchLimit | None = None,
 ) -> list[FinishedRow]:
-    """Decode every prompt with any decoder (decoder.py), keeping at most ``max_batch`` rows in
-    flight, as many as the decoder lets join (:func:`free_rows`); results in input order.
+    """Decode every prompt through ``loop`` (run_loop.py: any decoder, its mask limit), keeping
+    at most ``max_batch`` rows in flight, as many as the decoder lets join; results in input order.
 
     ``streams`` (prompt index -> :class:`TextStream`) end their rows as soon as a stop string shows.
-    ``mask_limit``: every step runs under it and teaches it what the masks bought, as the server's do.
     """
     max_batch = max_batch or len(prompt_ids)
     streams = streams or {}
     waiting = list(range(len(prompt_ids)))
     finished: dict[int, FinishedRow] = {}
-
-    def done(row: FinishedRow) -> None:
-        if row.error is not None:  # offline, one failed prompt fails the call (the engine fails the request alone)
-            raise RuntimeError(f"decoding prompt {row.request_id} failed: {row.error}")
-        finished[row.request_id] = row
-        if on_finish is not None:
-            on_finish(row)
-
-    while waiting or len(decoder):
-        free = free_rows(decoder, max_batch)
+    while waiting or len(loop):
+        free = loop.free(max_batch)
         if free > 0 and waiting:
             joining, waiting = waiting[:free], waiting[free:]
-            decoder.add([prompt_ids[i] for i in joining], [params[i] for i in joining], joining)
-        for row in decoder.step() if mask_limit is None else mask_limit.step(decoder):
-            done(row)
-        if streams:
-            new = decoder.new_tokens().items()
-            for row in decoder.stop([rid for rid, ids in new if rid in streams and streams[rid].found_stop(ids)]):
-                done(row)
+            texts = [streams.get(i) for i in joining]
+            loop.add([prompt_ids[i] for i in joining], [params[i] for i in joining], joining, texts)
+        for row in loop.step()[1]:
+            if row.error is not None:  # offline, one failed prompt fails the call (the engine fails the request alone)
+                raise RuntimeError(f"decoding prompt {row.request_id} failed: {row.error}")
+            finished[row.request_id] = row
+            if on_finish is not None:
+                on_finish(row)
     return [finished[i] for i in range(len(prompt_ids))]
 
 
@@ -201,24 +191,18 @@ def _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_
             stop_ids=common["stop_ids"],
             use_last_mask=decoder.use_last_mask,
         )
-    running = make_decoder(model, decoder, drafting=drafting, **common)
-    mask_limit = None
-    if drafting is None and decoder.cache != "block":  # the others hold no batch to limit
-        mask_limit = _auto_mask_limit(model, params, decoder)
-        running.stats.cost_table = None if mask_limit is None else mask_limit.source
+    if params.one_token:  # no step reads masks: there is no batch to limit
+        decoder = replace(
+            decoder, mask_batch_limit=None if decoder.mask_batch_limit == "auto" else decoder.mask_batch_limit
+        )
+    rows = min(batch_size or len(prompt_ids), len(prompt_ids))
+    longest = max(map(len, prompt_ids)) + params.max_new_tokens
+    loop = make_run_loop(
+        model, decoder, block_size=params.block_size, rows=rows, max_len=longest, drafting=drafting, **common
+    )
     seed = params.seed
     per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompt_ids))]
-    return running, run_to_completion(running, prompt_ids, per_prompt, batch_size, streams, on_finish, mask_limit)
-
-
-def _auto_mask_limit(model, params: DecodingParams, decoder: DecoderOptions) -> MaskBatchLimit | None:
-    """``mask_batch_limit="auto"``'s :class:`MaskBatchLimit`, fresh for this call, over the cost
-    table saved beside the checkpoint (costs.py); None for a fixed limit, where no step reads
-    masks, or where no table was saved. Nothing is timed and nothing is kept on the model: the
-    text is the model's, the inputs' and the settings' alone."""
-    if decoder.mask_batch_limit != "auto" or params.one_token:
-        return None
-    return saved_mask_limit(model, params.block_size)
+    return loop.decoder, run_to_completion(loop, prompt_ids, per_prompt, batch_size, streams, on_finish)
 
 
 def _result(tokenizer, rows: list[FinishedRow], streams: dict, stats: BatchStats) -> GenerationResult:

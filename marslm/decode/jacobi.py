@@ -25,6 +25,7 @@ from ..errors import UserError
 from .generation import run_to_completion
 from .params import DecodingParams
 from .rows import BatchStats, FinishedRow
+from .run_loop import RunLoop
 
 
 @dataclass
@@ -151,7 +152,7 @@ def jacobi_generate(
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     prompt_ids = [encode_prompt(tokenizer, prompt, apply_chat_template) for prompt in prompts]
     params = [DecodingParams(max_new_tokens=max_new_tokens)] * len(prompt_ids)
-    rows = run_to_completion(JacobiBatch(model, window, stop_ids), prompt_ids, params)
+    rows = run_to_completion(RunLoop(JacobiBatch(model, window, stop_ids)), prompt_ids, params)
     return JacobiResult(
         texts=[tokenizer.decode(row.token_ids, skip_special_tokens=True) for row in rows],
         token_ids=[row.token_ids for row in rows],

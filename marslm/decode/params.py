@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from ..errors import UserError
 from ..mars_json import DEFAULT_BLOCK_SIZE
 from ..settings import int_or_auto, setting
+from .compile_policy import check_compile
 
 METRICS = ("prob", "entropy", "margin")
 
@@ -253,19 +254,20 @@ class DecoderOptions:
         parse=int_or_auto,
         metavar="N|auto|off",
     )
-    compile: bool = setting(
-        False,
-        "torch.compile the decoding step (fullgraph, one graph per bucket of rows and width, over a "
-        "static KV cache): each bucket compiles once per process, then every step, call and request reuses "
-        "it; the output is the eager step's. Cursor cache only",
+    compile: bool | str = setting(
+        "auto",
+        "torch.compile the decoding step (fullgraph, one graph per bucket of rows and width, over a static KV "
+        "cache; the output is the eager step's): auto (the default) compiles the cursor cache's step where "
+        "inductor can (CUDA; a CPU with a C++ compiler) and says why not elsewhere; the graphs are kept in "
+        "marslm's cache, so only the first process on a machine pays for them",
+        cli=False,
     )
 
     def __post_init__(self):
         if self.cache not in CACHE_MODES:
             raise UserError(f"cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
-        if not isinstance(self.compile, bool):
-            raise UserError(f"compile must be True or False, got {self.compile!r}")
-        if self.compile and self.cache != "cursor":
+        check_compile(self.compile)
+        if self.compile is True and self.cache != "cursor":
             raise UserError(f"compile runs the cursor cache's step; cache={self.cache!r} decodes eagerly")
         if isinstance(self.block_cache_size, bool) or not isinstance(self.block_cache_size, int):
             raise UserError(f"block_cache_size must be an integer >= 1, got {self.block_cache_size!r}")

@@ -83,7 +83,7 @@ class EvalConfig:
     )
     drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
     # the CLI's --compile; not a cell's setting, as the text is the eager step's
-    compile: bool = setting(False, "see DecoderOptions", cli=False)
+    compile: bool | str = setting("auto", "see DecoderOptions", cli=False)
     batch_size: int = setting(32, "rows decoded together")
     max_new_tokens: int = setting(EVAL_MAX_NEW_TOKENS, "longest answer, in tokens")
     device: str | None = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)

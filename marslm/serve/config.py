@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..decode.compile_policy import check_compile
 from ..decode.draft_options import DraftOptions
 from ..decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
 from ..errors import UserError
@@ -15,6 +16,7 @@ from ..settings import DTYPE_NAMES, flag_of, int_or_auto, setting
 from .engines import NAMES
 
 POLICIES = ("fixed", "adaptive")
+DEFAULT_MAX_MODEL_LEN = 2048
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -61,10 +63,12 @@ class ServeConfig:
         "rarely confident, but at tau < 1 it changes the text (default: on; with --no-adaptive-width "
         "--mask-batch-limit off every step reads its masks, the paper's rule)",
     )
-    compile: bool = setting(
-        False,
-        "torch.compile the decoding step: one graph per bucket of rows and width, compiled the first time a "
-        "step meets it (that step is slow), then reused by every request; the text is the eager step's",
+    compile: bool | str = setting("auto", "see DecoderOptions: the --compile/--no-compile flag", cli=False)
+    max_model_len: int | None = setting(
+        None,
+        "longest prompt plus answer a request may have, in tokens (default: the model's context, at most "
+        f"{DEFAULT_MAX_MODEL_LEN}): a compiled step's static cache holds this many per row, and its graphs "
+        "are compiled for it before the server says it is ready",
     )
     max_queue: int = setting(256, "requests that may wait for a batch row; beyond it: 429 with Retry-After")
     max_tokens: int = setting(256, "max_tokens of a request that names none")
@@ -132,6 +136,11 @@ class ServeConfig:
         ):
             raise UserError(f"{flag('served_model_name')} must be non-empty names, got {self.served_model_name!r}")
         check_mask_batch_limit(self.mask_batch_limit, flag("mask_batch_limit"), auto=True)
+        check_compile(self.compile)
+        if self.max_model_len is not None and (
+            isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise UserError(f"{flag('max_model_len')} must be an integer >= 2, got {self.max_model_len!r}")
         if self.drafting.draft_model is not None:
             refuse_with_drafter(self)
         check_seed(self.seed, flag("seed"))

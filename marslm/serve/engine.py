@@ -52,11 +52,12 @@ import torch
 from ..adapter import adapter_of
 from ..chat import stop_token_ids
 from ..decode import DecoderOptions, DecodingParams, TextStream
-from ..decode.costs import MaskBatchLimit, saved_mask_limit
-from ..decode.decoder import Decoder, free_rows, make_decoder
+from ..decode.costs import MaskBatchLimit, mask_limit
+from ..decode.decoder import Decoder, make_decoder
 from ..decode.draft_model import DraftedBatch
+from ..decode.run_loop import RunLoop
 from ..errors import UserError
-from .config import ServeConfig
+from .config import DEFAULT_MAX_MODEL_LEN, ServeConfig
 from .drafting import check_drafted_request, served_drafter
 from .metrics import EngineMetrics
 from .requests import (
@@ -98,7 +99,7 @@ class Engine:
 
         facts = checkpoint_facts(model, tokenizer)
         self.limits = RequestLimits(
-            getattr(model.config, "max_position_embeddings", None),
+            served_context(getattr(model.config, "max_position_embeddings", None), config.max_model_len),
             min(config.max_tokens, config.max_tokens_limit),
             config.max_tokens_limit,
             facts.block_size,
@@ -113,7 +114,7 @@ class Engine:
         self.decoder = DecoderOptions(
             cache="cursor",  # rows join and leave at any step
             adaptive_width=config.adaptive_width,
-            mask_batch_limit=None if config.mask_batch_limit == "auto" else config.mask_batch_limit,
+            mask_batch_limit=config.mask_batch_limit,
             compile=config.compile,
         )
         # exact mode's adapter acts at the mask token: no prompt may hold it
@@ -126,8 +127,7 @@ class Engine:
         )
         drafted = served_drafter((model, tokenizer), drafting, config, self.decoder, self._batch_facts)
         self.draft_decoder, self.drafter_card = drafted  # a drafted server's decoder, what /v1/models says
-        self._batch = self._new_batch()
-        self.mask_limit: MaskBatchLimit | None = None  # set at start() when auto
+        self.run = RunLoop(self._new_batch())  # the loop generate runs too; its mask limit is set at start()
         self._lock = threading.Lock()  # guards the waiting queue, cancellations, metrics
         self._wake = threading.Condition(self._lock)
         self._waiting: deque[RequestState] = deque()
@@ -154,8 +154,25 @@ class Engine:
 
     # ---------------------------------------------------------------------------- lifecycle
     def _new_batch(self) -> Decoder:
-        """The decoder the server runs (decoder.py): a ``DecodeBatch``, or a drafted server's one row."""
-        return make_decoder(self.model, self.decoder, drafting=self.draft_decoder, **self._batch_facts)
+        """The decoder the server runs (decoder.py): a ``DecodeBatch``, or a drafted server's one row,
+        sized for the longest request the server takes, so that every batch meets the same graphs."""
+        return make_decoder(
+            self.model, self.decoder, drafting=self.draft_decoder, max_len=self.limits.context, **self._batch_facts
+        )
+
+    @property
+    def _batch(self) -> Decoder:
+        return self.run.decoder
+
+    @property
+    def mask_limit(self) -> MaskBatchLimit | None:
+        return self.run.mask_limit
+
+    @mask_limit.setter
+    def mask_limit(self, limit: MaskBatchLimit | None) -> None:
+        self.run.mask_limit = limit
+        if limit is not None:  # what /metrics and a first step before any other read
+            self._batch.mask_batch_limit = limit.limit
 
     @property
     def alive(self) -> bool:
@@ -164,11 +181,10 @@ class Engine:
     def start(self, warmup: bool = True) -> None:
         if self._thread is not None:
             return
-        if warmup:  # first-call work (allocator, kernels) happens here, not in a user's latency
-            _warm_up(self._new_batch(), self._batch_facts["pad_id"], self.limits.trained_block_size)
+        if warmup:  # first-call work (allocator, kernels, the compiled step's graphs) happens here, not in a request
+            _warm_up(self._new_batch, self.max_batch, self._batch_facts["pad_id"], self.limits.trained_block_size)
         if self.config.mask_batch_limit == "auto" and self.mask_limit is None and self.draft_decoder is None:
-            self.mask_limit = _load_policy(self.model, self.limits.trained_block_size)
-            self._batch.mask_batch_limit = None if self.mask_limit is None else self.mask_limit.limit
+            self.mask_limit = _load_policy(self.model, self.limits.trained_block_size, self._batch, self.max_batch)
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="marslm-engine", daemon=True)
         self._thread.start()
@@ -273,13 +289,7 @@ class Engine:
             self.controller.observe(time.perf_counter(), len(self._waiting), None)
             return
         started = time.perf_counter()
-        finished = self._batch.step() if self.mask_limit is None else self.mask_limit.step(self._batch)
-        new_tokens = self._batch.new_tokens()
-        # rows whose text now holds a stop string end here; their tokens go out with their result
-        hit = [rid for rid, ids in new_tokens.items() if (text := self._running[rid].text) and text.found_stop(ids)]
-        finished += self._batch.stop(hit)
-        for rid in hit:
-            del new_tokens[rid]
+        new_tokens, finished = self.run.step()  # rows a stop string ended are among the finished
         now = time.perf_counter()
         # Bookkeeping before waking anyone: a client holding its answer sees metrics that count it.
         with self._lock:
@@ -293,7 +303,7 @@ class Engine:
     def _admit(self) -> None:
         joining = []
         with self._lock:
-            free = free_rows(self._batch, self.max_batch)
+            free = self.run.free(self.max_batch)
             while self._waiting and len(joining) < free:
                 joining.append(self._waiting.popleft())
         if not joining:
@@ -303,12 +313,12 @@ class Engine:
         for r in joining:
             r.admitted = now
         try:
-            self._batch.add([r.prompt_ids for r in joining], [r.settings for r in joining], [r.id for r in joining])
+            self.run.add(*_rows(joining))
         except Exception:  # noqa: BLE001 - some request's numbers; add() changed nothing: find whose
             joined = []
             for r in joining:
                 try:
-                    self._batch.add([r.prompt_ids], [r.settings], [r.id])
+                    self.run.add(*_rows([r]))
                     joined.append(r)
                 except Exception as exc:  # noqa: BLE001
                     self._fail_alone(r, exc)
@@ -330,7 +340,7 @@ class Engine:
         for r in moved:
             r.settings.tau = tau
         if moved:
-            self._batch.set_tau([r.id for r in moved], tau)
+            self.run.set_tau([r.id for r in moved], tau)
 
     def _apply_cancellations(self) -> None:
         with self._lock:
@@ -342,7 +352,7 @@ class Engine:
                 self._waiting.remove(r)
         running = [self._running.pop(rid) for rid in cancel if rid in self._running]
         if running:
-            self._batch.cancel([r.id for r in running])
+            self.run.cancel([r.id for r in running])
         with self._lock:
             self._active = len(self._batch)
         for r in queued + running:
@@ -397,7 +407,7 @@ class Engine:
     def _fail_running(self, exc: Exception) -> None:
         failed = list(self._running.values())
         self._running.clear()
-        self._batch = self._new_batch()  # its cache may be half-updated
+        self.run = RunLoop(self._new_batch(), self.mask_limit)  # its cache may be half-updated
         with self._lock:
             self._active = 0
         for r in failed:
@@ -411,29 +421,79 @@ class Engine:
         left += list(self._running.values())
         self._running.clear()
         if left:
-            self._batch.cancel([r.id for r in left])
+            self.run.cancel([r.id for r in left])
         with self._lock:
             self._active = 0
         for r in left:
             self._deliver(r, r.cancelled())
 
 
-def _warm_up(batch: Decoder, pad_id: int, block_size: int | None) -> None:
-    warm = DecodingParams(tau=0.5, block_size=block_size, max_new_tokens=2).validate()
-    batch.add([[pad_id] * 4], [warm], ["warmup"])
-    while len(batch):
-        batch.step()
+def _rows(requests: list[RequestState]) -> tuple:
+    """``RunLoop.add``'s arguments for ``requests``."""
+    return (
+        [r.prompt_ids for r in requests],
+        [r.settings for r in requests],
+        [r.id for r in requests],
+        [r.text for r in requests],
+    )
 
 
-def _load_policy(model, block_size: int) -> MaskBatchLimit | None:
-    """``--mask-batch-limit auto``: a limit over the cost table saved beside the checkpoint, which
-    the batch's size then moves (a load policy); None, with a warning, where there is no table."""
-    limit = saved_mask_limit(model, block_size)
+WARM_UP_PROMPT = 8  # tokens of each warm-up row's prompt
+WARM_UP_TOKENS = 24  # tokens each row of a compiled step's warm-up decodes, in each mode
+
+
+def _warm_up(new_decoder, max_batch: int, pad_id: int, block_size: int | None) -> None:
+    """Decode throw-away rows before the server says it is ready. An eager step needs one short
+    row (the allocator's and the kernels' first-call work); a compiled one (forward.py) decodes rows
+    at each batch size its batches are padded to (1, 2, 4 .. ``max_batch``) in plain, threshold and
+    lossless steps, so that the graphs requests meet are built, or loaded from the cache, here."""
+    from ..decode.forward import row_bucket
+
+    decoder = new_decoder()
+    if getattr(decoder, "static", None) is None:
+        _decode_rows(decoder, 1, pad_id, DecodingParams(tau=0.5, block_size=block_size, max_new_tokens=2))
+        return
+    sizes = sorted({row_bucket(n) for n in range(1, max_batch + 1)})
+    modes = [dict(tau=1.0), dict(tau=0.5)] + ([dict(mode="lossless")] if (block_size or 0) >= 2 else [])
+    started, compiling = time.perf_counter(), 0.0
+    for rows in sizes:
+        for mode in modes:
+            decoder = new_decoder()
+            _decode_rows(
+                decoder, rows, pad_id, DecodingParams(block_size=block_size, max_new_tokens=WARM_UP_TOKENS, **mode)
+            )
+            compiling += decoder.static.compile_seconds
+    log.info(
+        "warm-up: the compiled step's graphs for batches of %s rows are ready in %.0f s (%.0f s compiling)",
+        ", ".join(map(str, sizes)),
+        time.perf_counter() - started,
+        compiling,
+    )
+
+
+def _decode_rows(decoder: Decoder, rows: int, pad_id: int, params: DecodingParams) -> None:
+    loop, settings = RunLoop(decoder), params.validate()
+    loop.add([[pad_id] * WARM_UP_PROMPT] * rows, [settings] * rows, [f"warm-up-{i}" for i in range(rows)])
+    while len(loop):
+        loop.step()
+
+
+def served_context(model_context: int | None, max_model_len: int | None) -> int:
+    """The longest prompt plus answer the server takes: ``--max-model-len``, else the model's
+    context up to ``DEFAULT_MAX_MODEL_LEN``."""
+    bound = max_model_len or DEFAULT_MAX_MODEL_LEN
+    return bound if model_context is None else min(model_context, bound)
+
+
+def _load_policy(model, block_size: int, batch: Decoder, max_batch: int) -> MaskBatchLimit | None:
+    """``--mask-batch-limit auto``: a limit over the checkpoint's cost table (costs.mask_limit:
+    the one saved beside it, else the one kept in marslm's cache, measured now if there is none),
+    which the batch's size then moves (a load policy); None, with a warning, where there is none."""
+    static = getattr(batch, "static", None) is not None
+    capacity = batch.capacity if static else None
+    limit = mask_limit(model, block_size, rows=max_batch, compiled=static, capacity=capacity)
     if limit is None:
-        log.warning(
-            "--mask-batch-limit auto: no cost table beside the checkpoint, so no limit "
-            "(make one with marslm bench --cost-curve --save)"
-        )
+        log.warning("--mask-batch-limit auto: no cost table for this checkpoint, so no limit")
     else:
         log.info("mask batch limit auto: the step costs of %s", limit.source)
     return limit

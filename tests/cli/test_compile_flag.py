@@ -1,4 +1,4 @@
-"""``--compile`` on ``marslm generate``, ``eval``, ``bench`` and ``serve``: one help (DecoderOptions'
+"""``--compile`` / ``--no-compile`` (unset: auto) on ``marslm generate``, ``eval``, ``bench`` and ``serve``: one help (DecoderOptions'
 field), handed to the decoder; bench runs each cursor contender both ways and reports compile
 time apart from the timed rounds."""
 
@@ -19,8 +19,9 @@ ALL = {**COMMANDS, "serve": ["serve", "--model", "m"]}
 @pytest.mark.parametrize("command", ALL)
 def test_every_decoding_command_parses_it(command):
     parser = build_parser()
-    assert parser.parse_args(ALL[command]).compile is False
+    assert parser.parse_args(ALL[command]).compile == "auto"
     assert parser.parse_args(ALL[command] + ["--compile"]).compile is True
+    assert parser.parse_args(ALL[command] + ["--no-compile"]).compile is False
 
 
 def test_generate_and_eval_hand_it_to_the_decoder(trained_dirs, capsys, decoders, tmp_path, monkeypatch):  # noqa: F811

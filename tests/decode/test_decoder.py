@@ -124,11 +124,12 @@ def test_a_new_mode_is_its_facts_and_its_rule(trained_checkpoints, prompts, monk
         generate(model, tokenizer, prompts, mode="first-mask", temperature=0.7, max_new_tokens=4)
 
     from marslm.decode.generation import run_to_completion
+    from marslm.decode.run_loop import RunLoop
 
     batch = make_decoder(model, DecoderOptions(), **facts(tokenizer))
     modes = ["first-mask", "lossless", "threshold", "hybrid"]
     params = [DecodingParams(mode=m, tau=0.9, max_new_tokens=12).validate(4) for m in modes]
-    mixed = run_to_completion(batch, prompts, params)
+    mixed = run_to_completion(RunLoop(batch), prompts, params)
     assert mixed[0].token_ids == out.token_ids[0]
     assert mixed[1].token_ids == greedy.token_ids[1]  # lossless beside it is still greedy AR
 

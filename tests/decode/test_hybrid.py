@@ -125,6 +125,7 @@ def test_hybrid_rows_share_a_batch_with_the_other_modes(trained_checkpoints, pro
     from marslm.chat import stop_token_ids
     from marslm.decode import DecodeBatch
     from marslm.decode.generation import run_to_completion
+    from marslm.decode.run_loop import RunLoop
     from marslm.modeling import checkpoint_facts
 
     model, tokenizer = trained_checkpoints["mars64"]
@@ -137,7 +138,7 @@ def test_hybrid_rows_share_a_batch_with_the_other_modes(trained_checkpoints, pro
         stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
         pad_id=facts.pad_id,
     )
-    mixed = run_to_completion(batch, prompts, params)
+    mixed = run_to_completion(RunLoop(batch), prompts, params)
     for i, row in enumerate(mixed):
         alone = generate(model, tokenizer, [prompts[i]], max_new_tokens=40, mask_batch_limit=None, **modes[i % 4])
         assert row.token_ids == alone.token_ids[0], modes[i % 4]
