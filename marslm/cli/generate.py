@@ -57,6 +57,16 @@ def run(args) -> int:
             "forwards": result.forwards[0],
             "tokens_per_forward": round(result.tokens_per_forward, 4),
             "accepted_per_step": result.accepted_per_step[0],
+            # what it decoded with, so that a number quoted from here carries its settings
+            "settings": {
+                "mode": params.mode,
+                "tau": params.tau,
+                "block_size": params.block_size,
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                "compiled": result.stats.compiled,
+                "graphs": result.stats.graphs,
+                "cost_table": result.stats.cost_table,
+            },
         }
         if drafting:  # the target's forwards above; the drafter's beside them
             report["drafter_forwards"] = result.stats.drafter_forwards

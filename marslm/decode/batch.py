@@ -129,6 +129,7 @@ class DecodeBatch:
         self.rows = RowState.empty()
         # compile: every step at a bucket's shape over a static cache (forward.py)
         self.static = StepForward(model, pad_id) if compile else None
+        self.stats.compiled = compile
         self.max_len = max_len  # sizes the static cache once, so that every step's graphs are the same ones
         self._fed = 0  # the columns the last step fed, padding included: what its commit drops past the real ones
 
@@ -217,6 +218,7 @@ class DecodeBatch:
             logits, self._fed = self.static(self.kv, step, self._to_device)
             self.stats.compile_seconds = self.static.compile_seconds
             self.stats.compiled_steps = self.static.compiled_steps
+            self.stats.graphs = len(self.static.graphs)
         else:
             keep = logits_to_keep(step.read_cols, step.input_ids.shape[1])
             keep = keep if isinstance(keep, int) else self._to_device(keep)

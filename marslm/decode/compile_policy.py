@@ -82,7 +82,13 @@ def resolve_compile(setting, cache: str, device) -> bool:
 def keep_compiled_graphs() -> str:
     """Point inductor's caches at marslm's (unless the user pointed them elsewhere) and fold its
     report of a damaged entry into one line; returns the folder. Called before the first compile."""
-    folder = os.environ.get(INDUCTOR_CACHE_ENV) or str(cache_root() / "inductor")
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # inductor writes its default into the environment the first time it asks, so a value equal
+    # to that default was not set by the user
+    folder = os.environ.get(INDUCTOR_CACHE_ENV)
+    if not folder or os.path.abspath(folder) == os.path.abspath(default_cache_dir()):
+        folder = str(cache_root() / "inductor")
     os.environ[INDUCTOR_CACHE_ENV] = folder
     codecache = logging.getLogger("torch._inductor.codecache")
     if not any(isinstance(f, _OneLine) for f in codecache.filters):

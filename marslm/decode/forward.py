@@ -115,6 +115,7 @@ class StepForward:
         self.pad_id = pad_id
         self.compile_seconds = 0.0  # the first calls of buckets this process had not traced yet
         self.compiled_steps = 0  # steps run through a compiled graph (the rest ran eagerly)
+        self.graphs: set = set()  # the buckets its compiled steps met, traced here or before
 
     def __call__(self, cache: StaticSlotCache, step: StepInputs, to_device) -> tuple[torch.Tensor, int]:
         """``(logits, width)``: the logits at ``step``'s read columns, and the columns fed (padding included)."""
@@ -161,6 +162,8 @@ class StepForward:
                     compiled, logits = False, _forward(*args)
                 self.compile_seconds += time.perf_counter() - started
         self.compiled_steps += compiled
+        if compiled:
+            self.graphs.add(key)
         cache.advance(inputs.input_ids.shape[1])
         return logits
 

@@ -47,8 +47,10 @@ class BatchStats:
     masked_row_tokens: int = 0
     drafter_forwards: int = 0  # a separate draft model's calls (draft_model.py); forwards counts the target's
     cost_table: str | None = None  # the file mask_batch_limit="auto" read its step costs from (costs.py)
+    compiled: bool = False  # the step runs compiled (compile_policy.py resolved compile="auto" so)
     compile_seconds: float = 0.0  # compile=True: the first calls of buckets not traced before (forward.py)
     compiled_steps: int = 0  # compile=True: steps that ran through a compiled graph (a prefill runs eagerly)
+    graphs: int = 0  # compile=True: the compiled graphs (buckets) those steps met
 
 
 @dataclass

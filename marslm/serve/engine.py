@@ -377,7 +377,7 @@ class Engine:
                 by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, rest))
             if r.first_token is None:
                 r.first_token = now
-            result = replace(r.finished(row), mask_batch_limit=self.config.mask_batch_limit)
+            result = replace(r.finished(row), mask_batch_limit=self.config.mask_batch_limit, **self._decoded_with())
             by_loop.setdefault(r.stream.loop, []).append((r.stream.queue, result))
             done.append((r, result))
         with self._lock:
@@ -385,6 +385,11 @@ class Engine:
                 self._count_finished(r, result, now)
         for loop, items in by_loop.items():  # one wake-up of each event loop per step
             send_to_loop(loop, items)
+
+    def _decoded_with(self) -> dict:
+        """What every answer names of how it was decoded, beside its tau and the limit's setting."""
+        limit = self.mask_limit
+        return {"cost_table": None if limit is None else limit.source, "compiled": self._batch.stats.compiled}
 
     def _deliver(self, r: RequestState, item) -> None:
         """End a request outside the normal finish path: cancelled (a Result) or failed (an exception)."""
@@ -442,7 +447,7 @@ WARM_UP_PROMPT = 8  # tokens of each warm-up row's prompt
 WARM_UP_TOKENS = 24  # tokens each row of a compiled step's warm-up decodes, in each mode
 
 
-def _warm_up(new_decoder, max_batch: int, pad_id: int, block_size: int | None) -> None:
+def _warm_up(new_decoder, max_batch: int, pad_id: int, block_size: int | None, progress: bool = True) -> None:
     """Decode throw-away rows before the server says it is ready. An eager step needs one short
     row (the allocator's and the kernels' first-call work); a compiled one (forward.py) decodes rows
     at each batch size its batches are padded to (1, 2, 4 .. ``max_batch``) in plain, threshold and
@@ -455,14 +460,18 @@ def _warm_up(new_decoder, max_batch: int, pad_id: int, block_size: int | None) -
         return
     sizes = sorted({row_bucket(n) for n in range(1, max_batch + 1)})
     modes = [dict(tau=1.0), dict(tau=0.5)] + ([dict(mode="lossless")] if (block_size or 0) >= 2 else [])
+    from tqdm.auto import tqdm
+
     started, compiling = time.perf_counter(), 0.0
-    for rows in sizes:
-        for mode in modes:
-            decoder = new_decoder()
-            _decode_rows(
-                decoder, rows, pad_id, DecodingParams(block_size=block_size, max_new_tokens=WARM_UP_TOKENS, **mode)
-            )
-            compiling += decoder.static.compile_seconds
+    runs = [
+        (rows, DecodingParams(block_size=block_size, max_new_tokens=WARM_UP_TOKENS, **m))
+        for rows in sizes
+        for m in modes
+    ]
+    for rows, params in tqdm(runs, desc="compiling the decoding step (batch sizes x modes)", disable=not progress):
+        decoder = new_decoder()
+        _decode_rows(decoder, rows, pad_id, params)
+        compiling += decoder.static.compile_seconds
     log.info(
         "warm-up: the compiled step's graphs for batches of %s rows are ready in %.0f s (%.0f s compiling)",
         ", ".join(map(str, sizes)),

@@ -201,6 +201,8 @@ def usage(result: Result) -> dict:
         # what it was decoded under: its tau (None in lossless mode) and the load policy over masks
         "tau": result.tau,
         "mask_batch_limit": result.mask_batch_limit,
+        "cost_table": result.cost_table,
+        "compiled": result.compiled,
     }
 
 

@@ -50,6 +50,8 @@ class Result:
     # the server's load policy over masks (--mask-batch-limit): None (off, the text follows the
     # request alone), a batch size, or "auto"; with one on, the text at tau < 1 follows the load
     mask_batch_limit: int | str | None = None
+    cost_table: str | None = None  # the cost table an auto limit read (costs.py), None for none
+    compiled: bool = False  # the step ran compiled (compile_policy.py)
 
     @property
     def completion_tokens(self) -> int:

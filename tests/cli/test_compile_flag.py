@@ -1,6 +1,6 @@
-"""``--compile`` / ``--no-compile`` (unset: auto) on ``marslm generate``, ``eval``, ``bench`` and ``serve``: one help (DecoderOptions'
-field), handed to the decoder; bench runs each cursor contender both ways and reports compile
-time apart from the timed rounds."""
+"""``--compile`` / ``--no-compile`` (unset: auto) on ``marslm generate``, ``eval``, ``bench`` and
+``serve``: one help (DecoderOptions' field), handed to the decoder; bench runs each cursor contender
+both ways and reports compile time apart from the timed rounds."""
 
 from __future__ import annotations
 

@@ -1,0 +1,224 @@
+"""What a user gets with no flags: the step compiled where the device can (compile_policy.py), its
+graphs kept on disk across processes, a static cache sized from a bound known up front, the cost
+table measured on first need and kept (costs.py), and one loop for ``generate`` and the server
+(run_loop.py).
+
+The suite runs with ``MARSLM_COMPILE=off`` and ``MARSLM_COSTS=off`` (tests/conftest.py); these
+tests set them back where they test the defaults themselves."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import marslm
+from marslm.decode import compile_policy, costs, forward
+from marslm.decode.batch import DecodeBatch
+from marslm.decode.run_loop import RunLoop
+from marslm.errors import UserError
+
+TOKEN_PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15, 16, 17, 18]]
+
+
+@pytest.fixture
+def saved_tiny(make_tiny_model, tiny_tokenizer, save_model, tmp_path):
+    """A random model saved and loaded back, so that it names a checkpoint folder."""
+    folder = save_model(make_tiny_model(), tiny_tokenizer, tmp_path / "tiny")
+    return marslm.load(str(folder))
+
+
+# ------------------------------------------------------------------------------ compile="auto"
+def test_auto_compiles_where_a_compiler_is_and_says_why_not_once_elsewhere(monkeypatch, caplog):
+    monkeypatch.setenv(compile_policy.COMPILE_ENV, "auto")
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(compile_policy.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert compile_policy.resolve_compile("auto", "cursor", cpu) is True
+    assert compile_policy.resolve_compile("auto", "block", cpu) is False  # no compiled step there
+    monkeypatch.setattr(compile_policy.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(compile_policy, "_said", set())
+    with caplog.at_level(logging.WARNING, logger="marslm.compile"):
+        assert compile_policy.resolve_compile("auto", "cursor", cpu) is False
+        assert compile_policy.resolve_compile("auto", "cursor", cpu) is False
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "no C++ compiler" in lines[0] and "\n" not in lines[0]
+    with pytest.raises(UserError, match="no C\\+\\+ compiler") as refused:
+        compile_policy.resolve_compile(True, "cursor", cpu)
+    assert "\n" not in str(refused.value)
+    assert compile_policy.resolve_compile(False, "cursor", cpu) is False
+
+
+def test_a_missing_compiler_decodes_eagerly_as_the_default_would(monkeypatch, make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model()
+    eager = marslm.generate(model, tiny_tokenizer, TOKEN_PROMPTS, tau=0.5, max_new_tokens=8, compile=False)
+    monkeypatch.setenv(compile_policy.COMPILE_ENV, "auto")
+    monkeypatch.setattr(compile_policy.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    out = marslm.generate(model, tiny_tokenizer, TOKEN_PROMPTS, tau=0.5, max_new_tokens=8)
+    assert out.stats.compiled is False and out.token_ids == eager.token_ids
+
+
+def test_machine_wide_off_and_a_bad_setting(monkeypatch):
+    monkeypatch.setenv(compile_policy.COMPILE_ENV, "off")
+    assert compile_policy.resolve_compile("auto", "cursor", torch.device("cpu")) is False
+    monkeypatch.setenv(compile_policy.COMPILE_ENV, "sometimes")
+    with pytest.raises(UserError, match="MARSLM_COMPILE"):
+        compile_policy.resolve_compile("auto", "cursor", torch.device("cpu"))
+    for bad in ("yes", 1, None):
+        with pytest.raises(UserError, match="compile must be"):
+            marslm.DecoderOptions(compile=bad)
+
+
+def test_auto_is_the_default_and_compiles_with_no_flag(monkeypatch, make_tiny_model, tiny_tokenizer):
+    monkeypatch.setattr(forward, "BACKEND", "eager")
+    monkeypatch.setenv(compile_policy.COMPILE_ENV, "auto")
+    model = make_tiny_model()
+    out = marslm.generate(model, tiny_tokenizer, TOKEN_PROMPTS, tau=0.5, max_new_tokens=8)
+    eager = marslm.generate(model, tiny_tokenizer, TOKEN_PROMPTS, tau=0.5, max_new_tokens=8, compile=False)
+    assert out.stats.compiled and out.stats.compiled_steps > 0
+    assert out.token_ids == eager.token_ids
+
+
+# ------------------------------------------------------------------------------ the graph set
+def test_the_static_cache_is_sized_from_the_bound_not_the_first_rows(make_tiny_model):
+    model = make_tiny_model()
+    facts = dict(mask_token_id=3, stop_ids=[2], pad_id=0)
+    batch = DecodeBatch(model, compile=True, max_len=300, **facts)
+    batch.add([[5, 6, 7]], [marslm.DecodingParams(max_new_tokens=4).validate(8)], ["a"])
+    batch._inputs()
+    assert batch.kv.capacity == forward.static_capacity(300) == batch.capacity
+    # a short call and a long one under the same power of two meet the same graphs
+    assert forward.static_capacity(40 + 256) == forward.static_capacity(200 + 256)
+
+
+# ------------------------------------------------------------------------------ the kept graphs
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import marslm
+    model, tokenizer = marslm.load(sys.argv[1])
+    out = marslm.generate(model, tokenizer, [[5, 6, 7, 8]], tau=1.0, max_new_tokens=6, compile=True)
+    print(json.dumps({"ids": out.token_ids, "compiled": out.stats.compiled_steps}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_damaged_compile_cache_entry_is_rebuilt_with_one_warning(tmp_path, tiny_model_dir):
+    """Inductor (the backend users get) in two processes over one cache folder: the second finds
+    entries, all damaged on disk; it warns in one line, rebuilds them and decodes the same tokens."""
+    env = {k: v for k, v in os.environ.items() if k != compile_policy.INDUCTOR_CACHE_ENV}
+    env.update(MARSLM_CACHE=str(tmp_path / "cache"), MARSLM_COMPILE="auto")
+
+    def child():
+        argv = [sys.executable, "-c", CHILD, str(tiny_model_dir)]
+        run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+    first, _ = child()
+    kept = tmp_path / "cache" / "inductor"
+    entries = [p for p in kept.rglob("*") if p.is_file() and {"fxgraph", "aotautograd"} & set(p.parts)]
+    assert entries and first["compiled"] > 0
+    for entry in entries:
+        entry.write_bytes(b"\x00damaged")
+    again, err = child()
+    assert again == first
+    warnings = [line for line in err.splitlines() if "damaged compile-cache entry" in line]
+    assert warnings and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------ the kept cost table
+def test_the_cost_table_is_measured_on_first_use_then_read(saved_tiny, monkeypatch):
+    monkeypatch.setenv(costs.COSTS_ENV, "auto")
+    model, tokenizer = saved_tiny
+    settings = dict(tau=0.5, max_new_tokens=8, batch_size=2, compile=False)
+    first = marslm.generate(model, tokenizer, TOKEN_PROMPTS, **settings)
+    kept = first.stats.cost_table
+    assert kept is not None and kept.startswith(str(costs.cache_root() / "costs"))
+    table = json.loads(open(kept).read())
+    assert table["key"]["block_size"] == 4 and table["key"]["compiled"] is False
+    assert set(table["costs"]) >= {"1", "2", "4", "8"}
+
+    def no_measuring(*_, **__):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(costs, "measure_table", no_measuring)
+    again = marslm.generate(model, tokenizer, TOKEN_PROMPTS, **settings)
+    assert again.stats.cost_table == kept and again.token_ids == first.token_ids
+
+
+def test_a_table_for_another_dtype_block_size_or_step_is_not_used(saved_tiny, monkeypatch):
+    monkeypatch.setenv(costs.COSTS_ENV, "auto")
+    model, tokenizer = saved_tiny
+    settings = dict(tau=0.5, max_new_tokens=4, batch_size=2, compile=False)
+    paths = {marslm.generate(model, tokenizer, TOKEN_PROMPTS, **settings).stats.cost_table}
+    paths.add(marslm.generate(model, tokenizer, TOKEN_PROMPTS, block_size=3, **settings).stats.cost_table)
+    key = costs.kept_table_key(model, 4, compiled=True)
+    assert key["digest"] not in "".join(paths)  # the compiled step's table is another one
+    model.to(torch.float64)
+    paths.add(marslm.generate(model, tokenizer, TOKEN_PROMPTS, **settings).stats.cost_table)
+    assert len(paths) == 3 and None not in paths
+
+
+def test_a_damaged_kept_table_is_measured_again_with_one_warning(saved_tiny, monkeypatch, caplog):
+    monkeypatch.setenv(costs.COSTS_ENV, "auto")
+    model, tokenizer = saved_tiny
+    settings = dict(tau=0.5, max_new_tokens=4, batch_size=2, compile=False)
+    kept = marslm.generate(model, tokenizer, TOKEN_PROMPTS, **settings).stats.cost_table
+    open(kept, "w").write('{"costs": {"1": "cheap"')
+    with caplog.at_level(logging.WARNING, logger="marslm.costs"):
+        again = marslm.generate(model, tokenizer, TOKEN_PROMPTS, **settings)
+    assert again.stats.cost_table == kept and json.loads(open(kept).read())["costs"]
+    assert [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+
+
+def test_costs_off_reads_saved_tables_only(saved_tiny, monkeypatch):
+    monkeypatch.setenv(costs.COSTS_ENV, "off")
+    model, tokenizer = saved_tiny
+    out = marslm.generate(model, tokenizer, TOKEN_PROMPTS, tau=0.5, max_new_tokens=4, batch_size=2, compile=False)
+    assert out.stats.cost_table is None
+
+
+# ------------------------------------------------------------------------------ one loop
+def test_generate_and_the_server_step_through_one_loop(trained_checkpoints, monkeypatch):
+    """Both drive their decoder through ``RunLoop.step``: replacing it is seen by each."""
+    import asyncio
+
+    from marslm.serve.config import ServeConfig
+    from marslm.serve.engine import Engine
+    from marslm.serve.requests import request_params
+
+    model, tokenizer = trained_checkpoints["mars64"]
+    turns = []
+    real = RunLoop.step
+
+    def counted(self):
+        turns.append(len(self))
+        return real(self)
+
+    monkeypatch.setattr(RunLoop, "step", counted)
+    out = marslm.generate(model, tokenizer, [[5, 6, 7]], tau=0.9, max_new_tokens=6)
+    assert len(turns) == out.stats.forwards
+    turns.clear()
+    engine = Engine(model, tokenizer, ServeConfig(max_batch=2))
+    engine.start(warmup=False)
+    try:
+
+        async def one():
+            stream = engine.submit([5, 6, 7], request_params(tau=0.9, max_new_tokens=6, stop=("zz",)))
+            async for _ in stream:
+                pass
+            return stream.result
+
+        result = asyncio.run(one())
+    finally:
+        engine.stop()
+    assert len(turns) == engine.metrics.forwards == result.forwards > 0
