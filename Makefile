@@ -48,7 +48,7 @@ demo: install
 	-bash scripts/ensure-bubblewrap.sh # the demo scores model-written code in it
 	$(BIN)/marslm demo --preset default --out runs/demo --overwrite
 
-# A real pretrained model as a plain HF checkpoint: runs/smollm2 (README, "Real model").
+# A real pretrained model as a plain HF checkpoint: runs/smollm2 (docs/results.md, section 6).
 smollm2: runs/smollm2/config.json
 
 runs/smollm2/config.json: | $(STAMP)

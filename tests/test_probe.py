@@ -183,6 +183,11 @@ def test_cli_probe_json_table_and_original(tiny_model_dir, distilled, tmp_path, 
     # the same weights in bf16: near, not necessarily at, full agreement
     assert 0.5 <= printed["original_bf16"]["fidelity"]["top1_agreement"] <= 1.0
 
+    # the comma-separated list eval and bench take, the same thresholds
+    commas = ["probe", "--model", str(tiny_model_dir), "--data", str(distilled), "--tau", "0.8,0.9", "--limit", "2"]
+    assert main(commas + ["--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["tokens_per_forward_paper_tf"]) == {"0.8", "0.9"}
+
     assert main(args + ["--limit", "2"]) == 0
     table = capsys.readouterr().out
     assert "2 items" in table and "fidelity (clean top-1 = reference): 100.0%" in table

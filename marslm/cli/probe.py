@@ -12,6 +12,7 @@ COMMAND = "probe"
 
 def add_parser(sub) -> None:
     from ..eval.probe_report import DEFAULT_TAUS
+    from ..settings import floats
 
     parser = sub.add_parser(
         COMMAND,
@@ -35,10 +36,11 @@ def add_parser(sub) -> None:
     parser.add_argument("--data", required=True, metavar="JSONL", help="held-out records (a distill output)")
     parser.add_argument(
         "--tau",
-        type=float,
+        type=floats,
         nargs="+",
-        default=list(DEFAULT_TAUS),
-        help=f"confidence thresholds, top-1 probability in (0, 1] (default {' '.join(map(str, DEFAULT_TAUS))})",
+        default=[list(DEFAULT_TAUS)],
+        help="comma-separated confidence thresholds, top-1 probability in (0, 1], as eval's --tau "
+        f"(space-separated ones are taken too) (default {','.join(map(str, DEFAULT_TAUS))})",
     )
     parser.add_argument("--batch-size", type=int, default=8, help="items per forward (default 8)")
     parser.add_argument("--limit", type=int, help="probe only the first N items")
@@ -112,6 +114,9 @@ def _check(args) -> None:
 
     if args.out:
         output_file(args.out, "--out")
+    args.tau = [tau for group in args.tau for tau in group]  # --tau 0.8,0.9 and --tau 0.8 0.9 alike
+    if not args.tau:
+        raise UserError("--tau needs at least one threshold")
     for tau in args.tau:
         check_tau(tau, "prob")
     for flag, value in (("--batch-size", args.batch_size), ("--limit", args.limit)):

@@ -269,18 +269,28 @@ def mask_limit(model, block_size: int, *, rows: int, compiled: bool, capacity: i
     if key is None:
         return None
     path = cache_root() / "costs" / f"{key['digest']}.json"
-    table = _read_kept(path, key)
-    if table is None:
+    kept = _read_kept(path, key) or {"costs": {}}
+    missing = [b for b in _batch_sizes(rows) if str(b) not in kept["costs"]]
+    if missing:
         if os.environ.get(COSTS_ENV, "auto").strip().lower() in ("off", "0", "no", "false"):
-            return None
-        table = measure_table(model, block_size, rows=rows, compiled=compiled, capacity=capacity)
-        write_json_atomically(path, {**table, "key": key})
+            return None if not kept["costs"] else _limit(kept, block_size, path)
+        measured = measure_table(model, block_size, batch_sizes=missing, compiled=compiled, capacity=capacity)
+        kept = {**measured, "costs": {**kept["costs"], **measured["costs"]}, "key": key}
+        write_json_atomically(path, kept)
+    return _limit(kept, block_size, path)
+
+
+def _limit(table: dict, block_size: int, path: Path) -> MaskBatchLimit:
     costs = {int(b): float(c) for b, c in table["costs"].items()}
     return MaskBatchLimit(costs, most=2 * block_size + 1, source=str(path))
 
 
+def _batch_sizes(rows: int) -> list[int]:
+    """The batch sizes a decoder of up to ``rows`` rows pads its batches to: 1, 2, 4 ..."""
+    return [1 << i for i in range(max(rows - 1, 0).bit_length() + 1)]
+
+
 COSTS_ENV = "MARSLM_COSTS"  # off: auto reads a saved table only, and measures none
-KEPT_TABLE_ROWS = 8  # a kept table covers batch sizes 1, 2, 4 .. this many rows at least
 
 
 def kept_table_key(model, block_size: int, compiled: bool) -> dict | None:
@@ -327,33 +337,35 @@ def _read_kept(path: Path, key: dict) -> dict | None:
         return None
 
 
-def measure_table(model, block_size: int, *, rows: int, compiled: bool, capacity: int | None = None) -> dict:
-    """A cost table measured now: a masked step's cost against a one-token step at batch sizes 1,
-    2, 4 .. (at least ``KEPT_TABLE_ROWS``, and ``rows``), over a short context, through the step
-    decoding runs (compiled over a static cache of ``capacity`` slots, or eager)."""
+def measure_table(model, block_size: int, *, batch_sizes, compiled: bool, capacity: int | None = None) -> dict:
+    """A cost table measured now: a masked step's cost against a one-token step at ``batch_sizes``,
+    through the step decoding runs (compiled over a static cache of ``capacity`` slots, or eager),
+    over a context short enough that both steps attend over the smallest window: the graphs a
+    compiled decoder meets first, so that measuring compiles nothing decoding would not."""
     from .forward import bucket
+    from .kv import MIN_WINDOW
 
-    most = max(rows, KEPT_TABLE_ROWS)
-    batch_sizes = [1 << i for i in range((most - 1).bit_length() + 1)]
-    masked = bucket(block_size + 2) if compiled else block_size + 2
+    masked = bucket(block_size + 2) if compiled else None
+    compiled = compiled and masked is not None
+    width = masked or block_size + 2
     log.info(
         "measuring the cost table for batch sizes %s (%s step; once per checkpoint and machine)",
-        batch_sizes,
+        ", ".join(map(str, batch_sizes)),
         "compiled" if compiled else "eager",
     )
     report = cost_curve(
         model,
-        widths=(1, masked or block_size + 2),
-        contexts=(TABLE_CONTEXT,),
-        batch_sizes=batch_sizes,
+        widths=(1, width),
+        contexts=(max(TABLE_CONTEXT, MIN_WINDOW - width),),
+        batch_sizes=tuple(batch_sizes),
         repeats=TABLE_REPEATS,
-        compile=compiled and masked is not None,
+        compile=compiled,
         capacity=capacity,
     )
     return table_from_curve(report, block_size)
 
 
-TABLE_CONTEXT = 128  # the cached tokens a kept table's steps attend over
+TABLE_CONTEXT = 16  # the fewest cached tokens a kept table's steps attend over
 TABLE_REPEATS = 5
 
 

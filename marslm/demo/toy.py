@@ -68,8 +68,16 @@ def _learning_curve_callback(preset: DemoPreset, ar, tokenizer_dir: Path, curve:
     eval_set = load_eval_set("toy", preset.curve_items, seed=preset.seed + 1)
 
     def measure(model, _, step):
+        # the model mid-training, a few items: compiling its step would cost more than it saves
         report = evaluate(
-            model, tokenizer, eval_set, taus=(1.0,), block_size=1, progress=False, max_new_tokens=ar.max_length
+            model,
+            tokenizer,
+            eval_set,
+            taus=(1.0,),
+            block_size=1,
+            progress=False,
+            max_new_tokens=ar.max_length,
+            compile=False,
         )
         acc = report["results"][0]["accuracy"]
         curve.append(

@@ -145,14 +145,26 @@ def test_the_cost_table_is_measured_on_first_use_then_read(saved_tiny, monkeypat
     assert kept is not None and kept.startswith(str(costs.cache_root() / "costs"))
     table = json.loads(open(kept).read())
     assert table["key"]["block_size"] == 4 and table["key"]["compiled"] is False
-    assert set(table["costs"]) >= {"1", "2", "4", "8"}
+    assert set(table["costs"]) == {"1", "2"}  # the batch sizes a batch of 2 rows is padded to
 
     def no_measuring(*_, **__):
         raise AssertionError("measured again")
 
+    real_measure = costs.measure_table
     monkeypatch.setattr(costs, "measure_table", no_measuring)
     again = marslm.generate(model, tokenizer, TOKEN_PROMPTS, **settings)
     assert again.stats.cost_table == kept and again.token_ids == first.token_ids
+    # a larger batch measures the sizes it lacks alone, and keeps the ones there
+    measured = []
+
+    def only_missing(model, block_size, *, batch_sizes, **kw):
+        measured.append(list(batch_sizes))
+        return real_measure(model, block_size, batch_sizes=batch_sizes, **kw)
+
+    monkeypatch.setattr(costs, "measure_table", only_missing)
+    marslm.generate(model, tokenizer, TOKEN_PROMPTS, **{**settings, "batch_size": 4})
+    grown = json.loads(open(kept).read())["costs"]
+    assert measured == [[4]] and set(grown) == {"1", "2", "4"} and grown["2"] == table["costs"]["2"]
 
 
 def test_a_table_for_another_dtype_block_size_or_step_is_not_used(saved_tiny, monkeypatch):
