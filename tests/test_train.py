@@ -160,7 +160,8 @@ def test_generate_json_subprocess(trained):
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert set(result) == {"text", "tokens", "forwards", "tokens_per_forward", "accepted_per_step"}
+    assert set(result) == {"text", "tokens", "forwards", "tokens_per_forward", "accepted_per_step", "settings"}
+    assert result["settings"]["tau"] == 0.5 and result["settings"]["dtype"] == "float32"
     assert isinstance(result["text"], str)
     assert 1 <= result["tokens"] <= 12
     assert len(result["accepted_per_step"]) == result["forwards"] >= 1

@@ -273,7 +273,7 @@ def train_step(device, plan) -> dict:
 
 
 def cost_curve_section(device, plan) -> dict:
-    from marslm.decode.costs import cost_curve
+    from marslm.decode.cost_curve import cost_curve
 
     name, layers = plan["generate_shape"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

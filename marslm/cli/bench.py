@@ -82,7 +82,7 @@ def run(args) -> int:
 
 def _cost_curve(config: BenchConfig) -> int:
     from ..bench.report import format_against_eager, format_cost_curve, format_profile
-    from ..decode.costs import cost_curve
+    from ..decode.cost_curve import cost_curve
     from ..modeling import check_model_source, checkpoint_block_size, load_model, model_context, resolve_device
 
     check_model_source(config.model)

@@ -1,14 +1,15 @@
-"""What a forward costs against the tokens it feeds: whether a step with masks pays on this machine.
+"""Whether a step with masks pays on this machine: the cost table, and the limit that reads it.
 
-``cost_curve`` times one cached forward per width, batch size and context (``marslm bench
---cost-curve`` prints it, and with ``--save`` keeps a masked step's cost per batch size beside the
-checkpoint as its cost table). ``MaskBatchLimit`` turns a cost table into
-``mask_batch_limit="auto"``: masks are read at a batch size while the tokens per row a masked step
-has been buying exceed what such a step costs there, as a ratio to a one-token step.
+A cost table is a masked step's cost per batch size as a ratio to a one-token step, taken from a
+cost curve (cost_curve.py). ``marslm bench --cost-curve --save`` keeps one beside the checkpoint;
+otherwise the first call that needs one measures it, for the batch sizes it pads to, and keeps it
+in marslm's cache for that checkpoint, machine and setting (:func:`mask_limit`).
+``MaskBatchLimit`` turns a table into ``mask_batch_limit="auto"``: masks are read at a batch size
+while the tokens per row a masked step has been buying exceed what such a step costs there.
 
-Decoding never times anything: the table is read from the checkpoint's folder, where a
-measurement left it, so the same model, inputs and settings give the same text on any machine,
-in any process, after any earlier call. Without a table ``auto`` sets no limit.
+Decoding never times anything: a table is measured before decoding starts, then only read, so the
+same model, inputs and settings give the same text on a machine, in any process, after any
+earlier call.
 """
 
 from __future__ import annotations
@@ -18,204 +19,16 @@ import json
 import logging
 import math
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from ..adapter import adapter_of, placed_masks
 from ..errors import UserError
 from ..files import cache_root, write_json_atomically
 
 log = logging.getLogger("marslm.costs")
 
 COST_TABLE = "marslm-costs.json"  # beside the checkpoint's marslm.json
-
-
-def cost_curve(
-    model,
-    *,
-    widths,
-    contexts=(128, 512),
-    batch_sizes=(1,),
-    repeats: int = 5,
-    seed: int = 0,
-    progress: bool = True,
-    compile: bool = False,
-    capacity: int | None = None,
-    profile=(),
-) -> dict:
-    """Time of one cached forward against the number of tokens it feeds, as ratios to one token.
-
-    A MARS step feeds the tokens accepted last step plus the masks (up to 2B + 2 columns with
-    draft groups), where AR decoding feeds one; what that costs decides whether multi-token
-    acceptance pays on a given machine. For each batch size and context length a cache is
-    prefilled with ``context`` random tokens, then every width is fed on top of it and the cache
-    is cropped back, the widths in turn within each repeat (interleaved), after a warm-up round.
-    Logits are computed for every fed column, as a MARS step reads them. On an exact-mode model
-    every fed column after the first is the mask token, so that the adapter, which acts at masks
-    alone (adapter.py), costs what it does in a step. ``compile``: the step a compiled decoder runs
-    (forward.py), over a static cache of ``capacity`` slots (default: a decoder's for rows of the
-    longest context and width: the graphs decoding meets), each width traced in the warm-up round. ``profile``: widths
-    whose forwards are then run ``repeats`` times more under ``torch.profiler``, at the first batch
-    size and context: the report's ``profile`` holds their costliest operators (:func:`_profiled`).
-    """
-    from tqdm.auto import tqdm
-
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    adapter = adapter_of(model)
-    mask_id = None if adapter is None else adapter.spec.mask_token_id
-    rows, profiles = [], {}
-    bar = tqdm(
-        total=len(batch_sizes) * len(contexts) * (repeats + 1) * len(widths), desc="cost curve", disable=not progress
-    )
-    for batch in batch_sizes:
-        for context in contexts:
-            profiling = () if profiles else profile
-            args = (model, batch, context, widths, repeats, generator, mask_id, bar.update, profiling)
-            if compile:
-                from .forward import static_capacity
-
-                room = capacity or static_capacity(max(contexts) + max(widths))
-                times, profiled = _timed_static_widths(*args, capacity=room)
-            else:
-                times, profiled = _timed_widths(*args)
-            profiles.update(
-                {str(w): {"batch_size": batch, "context": context, "ops": ops} for w, ops in profiled.items()}
-            )
-            base = statistics.median(times[widths[0]])
-            for w in widths:
-                ms = statistics.median(times[w])
-                rows.append({"batch_size": batch, "context": context, "width": w, "ms": 1000 * ms, "ratio": ms / base})
-    bar.close()
-    return {
-        "model": getattr(model, "name_or_path", ""),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "repeats": repeats,
-        "compiled": compile,
-        "widths": list(widths),
-        "rows": rows,
-        **({"profile": profiles} if profiles else {}),
-    }
-
-
-def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, tick, profile=()):
-    """Seconds of each width's forward over ``repeats`` rounds (after a warm-up round) on a cache of
-    ``context`` random tokens; every column after the first is ``mask_id`` where given."""
-    from transformers import DynamicCache
-
-    device, vocab = next(model.parameters()).device, model.config.vocab_size
-    cache = DynamicCache(config=model.config)
-    prefix = torch.randint(vocab, (batch, context), generator=generator).to(device)
-    with torch.no_grad():
-        model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
-
-    def prepare(w):
-        fed = torch.randint(vocab, (batch, w), generator=generator).to(device)
-        placed = torch.zeros(batch, w, dtype=torch.bool)
-        if mask_id is not None:
-            fed[:, 1:], placed[:, 1:] = mask_id, True
-        positions = (context + torch.arange(w, device=device)).expand(batch, -1)
-
-        def forward():
-            with torch.no_grad(), placed_masks(model, placed):
-                model(input_ids=fed, position_ids=positions, cache=cache, use_cache=True)
-
-        return forward
-
-    return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick, profile)
-
-
-def _timed_static_widths(model, batch, context, widths, repeats, generator, mask_id, tick, profile=(), *, capacity):
-    """:func:`_timed_widths` for the compiled step: the same forwards through ``StepForward.run``
-    over a static cache, with the mask always a tensor and the adapter's tail gate."""
-    import numpy as np
-
-    from .forward import Padded, StepForward
-    from .kv import StaticSlotCache
-
-    device, vocab = next(model.parameters()).device, model.config.vocab_size
-    cache, step = StaticSlotCache(capacity, batch, device), StepForward(model, pad_id=0)
-
-    def to_device(array):
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
-    def inputs(ids, start):
-        w = ids.shape[1]
-        mask = np.zeros((batch, 1, w, cache.window), bool)
-        mask[:, 0, :, :start] = True
-        mask[:, 0, :, start : start + w] = np.tril(np.ones((w, w), bool))
-        positions = np.broadcast_to(start + np.arange(w), (batch, w)).copy()
-        tail = w - 1 if mask_id is not None and start else 0
-        return Padded(ids, positions, mask, tail, np.arange(tail))
-
-    prefix = torch.randint(vocab, (batch, context), generator=generator).numpy()
-    cache.prepare(batch, context, compiled=False)
-    step.run(cache, inputs(prefix, 0), False, to_device)
-
-    def prepare(w):
-        fed = torch.randint(vocab, (batch, w), generator=generator).numpy()
-        if mask_id is not None:
-            fed[:, 1:] = mask_id
-        cache.prepare(batch, w, compiled=True)
-        return lambda: step.run(cache, inputs(fed, context), True, to_device)
-
-    return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick, profile)
-
-
-def _timed_rounds(widths, repeats, device, prepare, crop, tick, profile=()):
-    """``(seconds of each width's forward, the profile of each width in profile)``: each forward
-    (``prepare(w)`` makes it) over ``repeats`` rounds after a warm-up round (where a compiled
-    width compiles), the widths in turn within each round; the cache is cropped back after each."""
-    times = {w: [] for w in widths}
-    for round_ in range(repeats + 1):
-        for w in widths:
-            forward = prepare(w)
-            _synchronize(device)
-            started = time.perf_counter()
-            forward()
-            _synchronize(device)
-            if round_:
-                times[w].append(time.perf_counter() - started)
-            crop(w)
-            tick(1)
-    return times, {w: _profiled(prepare, crop, w, device, repeats) for w in profile if w in times}
-
-
-PROFILE_TOP = 12  # operators a profile keeps, costliest first
-
-
-def _profiled(prepare, crop, w, device, repeats) -> list[dict]:
-    """The costliest operators of ``repeats`` forwards of width ``w`` by their own (self) host time:
-    per forward, how often each ran, its milliseconds and its share of the total (the inputs'
-    making included). On a GPU each one's device time is kept too."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(repeats):
-            prepare(w)()
-            _synchronize(device)
-            crop(w)
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    ops = []
-    for e in events[:PROFILE_TOP]:
-        name = "compiled graph (its fused kernels)" if e.key.startswith("## Call CompiledFxGraph") else e.key
-        op = {"op": name, "calls": e.count / repeats, "ms": e.self_cpu_time_total / 1000 / repeats}
-        op["share"] = e.self_cpu_time_total / total
-        if device.type == "cuda":
-            op["device_ms"] = getattr(e, "self_device_time_total", 0.0) / 1000 / repeats
-        ops.append(op)
-    return ops
-
-
-def _synchronize(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def table_from_curve(report: dict, block_size: int) -> dict:
@@ -353,6 +166,8 @@ def measure_table(model, block_size: int, *, batch_sizes, compiled: bool, capaci
         ", ".join(map(str, batch_sizes)),
         "compiled" if compiled else "eager",
     )
+    from .cost_curve import cost_curve
+
     report = cost_curve(
         model,
         widths=(1, width),

@@ -29,11 +29,15 @@ def make_run_loop(
     decoder = make_decoder(model, options, drafting=drafting, max_len=max_len, **facts)
     limit = None
     if options.mask_batch_limit == "auto" and drafting is None and options.cache != "block":
-        static = getattr(decoder, "static", None) is not None
-        capacity = decoder.capacity if static else None
-        limit = mask_limit(model, block_size, rows=rows, compiled=static, capacity=capacity)
+        limit = auto_mask_limit(model, decoder, block_size, rows)
         decoder.stats.cost_table = None if limit is None else limit.source
     return RunLoop(decoder, limit)
+
+
+def auto_mask_limit(model, decoder, block_size: int, rows: int) -> MaskBatchLimit | None:
+    """costs.mask_limit for the step ``decoder`` runs: compiled over its static cache, or eager."""
+    static = getattr(decoder, "static", None) is not None
+    return mask_limit(model, block_size, rows=rows, compiled=static, capacity=decoder.capacity if static else None)
 
 
 class RunLoop:

@@ -179,3 +179,10 @@ def no_extra_args(extra_args) -> None:
     """Options after ``--`` go to ``vllm serve``: refused unless the engine is vLLM."""
     if extra_args:
         raise UserError(f"unexpected arguments {' '.join(extra_args)} (options after -- are for --engine vllm)")
+
+
+def served_context(model_context: int | None, max_model_len: int | None) -> int:
+    """The longest prompt plus answer the server takes: ``--max-model-len``, else the model's
+    context up to ``DEFAULT_MAX_MODEL_LEN``."""
+    bound = max_model_len or DEFAULT_MAX_MODEL_LEN
+    return bound if model_context is None else min(model_context, bound)

@@ -52,12 +52,12 @@ import torch
 from ..adapter import adapter_of
 from ..chat import stop_token_ids
 from ..decode import DecoderOptions, DecodingParams, TextStream
-from ..decode.costs import MaskBatchLimit, mask_limit
+from ..decode.costs import MaskBatchLimit
 from ..decode.decoder import Decoder, make_decoder
 from ..decode.draft_model import DraftedBatch
-from ..decode.run_loop import RunLoop
+from ..decode.run_loop import RunLoop, auto_mask_limit
 from ..errors import UserError
-from .config import DEFAULT_MAX_MODEL_LEN, ServeConfig
+from .config import ServeConfig, served_context
 from .drafting import check_drafted_request, served_drafter
 from .metrics import EngineMetrics
 from .requests import (
@@ -71,6 +71,7 @@ from .requests import (
     send_to_loop,
 )
 from .tau import TauController
+from .warm_up import warm_up
 
 log = logging.getLogger("marslm.engine")
 
@@ -171,8 +172,7 @@ class Engine:
     @mask_limit.setter
     def mask_limit(self, limit: MaskBatchLimit | None) -> None:
         self.run.mask_limit = limit
-        if limit is not None:  # what /metrics and a first step before any other read
-            self._batch.mask_batch_limit = limit.limit
+        self._batch.mask_batch_limit = None if limit is None else limit.limit
 
     @property
     def alive(self) -> bool:
@@ -182,7 +182,7 @@ class Engine:
         if self._thread is not None:
             return
         if warmup:  # first-call work (allocator, kernels, the compiled step's graphs) happens here, not in a request
-            _warm_up(self._new_batch, self.max_batch, self._batch_facts["pad_id"], self.limits.trained_block_size)
+            warm_up(self._new_batch, self.max_batch, self._batch_facts["pad_id"], self.limits.trained_block_size)
         if self.config.mask_batch_limit == "auto" and self.mask_limit is None and self.draft_decoder is None:
             self.mask_limit = _load_policy(self.model, self.limits.trained_block_size, self._batch, self.max_batch)
         self._accepting = True
@@ -386,10 +386,9 @@ class Engine:
         for loop, items in by_loop.items():  # one wake-up of each event loop per step
             send_to_loop(loop, items)
 
-    def _decoded_with(self) -> dict:
-        """What every answer names of how it was decoded, beside its tau and the limit's setting."""
-        limit = self.mask_limit
-        return {"cost_table": None if limit is None else limit.source, "compiled": self._batch.stats.compiled}
+    def _decoded_with(self) -> dict:  # what every answer names of how it was decoded, beside its tau
+        table = None if self.mask_limit is None else self.mask_limit.source
+        return {"cost_table": table, "compiled": self._batch.stats.compiled}
 
     def _deliver(self, r: RequestState, item) -> None:
         """End a request outside the normal finish path: cancelled (a Result) or failed (an exception)."""
@@ -434,73 +433,15 @@ class Engine:
 
 
 def _rows(requests: list[RequestState]) -> tuple:
-    """``RunLoop.add``'s arguments for ``requests``."""
-    return (
-        [r.prompt_ids for r in requests],
-        [r.settings for r in requests],
-        [r.id for r in requests],
-        [r.text for r in requests],
-    )
-
-
-WARM_UP_PROMPT = 8  # tokens of each warm-up row's prompt
-WARM_UP_TOKENS = 24  # tokens each row of a compiled step's warm-up decodes, in each mode
-
-
-def _warm_up(new_decoder, max_batch: int, pad_id: int, block_size: int | None, progress: bool = True) -> None:
-    """Decode throw-away rows before the server says it is ready. An eager step needs one short
-    row (the allocator's and the kernels' first-call work); a compiled one (forward.py) decodes rows
-    at each batch size its batches are padded to (1, 2, 4 .. ``max_batch``) in plain, threshold and
-    lossless steps, so that the graphs requests meet are built, or loaded from the cache, here."""
-    from ..decode.forward import row_bucket
-
-    decoder = new_decoder()
-    if getattr(decoder, "static", None) is None:
-        _decode_rows(decoder, 1, pad_id, DecodingParams(tau=0.5, block_size=block_size, max_new_tokens=2))
-        return
-    sizes = sorted({row_bucket(n) for n in range(1, max_batch + 1)})
-    modes = [dict(tau=1.0), dict(tau=0.5)] + ([dict(mode="lossless")] if (block_size or 0) >= 2 else [])
-    from tqdm.auto import tqdm
-
-    started, compiling = time.perf_counter(), 0.0
-    runs = [
-        (rows, DecodingParams(block_size=block_size, max_new_tokens=WARM_UP_TOKENS, **m))
-        for rows in sizes
-        for m in modes
-    ]
-    for rows, params in tqdm(runs, desc="compiling the decoding step (batch sizes x modes)", disable=not progress):
-        decoder = new_decoder()
-        _decode_rows(decoder, rows, pad_id, params)
-        compiling += decoder.static.compile_seconds
-    log.info(
-        "warm-up: the compiled step's graphs for batches of %s rows are ready in %.0f s (%.0f s compiling)",
-        ", ".join(map(str, sizes)),
-        time.perf_counter() - started,
-        compiling,
-    )
-
-
-def _decode_rows(decoder: Decoder, rows: int, pad_id: int, params: DecodingParams) -> None:
-    loop, settings = RunLoop(decoder), params.validate()
-    loop.add([[pad_id] * WARM_UP_PROMPT] * rows, [settings] * rows, [f"warm-up-{i}" for i in range(rows)])
-    while len(loop):
-        loop.step()
-
-
-def served_context(model_context: int | None, max_model_len: int | None) -> int:
-    """The longest prompt plus answer the server takes: ``--max-model-len``, else the model's
-    context up to ``DEFAULT_MAX_MODEL_LEN``."""
-    bound = max_model_len or DEFAULT_MAX_MODEL_LEN
-    return bound if model_context is None else min(model_context, bound)
+    """``RunLoop.add``'s arguments for ``requests``: their prompts, settings, ids and stop matchers."""
+    return tuple(map(list, zip(*[(r.prompt_ids, r.settings, r.id, r.text) for r in requests])))
 
 
 def _load_policy(model, block_size: int, batch: Decoder, max_batch: int) -> MaskBatchLimit | None:
     """``--mask-batch-limit auto``: a limit over the checkpoint's cost table (costs.mask_limit:
     the one saved beside it, else the one kept in marslm's cache, measured now if there is none),
     which the batch's size then moves (a load policy); None, with a warning, where there is none."""
-    static = getattr(batch, "static", None) is not None
-    capacity = batch.capacity if static else None
-    limit = mask_limit(model, block_size, rows=max_batch, compiled=static, capacity=capacity)
+    limit = auto_mask_limit(model, batch, block_size, max_batch)
     if limit is None:
         log.warning("--mask-batch-limit auto: no cost table for this checkpoint, so no limit")
     else:

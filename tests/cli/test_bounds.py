@@ -132,11 +132,11 @@ def test_the_library_bounds_what_the_cli_bounds(mars_dir):
 
 
 def test_a_failed_allocation_is_one_line_naming_what_to_lower(mars_dir, capsys, monkeypatch):
-    from marslm.decode import costs
+    from marslm.decode import cost_curve
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: 4 TB")
 
-    monkeypatch.setattr(costs, "cost_curve", out_of_memory)
+    monkeypatch.setattr(cost_curve, "cost_curve", out_of_memory)
     rc, _, err = run(capsys, "bench", "--cost-curve", "--model", mars_dir, "--contexts", "8", "--quiet")
     assert_one_line_error(rc, err, "out of memory (", "can't allocate memory", "lower --batch-sizes or --contexts")

@@ -86,7 +86,7 @@ def test_the_cost_curve_feeds_an_exact_model_masks_where_a_step_does(trained_dir
     """The adapter acts at masks alone, so on random tokens its cost would go unmeasured."""
     import marslm
     from marslm.adapter import adapter_of
-    from marslm.decode.costs import cost_curve
+    from marslm.decode.cost_curve import cost_curve
     from marslm.modeling import checkpoint_facts
 
     model, _ = marslm.load(str(trained_dirs["dir"] / "exact"))
@@ -172,7 +172,8 @@ def test_the_compiled_cost_curve_runs_the_compiled_step_and_compares_it_to_eager
     from marslm.adapter import adapter_of
     from marslm.bench.report import format_against_eager
     from marslm.decode import forward
-    from marslm.decode.costs import cost_curve, table_from_curve
+    from marslm.decode.cost_curve import cost_curve
+    from marslm.decode.costs import table_from_curve
 
     monkeypatch.setattr(forward, "BACKEND", "eager")
     model, _ = marslm.load(str(trained_dirs["dir"] / "exact"))
