@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..decode.compile_policy import resolve_compile
 from ..decode.generation import with_overrides
 from ..decode.params import PAPER_RULE, DecoderOptions, DecodingParams
+from ..modeling import resolve_device
 from .config import BenchConfig
 from .report import HF_COMPILED
 
@@ -96,8 +98,12 @@ def default_contenders(config: BenchConfig) -> list[Contender]:
         )
     if config.block_size is not None:
         contenders = [_sized(c, config.block_size) if c.kind == "mars" else c for c in contenders]
-    if config.compile is not True:  # auto: each decoder's own default; False: eager
-        contenders = [_compile_as(c, config.compile) for c in contenders]
+    if config.compile is not True:  # auto: as a long-lived process would decode (bench times no compile)
+        setting = resolve_compile(config.compile, "cursor", resolve_device(config.device))
+        contenders = [
+            _compile_as(c, setting if c.decoder is not None and c.decoder.cache == "cursor" else False)
+            for c in contenders
+        ]
     else:
         contenders = [_compile_as(c, False) for c in contenders]
         contenders += [_compiled(c) for c in contenders if c.decoder is not None and c.decoder.cache == "cursor"]

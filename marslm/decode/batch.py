@@ -75,10 +75,13 @@ class DecodeBatch:
     max_rows = None
 
     @classmethod
-    def with_options(cls, model, decoder: DecoderOptions, max_len: int | None = None, **facts) -> DecodeBatch:
+    def with_options(
+        cls, model, decoder: DecoderOptions, max_len: int | None = None, work: int | None = None, **facts
+    ) -> DecodeBatch:
         """A batch that decodes as ``decoder`` says (``compile="auto"`` resolved for the model's
-        device, compile_policy.py); ``max_len``: the longest row (prompt and answer) it will hold,
-        where known up front; ``facts``: the model's mask, stop and pad ids, a seed."""
+        device and ``work``, the tokens the call may decode, None for a server: compile_policy.py);
+        ``max_len``: the longest row (prompt and answer) it will hold, where known up front;
+        ``facts``: the model's mask, stop and pad ids, a seed."""
         device = next(model.parameters()).device
         return cls(
             model,
@@ -88,7 +91,7 @@ class DecodeBatch:
             adaptive_width=decoder.adaptive_width,
             # auto: whoever steps the batch sets the limit before each step (MaskBatchLimit.step)
             mask_batch_limit=None if decoder.mask_batch_limit == "auto" else decoder.mask_batch_limit,
-            compile=resolve_compile(decoder.compile, decoder.cache, device),
+            compile=resolve_compile(decoder.compile, decoder.cache, device, work),
             max_len=max_len,
             **facts,
         )

@@ -1,11 +1,14 @@
 """Whether a decoder compiles its step, and where the compiled graphs are kept between processes.
 
 ``compile="auto"`` (the default of ``generate``, ``eval``, ``bench`` and ``serve``) compiles the
-cursor cache's step (forward.py) where torch's inductor can generate code for the device: on
-CUDA, and on a CPU with a C++ compiler. Elsewhere it decodes eagerly and says why, once per
-process. ``MARSLM_COMPILE=off`` in the environment makes ``auto`` mean eager on that machine (a
-test suite, a box whose compiler is broken); ``compile=False`` opts one call out;
-``compile=True`` insists, and is refused in one line where it cannot run.
+cursor cache's step (forward.py) where it pays: where torch's inductor can generate code for the
+device (CUDA; a CPU with a C++ compiler), and for a decoder that lives long (a server) or a call
+with enough to decode (``AUTO_COMPILE_WORK``). Even with its kernels kept on disk, a graph costs a
+process seconds to trace and load, more than a small call's steps save. Where inductor cannot
+compile it decodes eagerly and says why, once per process. ``MARSLM_COMPILE=off`` in the
+environment makes ``auto`` mean eager on that machine (a test suite, a box whose compiler is
+broken); ``compile=False`` opts one call out; ``compile=True`` insists, and is refused in one line
+where it cannot run.
 
 What inductor builds (each graph's generated kernels, its FX-graph and AOT-autograd entries) is
 kept in marslm's cache, ``$MARSLM_CACHE/inductor`` (unless ``TORCHINDUCTOR_CACHE_DIR`` names
@@ -27,6 +30,9 @@ from ..errors import UserError
 from ..files import cache_root
 
 COMPILE_SETTINGS = (True, False, "auto")
+# tokens a call may decode (prompts x max_new_tokens) before auto compiles it; docs/results.md has
+# what a graph costs a process to trace and load, and what a compiled step saves
+AUTO_COMPILE_WORK = 16384
 COMPILE_ENV = "MARSLM_COMPILE"  # auto's answer on this machine: off (eager) or auto (the default)
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # read by inductor each time it opens its cache
 
@@ -52,12 +58,14 @@ def cannot_compile(device) -> str | None:
     return None
 
 
-def resolve_compile(setting, cache: str, device) -> bool:
-    """Whether a decoder with ``compile=setting`` and ``cache`` compiles its step on ``device``.
+def resolve_compile(setting, cache: str, device, work: int | None = None) -> bool:
+    """Whether a decoder with ``compile=setting`` and ``cache`` compiles its step on ``device``;
+    ``work``: the tokens the call may decode, None for a decoder that lives long (a server).
 
-    ``auto``: yes for the cursor cache where :func:`cannot_compile` finds nothing against it and
-    ``MARSLM_COMPILE`` is not ``off``; otherwise eager, saying why once (the block cache and no cache
-    have no compiled step: eager without a word)."""
+    ``auto``: yes for the cursor cache where :func:`cannot_compile` finds nothing against it,
+    ``MARSLM_COMPILE`` is not ``off`` and ``work`` is None or above ``AUTO_COMPILE_WORK``;
+    otherwise eager, saying why once where the device is why (the block cache and no cache have
+    no compiled step, and a small call is eager by choice: no word)."""
     check_compile(setting)
     if setting is False or cache != "cursor":
         return False
@@ -71,6 +79,8 @@ def resolve_compile(setting, cache: str, device) -> bool:
         return False
     if chosen not in ("auto", "", "on", "1", "true", "yes"):
         raise UserError(f"{COMPILE_ENV} must be auto or off, got {chosen!r}")
+    if work is not None and work <= AUTO_COMPILE_WORK:
+        return False
     if reason:
         if reason not in _said:
             _said.add(reason)

@@ -63,10 +63,12 @@ def make_decoder(
     seed=None,
     drafting=None,
     max_len: int | None = None,
+    work: int | None = None,
 ):
     """The decoder ``options`` call for: ``drafting`` (a checked ``DraftModelDecoder``) decodes
     with its draft model, ``cache="block"`` with the paper's block cache, else a ``DecodeBatch``
-    (``max_len``: its longest row, where known up front, which sizes a compiled step's cache)."""
+    (``max_len``: its longest row, where known up front, which sizes a compiled step's cache;
+    ``work``: the tokens the call may decode, None for a server, which ``compile="auto"`` reads)."""
     if drafting is not None:
         from .draft_model import DraftedBatch
 
@@ -84,5 +86,5 @@ def make_decoder(
     from .batch import DecodeBatch
 
     return DecodeBatch.with_options(
-        model, options, max_len, mask_token_id=mask_token_id, pad_id=pad_id, stop_ids=stop_ids, seed=seed
+        model, options, max_len, work, mask_token_id=mask_token_id, pad_id=pad_id, stop_ids=stop_ids, seed=seed
     )

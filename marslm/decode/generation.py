@@ -197,8 +197,9 @@ def _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_
         )
     rows = min(batch_size or len(prompt_ids), len(prompt_ids))
     longest = max(map(len, prompt_ids)) + params.max_new_tokens
+    work = len(prompt_ids) * params.max_new_tokens  # what compile="auto" weighs a compile against
     loop = make_run_loop(
-        model, decoder, block_size=params.block_size, rows=rows, max_len=longest, drafting=drafting, **common
+        model, decoder, block_size=params.block_size, rows=rows, max_len=longest, work=work, drafting=drafting, **common
     )
     seed = params.seed
     per_prompt = [replace(params, seed=None if seed is None else seed + i) for i in range(len(prompt_ids))]

@@ -20,13 +20,21 @@ from .rows import FinishedRow
 
 
 def make_run_loop(
-    model, options: DecoderOptions, *, block_size: int, rows: int, max_len: int | None = None, drafting=None, **facts
+    model,
+    options: DecoderOptions,
+    *,
+    block_size: int,
+    rows: int,
+    max_len: int | None = None,
+    work: int | None = None,
+    drafting=None,
+    **facts,
 ) -> RunLoop:
     """The decoder ``options`` call for (:func:`make_decoder`; ``facts``: its mask, pad and stop ids,
     a seed) in a loop, with ``mask_batch_limit="auto"``'s limit for up to ``rows`` rows of up to
     ``max_len`` tokens (costs.mask_limit: the cost table, measured on first need), where the
     decoder holds a batch to limit. The table used is named in the decoder's stats."""
-    decoder = make_decoder(model, options, drafting=drafting, max_len=max_len, **facts)
+    decoder = make_decoder(model, options, drafting=drafting, max_len=max_len, work=work, **facts)
     limit = None
     if options.mask_batch_limit == "auto" and drafting is None and options.cache != "block":
         limit = auto_mask_limit(model, decoder, block_size, rows)

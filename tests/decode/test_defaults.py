@@ -59,6 +59,7 @@ def test_a_missing_compiler_decodes_eagerly_as_the_default_would(monkeypatch, ma
     model = make_tiny_model()
     eager = marslm.generate(model, tiny_tokenizer, TOKEN_PROMPTS, tau=0.5, max_new_tokens=8, compile=False)
     monkeypatch.setenv(compile_policy.COMPILE_ENV, "auto")
+    monkeypatch.setattr(compile_policy, "AUTO_COMPILE_WORK", 0)  # the compiler alone decides
     monkeypatch.setattr(compile_policy.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     out = marslm.generate(model, tiny_tokenizer, TOKEN_PROMPTS, tau=0.5, max_new_tokens=8)
@@ -76,14 +77,21 @@ def test_machine_wide_off_and_a_bad_setting(monkeypatch):
             marslm.DecoderOptions(compile=bad)
 
 
-def test_auto_is_the_default_and_compiles_with_no_flag(monkeypatch, make_tiny_model, tiny_tokenizer):
+def test_auto_is_the_default_and_compiles_a_call_with_enough_to_decode(monkeypatch, make_tiny_model, tiny_tokenizer):
+    """No flag: a call of more than ``AUTO_COMPILE_WORK`` tokens (prompts x max_new_tokens)
+    compiles, a smaller one decodes eagerly (its graphs would cost more than its steps save); the
+    text is the same either way."""
     monkeypatch.setattr(forward, "BACKEND", "eager")
     monkeypatch.setenv(compile_policy.COMPILE_ENV, "auto")
+    monkeypatch.setattr(compile_policy, "AUTO_COMPILE_WORK", 4 * 8 - 1)
     model = make_tiny_model()
     out = marslm.generate(model, tiny_tokenizer, TOKEN_PROMPTS, tau=0.5, max_new_tokens=8)
     eager = marslm.generate(model, tiny_tokenizer, TOKEN_PROMPTS, tau=0.5, max_new_tokens=8, compile=False)
     assert out.stats.compiled and out.stats.compiled_steps > 0
     assert out.token_ids == eager.token_ids
+    small = marslm.generate(model, tiny_tokenizer, TOKEN_PROMPTS[:3], tau=0.5, max_new_tokens=8)
+    assert not small.stats.compiled and small.token_ids == eager.token_ids[:3]
+    assert compile_policy.resolve_compile("auto", "cursor", torch.device("cpu"), work=None)  # a server
 
 
 # ------------------------------------------------------------------------------ the graph set
