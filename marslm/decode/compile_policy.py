@@ -46,8 +46,9 @@ def check_compile(value) -> None:
 
 
 def cannot_compile(device) -> str | None:
-    """Why inductor cannot compile for ``device`` here, or None where it can."""
-    kind = getattr(device, "type", str(device))
+    """Why inductor cannot compile for ``device`` here (a torch.device, a name such as ``cuda:1``,
+    or None: the CPU, as ``modeling.resolve_device`` says), or None where it can."""
+    kind = "cpu" if device is None else getattr(device, "type", str(device).split(":")[0])
     if kind == "cuda":
         return None
     if kind != "cpu":

@@ -53,6 +53,9 @@ def test_auto_compiles_where_a_compiler_is_and_says_why_not_once_elsewhere(monke
         compile_policy.resolve_compile(True, "cursor", cpu)
     assert "\n" not in str(refused.value)
     assert compile_policy.resolve_compile(False, "cursor", cpu) is False
+    # the names resolve_device gives: None is the CPU; a numbered CUDA device is CUDA
+    assert compile_policy.cannot_compile(None) == compile_policy.cannot_compile(cpu)
+    assert compile_policy.cannot_compile("cuda:1") is None and compile_policy.cannot_compile("cpu") is not None
 
 
 def test_a_missing_compiler_decodes_eagerly_as_the_default_would(monkeypatch, make_tiny_model, tiny_tokenizer):
