@@ -140,3 +140,12 @@ def test_a_line_that_says_the_command_is_gone_and_a_template_pass(tmp_path):
     assert problems([page]) == [] and missing_files([page]) == []
     page.write_text("`scripts/gone.py` and `make nothing`\n")
     assert len(missing_files([page])) == 2
+
+
+LENGTH_BOUNDS = {"README.md": 250, "docs/results.md": 500}  # a newcomer's page; what holds today
+
+
+@pytest.mark.parametrize("page", LENGTH_BOUNDS)
+def test_the_front_pages_stay_short(page):
+    lines = len((ROOT / page).read_text().splitlines())
+    assert lines <= LENGTH_BOUNDS[page], f"{page} has {lines} lines; move detail to docs/ or docs/log/"
