@@ -10,7 +10,8 @@ A decoder holds running rows (requests) and advances all of them with one forwar
     set_tau(request_ids, tau)             a new tau for running rows, from their next step
     len(decoder), stats                   running rows; forwards and the rest of ``BatchStats``
 
-and says when rows may join (:func:`free_rows`). Three decoders implement it:
+and says when rows may join (:func:`free_rows`). Four decoders implement it, each built by
+:func:`make_decoder`:
 
     DecodeBatch       batch.py        rows that advance independently (continuous batching): every
                                       mode (a mode is a rule in rules.py), the cursor cache or none,
@@ -18,6 +19,7 @@ and says when rows may join (:func:`free_rows`). Three decoders implement it:
     BlockCachedBatch  block_cache.py  the paper's block cache: blocks committed in lockstep, so
                                       rows join an empty batch only
     DraftedBatch      draft_model.py  a separate draft model, which keeps one row's cache: one row
+    JacobiBatch       jacobi.py       Jacobi decoding of a plain AR model, the paper's baseline: one row
 
 ``generate`` (generation.py) and the server's engine (serve/engine.py) drive each of them with
 the same loop: admit what :func:`free_rows` allows, step, publish ``new_tokens``, match stop strings.
@@ -57,22 +59,40 @@ def make_decoder(
     model,
     options: DecoderOptions,
     *,
-    mask_token_id: int,
-    pad_id: int,
     stop_ids,
+    mask_token_id: int | None = None,
+    pad_id: int | None = None,
     seed=None,
-    drafting=None,
+    drafting: tuple | None = None,
+    jacobi_window: int | None = None,
     max_len: int | None = None,
     work: int | None = None,
 ):
-    """The decoder ``options`` call for: ``drafting`` (a checked ``DraftModelDecoder``) decodes
-    with its draft model, ``cache="block"`` with the paper's block cache, else a ``DecodeBatch``
-    (``max_len``: its longest row, where known up front, which sizes a compiled step's cache;
-    ``work``: the tokens the call may decode, None for a server, which ``compile="auto"`` reads)."""
+    """The decoder ``options`` call for, ending rows at ``stop_ids``; the masked decoders feed
+    ``mask_token_id`` and pad with ``pad_id``. ``drafting``, ``(a checked drafter, drafts per step,
+    the target's mask token or None for an AR target)``, decodes with a draft model;
+    ``jacobi_window`` by Jacobi iteration; ``cache="block"`` with the paper's block cache; else a
+    ``DecodeBatch`` (``max_len``: its longest row, where known up front, which sizes a compiled
+    step's cache; ``work``: the tokens the call may decode, None for a server, which
+    ``compile="auto"`` reads)."""
     if drafting is not None:
-        from .draft_model import DraftedBatch
+        from .draft_model import DraftedBatch, DraftModelDecoder
 
-        return DraftedBatch(drafting)
+        drafter, k, target_mask_id = drafting
+        decoding = DraftModelDecoder(
+            model,
+            drafter,
+            k,
+            mask_token_id=target_mask_id,
+            stop_ids=stop_ids,
+            use_last_mask=options.use_last_mask,
+            seed=seed,
+        )
+        return DraftedBatch(decoding)
+    if jacobi_window is not None:
+        from .jacobi import JacobiBatch
+
+        return JacobiBatch(model, jacobi_window, stop_ids)
     if options.cache == "block":
         from .block_cache import BlockCachedBatch
 

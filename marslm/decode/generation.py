@@ -123,7 +123,7 @@ def generate(
     params, facts, common, drafter = _checked(model, tokenizer, params, decoder, mask_token_id, drafting)
     prompt_ids = _encoded(model, tokenizer, prompts, params, facts, apply_chat_template)
     streams = {i: TextStream(tokenizer, params.stop) for i in range(len(prompts))} if params.stop else {}
-    drafting = None if drafter is None else (drafter, drafting[2], facts.mask_token_id)
+    drafting = None if drafter is None else (drafter, drafting[2], facts.mask_token_id)  # None: an AR target
     batch, rows = _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting)
     return _result(tokenizer, rows, streams, batch.stats)
 
@@ -179,18 +179,6 @@ def _checked(model, tokenizer, params, decoder, mask_token_id, drafting):
 
 def _decode(model, prompt_ids, params, decoder, common, streams, batch_size, on_finish, drafting):
     """``(decoder, rows)``: every prompt decoded by the decoder the settings call for."""
-    if drafting is not None:  # a target without a mask token: plain speculative decoding
-        from .draft_model import DraftModelDecoder
-
-        drafter, k, mask_token_id = drafting
-        drafting = DraftModelDecoder(
-            model,
-            drafter,
-            k,
-            mask_token_id=mask_token_id,
-            stop_ids=common["stop_ids"],
-            use_last_mask=decoder.use_last_mask,
-        )
     if params.one_token:  # no step reads masks: there is no batch to limit
         decoder = replace(
             decoder, mask_batch_limit=None if decoder.mask_batch_limit == "auto" else decoder.mask_batch_limit

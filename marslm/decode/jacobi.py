@@ -11,7 +11,8 @@ decoding token for token.
 
 Deliberately simple: one prompt at a time, no KV cache (each forward recomputes the prefix).
 That costs wall-clock time, not tokens per forward, which is what the comparison measures.
-``JacobiBatch`` is a decoder like the others (decoder.py), driven by ``generate``'s loop.
+``JacobiBatch`` is a decoder like the others, built by decoder.make_decoder and driven by
+``generate``'s loop.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch
 
 from ..chat import encode_prompt, stop_token_ids
 from ..errors import UserError
+from .decoder import make_decoder
 from .generation import run_to_completion
-from .params import DecodingParams
+from .params import DecoderOptions, DecodingParams
 from .rows import BatchStats, FinishedRow
 from .run_loop import RunLoop
 
@@ -152,7 +154,8 @@ def jacobi_generate(
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     prompt_ids = [encode_prompt(tokenizer, prompt, apply_chat_template) for prompt in prompts]
     params = [DecodingParams(max_new_tokens=max_new_tokens)] * len(prompt_ids)
-    rows = run_to_completion(RunLoop(JacobiBatch(model, window, stop_ids)), prompt_ids, params)
+    decoder = make_decoder(model, DecoderOptions(), stop_ids=stop_ids, jacobi_window=window)
+    rows = run_to_completion(RunLoop(decoder), prompt_ids, params)
     return JacobiResult(
         texts=[tokenizer.decode(row.token_ids, skip_special_tokens=True) for row in rows],
         token_ids=[row.token_ids for row in rows],

@@ -126,8 +126,8 @@ class Engine:
             stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
             seed=config.seed,
         )
-        drafted = served_drafter((model, tokenizer), drafting, config, self.decoder, self._batch_facts)
-        self.draft_decoder, self.drafter_card = drafted  # a drafted server's decoder, what /v1/models says
+        drafted = served_drafter((model, tokenizer), drafting, config, self.decoder, facts.mask_token_id)
+        self.drafting, self.drafter_card = drafted  # a drafted server's drafter, what /v1/models says of it
         self.run = RunLoop(self._new_batch())  # the loop generate runs too; its mask limit is set at start()
         self._lock = threading.Lock()  # guards the waiting queue, cancellations, metrics
         self._wake = threading.Condition(self._lock)
@@ -158,7 +158,7 @@ class Engine:
         """The decoder the server runs (decoder.py): a ``DecodeBatch``, or a drafted server's one row,
         sized for the longest request the server takes, so that every batch meets the same graphs."""
         return make_decoder(
-            self.model, self.decoder, drafting=self.draft_decoder, max_len=self.limits.context, **self._batch_facts
+            self.model, self.decoder, drafting=self.drafting, max_len=self.limits.context, **self._batch_facts
         )
 
     @property
@@ -183,7 +183,7 @@ class Engine:
             return
         if warmup:  # first-call work (allocator, kernels, the compiled step's graphs) happens here, not in a request
             warm_up(self._new_batch, self.max_batch, self._batch_facts["pad_id"], self.limits.trained_block_size)
-        if self.config.mask_batch_limit == "auto" and self.mask_limit is None and self.draft_decoder is None:
+        if self.config.mask_batch_limit == "auto" and self.mask_limit is None and self.drafting is None:
             self.mask_limit = _load_policy(self.model, self.limits.trained_block_size, self._batch, self.max_batch)
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="marslm-engine", daemon=True)
@@ -211,7 +211,7 @@ class Engine:
         its defaults filled in (tau None: it follows the default); raises ``ParamError`` naming the field."""
         settings = self.limits.resolve(prompt_ids, params, self.controller.tau)
         settings.check_prompt_ids(prompt_ids, self._gated_id)
-        if self.draft_decoder is not None:
+        if self.drafting is not None:
             check_drafted_request(settings)
         return settings
 

@@ -245,3 +245,31 @@ def test_generate_and_the_server_step_through_one_loop(trained_checkpoints, monk
     finally:
         engine.stop()
     assert len(turns) == engine.metrics.forwards == result.forwards > 0
+
+
+def test_make_decoder_builds_every_decoder(trained_checkpoints, monkeypatch):
+    """generate (plain and with a drafter), Jacobi decoding and a drafted server each get their
+    decoder from ``make_decoder``: replacing it is seen by all four."""
+    from marslm.decode import decoder as decoder_module
+    from marslm.decode import jacobi, run_loop
+    from marslm.serve import engine as engine_module
+    from marslm.serve.config import ServeConfig
+    from marslm.serve.engine import Engine
+
+    model, tokenizer = trained_checkpoints["mars64"]
+    draft = trained_checkpoints["ar64"][0]
+    built = []
+    real = decoder_module.make_decoder
+
+    def counted(*args, **kwargs):
+        made = real(*args, **kwargs)
+        built.append(type(made).__name__)
+        return made
+
+    for module in (decoder_module, run_loop, jacobi, engine_module):
+        monkeypatch.setattr(module, "make_decoder", counted)
+    marslm.generate(model, tokenizer, [[5, 6, 7]], tau=0.9, max_new_tokens=4)
+    marslm.generate(model, tokenizer, [[5, 6, 7]], tau=0.9, max_new_tokens=4, draft_model=draft, num_draft_tokens=2)
+    jacobi.jacobi_generate(model, tokenizer, [[5, 6, 7]], window=2, max_new_tokens=4, apply_chat_template=False)
+    Engine(model, tokenizer, ServeConfig(), drafting=dict(draft_model=draft, num_draft_tokens=2))
+    assert built == ["DecodeBatch", "DraftedBatch", "JacobiBatch", "DraftedBatch"]
