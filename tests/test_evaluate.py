@@ -252,3 +252,30 @@ def test_paired_bootstrap_interval():
     assert paired_bootstrap(a, b, seed=1) == (low, high)  # seeded
     with pytest.raises(ValueError):
         paired_bootstrap([1], [1, 0])
+
+
+def test_a_sweep_in_another_dtype_is_its_own_cells(trained_dirs, tmp_path, monkeypatch):
+    """``--dtype`` loads the model in that dtype, and its cells say so: a sweep resumed in the saved
+    dtype decodes them again rather than reusing them, and the other way round."""
+    import marslm.modeling as modeling
+
+    mars = str(trained_dirs["dir"] / "mars")
+    path = tmp_path / "sweep.json"
+    loaded = []
+    real = modeling.load_model
+
+    def recorded(name, dtype="auto", **kwargs):
+        out = real(name, dtype=dtype, **kwargs)
+        loaded.append(str(next(out[0].parameters()).dtype))
+        return out
+
+    monkeypatch.setattr(modeling, "load_model", recorded)
+    grid = dict(taus=[1.0], json_path=path, **SMALL)
+    bf16 = sweep([mars], "toy", dtype="bfloat16", **grid)
+    assert loaded == ["torch.bfloat16"] and [c.get("dtype") for c in bf16["results"]] == ["bfloat16"]
+    saved = sweep([mars], "toy", **grid)
+    assert loaded[1:] == ["torch.float32"]
+    assert sorted(str(c.get("dtype")) for c in saved["results"]) == ["None", "bfloat16"]
+    with pytest.raises(SystemExit) as refused, contextlib.redirect_stderr(io.StringIO()):
+        run_cli("eval", "--model", mars, "--dtype", "float16x")
+    assert refused.value.code == 2

@@ -11,6 +11,7 @@ from .common import (
     add_compile,
     add_device,
     add_drafter,
+    add_dtype,
     add_fallback,
     add_unsafe_exec,
     code_execution,
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
         "  * One-token cells of a model are decoded once and shared by every block size and metric.\n"
         "  * With --json FILE every finished cell is saved at once; rerunning the same command skips them\n"
         "    (key: model, data, n, seed, tau, metric, block size, cache, mode, adaptive width, mask batch limit,\n"
-        "    drafter).\n"
+        "    dtype, drafter).\n"
         '    A cell that fails (out of memory, say) is recorded as {"failed": reason}, the sweep goes on,\n'
         "    and a rerun retries it; the exit status is then 1.\n"
         "  * --draft-model: a separate AR drafter proposes K tokens per step and each model verifies them\n"
@@ -56,6 +57,7 @@ def add_parser(sub) -> None:
     add_options(ev, EvalConfig)
     add_fallback(ev)
     add_compile(ev)
+    add_dtype(ev)
     add_device(ev)
     add_drafter(ev)
     ev.add_argument("--markdown", metavar="FILE", help="also write the table as a markdown document")

@@ -33,7 +33,7 @@ from ..decode.params import (
 )
 from ..errors import UserError
 from ..files import output_file, read_json, write_json_atomically
-from ..settings import check_count, flag_of, floats, ints, setting, strings
+from ..settings import DTYPE_NAMES, check_count, flag_of, floats, ints, setting, strings
 from .report import summarise_result
 from .sets import EVAL_SOURCES, EvalSet, load_eval_set
 
@@ -84,6 +84,7 @@ class EvalConfig:
     drafting: DraftOptions = setting(DraftOptions(), "a separate drafter", cli=False)  # the CLI's --draft-model
     # the CLI's --compile; not a cell's setting, as the text is the eager step's
     compile: bool | str = setting("auto", "see DecoderOptions", cli=False)
+    dtype: str = setting("auto", "weights dtype (auto: as saved)", choices=DTYPE_NAMES, cli=False)  # the CLI's --dtype
     batch_size: int = setting(32, "rows decoded together")
     max_new_tokens: int = setting(EVAL_MAX_NEW_TOKENS, "longest answer, in tokens")
     device: str | None = setting("auto", "torch device", cli=False)  # the CLI's --device (common.py)
@@ -216,6 +217,7 @@ def plan_cells(
     adaptive_width: bool = ADAPTIVE_WIDTH,
     mask_batch_limit: int | str | None = MASK_BATCH_LIMIT,
     drafting: DraftOptions | None = None,
+    dtype: str = "auto",
 ) -> list[dict]:
     """The decoding settings a sweep runs for one model, in order.
 
@@ -223,10 +225,11 @@ def plan_cells(
     read, and it is the baseline the MARS curves are measured against. Lossless mode ignores tau,
     so it gets one cell per block size. A MARS checkpoint gets every (block size, metric, tau);
     the entropy metric takes its taus from ``entropy_taus``, the others from ``taus``. With a
-    drafter every cell names it.
+    drafter every cell names it; in a dtype other than the saved one (``auto``), every cell names that.
     """
     common = {"cache": cache, "adaptive_width": adaptive_width, "mask_batch_limit": mask_batch_limit}
     common.update(drafting.recorded() if drafting else {})
+    common.update({} if dtype == "auto" else {"dtype": dtype})
     if stage == "ar":
         return [{"tau": 1.0, "metric": "prob", "block_size": 1, "mode": "threshold", **common}]
     cells = []
@@ -240,7 +243,7 @@ def plan_cells(
     return cells
 
 
-SETTING_KEYS = ("tau", "metric", "block_size", "cache", "mode", "adaptive_width", "mask_batch_limit")
+SETTING_KEYS = ("tau", "metric", "block_size", "cache", "mode", "adaptive_width", "mask_batch_limit", "dtype")
 DRAFT_KEYS = tuple(f.name for f in fields(DraftOptions))  # a drafted cell's (DraftOptions.recorded)
 DATA_KEYS = ("model", "data", "data_n", "data_seed")
 
@@ -293,7 +296,7 @@ def sweep(config: EvalConfig) -> dict:
 
     With ``config.json_path`` the report is rewritten (atomically) after every cell, and a rerun
     skips the cells already there: a cell is identified by (model, data, n, seed, tau, metric,
-    block_size, cache, mode, adaptive_width, mask_batch_limit, drafter). A cell that raises (out of memory, say) is
+    block_size, cache, mode, adaptive_width, mask_batch_limit, dtype, drafter). A cell that raises (out of memory, say) is
     recorded as ``{..setting.., "failed": "<reason>"}`` and the sweep goes on; a rerun tries it again.
     One-token cells of a model are decoded once and shared: whatever the block size or metric,
     their output is greedy AR decoding.
@@ -315,7 +318,7 @@ def sweep(config: EvalConfig) -> dict:
             entry = _shared_entry(cell, finished)
             if entry is None:
                 if loaded is None:
-                    loaded = load_model(report["model"], device=device)[:2]
+                    loaded = load_model(report["model"], dtype=config.dtype, device=device)[:2]
                     drafting = config.drafting.load(device) if drafting is None else drafting
                 entry = _run_cell(loaded, eval_set, cell, report["model"], config, drafting)
             if "failed" not in entry:
@@ -363,6 +366,7 @@ def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict
             adaptive_width=config.adaptive_width,
             mask_batch_limit=config.mask_batch_limit,
             drafting=config.drafting,
+            dtype=config.dtype,
         )
         context, has_mask = model_context(model), None
         for cell in cells:
@@ -380,10 +384,11 @@ def _plan(config: EvalConfig, reports: list[dict]) -> list[tuple[dict, list[dict
 
 
 def _shared_entry(cell: dict, finished: dict) -> dict | None:
-    """A one-token cell's entry from a finished one-token cell of the same model, cache and drafter, if any."""
+    """A one-token cell's entry from a finished one-token cell of the same model, cache, dtype and
+    drafter, if any."""
     if not is_one_token(cell):
         return None
-    same = ("cache", *DRAFT_KEYS)
+    same = ("cache", "dtype", *DRAFT_KEYS)
     shared = next(
         (c for c in finished.values() if is_one_token(c) and all(c.get(k) == cell.get(k) for k in same)), None
     )
