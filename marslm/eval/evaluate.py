@@ -297,9 +297,9 @@ def sweep(config: EvalConfig) -> dict:
     With ``config.json_path`` the report is rewritten (atomically) after every cell, and a rerun
     skips the cells already there: a cell is identified by (model, data, n, seed, tau, metric,
     block_size, cache, mode, adaptive_width, mask_batch_limit, dtype, drafter). A cell that raises
-    (out of memory, say) is recorded as ``{..setting.., "failed": "<reason>"}`` and the sweep goes on; a rerun tries it again.
-    One-token cells of a model are decoded once and shared: whatever the block size or metric,
-    their output is greedy AR decoding.
+    (out of memory, say) is recorded as ``{..setting.., "failed": "<reason>"}`` and the sweep goes
+    on; a rerun tries it again. One-token cells of a model are decoded once and shared: whatever
+    the block size or metric, their output is greedy AR decoding.
     """
     from ..modeling import load_model, resolve_device
 
