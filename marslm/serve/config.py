@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..decode.compile_policy import check_compile
 from ..decode.draft_options import DraftOptions
-from ..decode.params import ADAPTIVE_WIDTH, check_mask_batch_limit, check_seed, check_tau
+from ..decode.params import ADAPTIVE_WIDTH, MASK_BATCH_LIMIT, check_mask_batch_limit, check_seed, check_tau
 from ..errors import UserError
 from ..settings import DTYPE_NAMES, flag_of, int_or_auto, setting
 from .engines import NAMES
@@ -48,12 +48,14 @@ class ServeConfig:
     log_level: str = setting("info", "server log level", choices=LOG_LEVELS)
     max_batch: int = setting(16, "requests decoded together")
     mask_batch_limit: int | str | None = setting(
-        None,
+        MASK_BATCH_LIMIT,
         "a load policy: read masks only while at most this many requests decode together, above it plain "
         "AR steps (where a forward is compute-bound, as on a CPU at a large batch, masks cost more than "
-        "they buy); auto: from the cost table `marslm bench --cost-curve --save` left beside the "
-        "checkpoint, where the tokens masks buy exceed what they cost. A request's text at tau < 1 then "
-        "depends on the load; each response names the limit it ran under. Default: off (every batch size)",
+        "they buy); auto (the default): where the checkpoint's cost table says the tokens masks buy "
+        "exceed what they cost (the table beside it, else the one marslm's cache keeps for this machine, "
+        "measured before the server says it is ready); off: every batch size reads masks. A request's "
+        "text at tau < 1 then depends on the load; each response names the limit it ran under. vLLM has "
+        "no table of its own: there auto is off",
         parse=int_or_auto,
         metavar="N|auto|off",
     )
@@ -158,9 +160,10 @@ class ServeConfig:
 
 def refuse_with_drafter(config: ServeConfig) -> None:
     """What a server with a separate drafter cannot honour: it decodes one request at a time, so a
-    number of rows to limit masks by means nothing. Every drafted step reads its masks, so the
-    default fallback (adaptive width), the batch decoder's, does not apply."""
-    if config.mask_batch_limit is not None:
+    number of rows to limit masks by means nothing (``auto``, the default, limits nothing there).
+    Every drafted step reads its masks, so the default fallback (adaptive width), the batch
+    decoder's, does not apply."""
+    if config.mask_batch_limit not in (None, "auto"):
         raise UserError(
             f"{flag_of(ServeConfig, 'mask_batch_limit')} limits masks by batch size; with "
             f"{flag_of(DraftOptions, 'draft_model')} requests decode one at a time"

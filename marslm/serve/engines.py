@@ -39,11 +39,6 @@ class Engine:
             found.append(f"--tau-policy adaptive is marslm's engine; {self.label} serves a fixed default tau")
         if config.threads is not None:
             found.append(f"--threads is marslm's engine; {self.label} sets its own threads")
-        # the cost table that sets the auto limit is measured on marslm's engine's steps
-        if config.mask_batch_limit == "auto":
-            found.append(
-                f"--mask-batch-limit auto reads a cost table timed on marslm's engine; give {self.label} a number"
-            )
         if config.drafting.draft_model is not None:
             found.append(
                 f"--draft-model is marslm's engine; with {self.label}, its own draft-model speculative decoding "
