@@ -273,6 +273,12 @@ def test_a_sweep_in_another_dtype_is_its_own_cells(trained_dirs, tmp_path, monke
     grid = dict(taus=[1.0], json_path=path, **SMALL)
     bf16 = sweep([mars], "toy", dtype="bfloat16", **grid)
     assert loaded == ["torch.bfloat16"] and [c.get("dtype") for c in bf16["results"]] == ["bfloat16"]
+    # each cell names what it decoded with, beyond its settings
+    assert {k: bf16["results"][0][k] for k in ("decoded_dtype", "compiled", "cost_table")} == {
+        "decoded_dtype": "bfloat16",
+        "compiled": False,  # the suite runs with MARSLM_COMPILE=off
+        "cost_table": None,  # and MARSLM_COSTS=off: no table beside this checkpoint
+    }
     saved = sweep([mars], "toy", **grid)
     assert loaded[1:] == ["torch.float32"]
     assert sorted(str(c.get("dtype")) for c in saved["results"]) == ["None", "bfloat16"]

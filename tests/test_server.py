@@ -132,6 +132,13 @@ def main_url(servers):
     return servers["main"].url
 
 
+def test_the_start_line_says_what_answers_are_decoded_with(servers):
+    lines = [line for line in servers["main"].log_path.read_text().splitlines() if "listening on" in line]
+    assert "float64, eager, mask batch limit off" in lines[0]  # --dtype float64; the suite's MARSLM_COMPILE=off
+    small = [line for line in servers["small"].log_path.read_text().splitlines() if "listening on" in line]
+    assert "mask batch limit auto" in small[0]  # the default
+
+
 @pytest.fixture(scope="module")
 def mars64(trained_checkpoints):
     return trained_checkpoints["mars64"]

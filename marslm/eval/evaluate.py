@@ -187,6 +187,10 @@ def evaluate(
             use_last_mask=decoder.use_last_mask,
             adaptive_width=decoder.adaptive_width,
             mask_batch_limit=decoder.mask_batch_limit,
+            # what it decoded with beyond the settings: a quoted number carries them
+            decoded_dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            compiled=out.stats.compiled,
+            cost_table=out.stats.cost_table,
         )
         if drafting:  # tokens per forward count the target's forwards; these are the drafter's
             entry["drafter_forwards"] = out.stats.drafter_forwards

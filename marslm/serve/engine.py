@@ -386,6 +386,14 @@ class Engine:
         for loop, items in by_loop.items():  # one wake-up of each event loop per step
             send_to_loop(loop, items)
 
+    def decoded_with_line(self) -> str:
+        """What every answer is decoded with, as the start line says it: dtype, compiled or not,
+        the mask batch limit (each answer's ``usage`` names the cost table it read)."""
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        compiled = "compiled" if self._batch.stats.compiled else "eager"
+        limit = self.config.mask_batch_limit
+        return f"{dtype}, {compiled}, mask batch limit {'off' if limit is None else limit}"
+
     def _decoded_with(self) -> dict:  # what every answer names of how it was decoded, beside its tau
         table = None if self.mask_limit is None else self.mask_limit.source
         return {"cost_table": table, "compiled": self._batch.stats.compiled}

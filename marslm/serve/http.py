@@ -57,7 +57,8 @@ def serve(model: str, config: ServeConfig | None = None) -> None:
     drafter = f", drafter {engine.drafter_card['model']}" if engine.drafter_card else ""
     print(
         f"marslm serve: {name} listening on http://{_url_host(bound_host)}:{bound_port} "
-        f"(max batch {engine.max_batch}, tau {engine.controller.tau}, policy {engine.controller.policy}{drafter})",
+        f"(max batch {engine.max_batch}, tau {engine.controller.tau}, policy {engine.controller.policy}, "
+        f"{engine.decoded_with_line()}{drafter})",
         flush=True,
     )
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with the
