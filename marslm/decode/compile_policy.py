@@ -70,8 +70,8 @@ def resolve_compile(setting, cache: str, device, work: int | None = None) -> boo
     check_compile(setting)
     if setting is False or cache != "cursor":
         return False
-    reason = cannot_compile(device)
     if setting is True:
+        reason = cannot_compile(device)
         if reason:
             raise UserError(f"compile=True: {reason}; decode eagerly with --no-compile")
         return True
@@ -82,6 +82,7 @@ def resolve_compile(setting, cache: str, device, work: int | None = None) -> boo
         raise UserError(f"{COMPILE_ENV} must be auto or off, got {chosen!r}")
     if work is not None and work <= AUTO_COMPILE_WORK:
         return False
+    reason = cannot_compile(device)
     if reason:
         if reason not in _said:
             _said.add(reason)
