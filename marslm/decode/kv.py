@@ -226,6 +226,13 @@ class StaticSlotCache(SlotCache):
             layer.window = self.window
         self.start.fill_(length)
 
+    def attend_over(self, window) -> None:
+        """The slots the next forward attends over, as its attention mask has them (a traced step
+        reads them off the mask, so that the window is a dynamic size of its graph)."""
+        self.window = window
+        for layer in self.layers:
+            layer.window = window
+
     def advance(self, width: int) -> None:
         """After a forward: its ``width`` slots are in use (a commit crops what it does not keep)."""
         for layer in self.layers:

@@ -34,9 +34,9 @@ def _prompts(tokenizer, n=4):
     return [encode_prompt(tokenizer, ex.messages) for ex in toy.make_split("train", TRAIN_N, seed=0)[::8][:n]]
 
 
-def _both(model, tokenizer, prompts, **settings):
-    eager = marslm.generate(model, tokenizer, prompts, max_new_tokens=40, **settings)
-    compiled = marslm.generate(model, tokenizer, prompts, max_new_tokens=40, compile=True, **settings)
+def _both(model, tokenizer, prompts, max_new_tokens=40, **settings):
+    eager = marslm.generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, **settings)
+    compiled = marslm.generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, compile=True, **settings)
     return eager, compiled
 
 
@@ -70,6 +70,28 @@ def test_later_calls_reuse_the_graphs_already_traced(traced, trained_checkpoints
     again = marslm.generate(model, tokenizer, prompts, max_new_tokens=24, tau=1.0, compile=True)
     assert first.stats.compile_seconds > 0 and again.stats.compile_seconds == 0
     assert again.token_ids == first.token_ids
+
+
+def test_one_graph_serves_every_window_a_run_meets(traced, make_tiny_model, tiny_tokenizer, monkeypatch):
+    """The slots a step attends over grow 64, 128, 256 as a row gets longer: a dynamic size of the
+    bucket's graph, not a graph each; and the text is the eager step's."""
+    from marslm.decode import kv
+
+    model = make_tiny_model()
+    windows = set()
+    real = kv.StaticSlotCache.prepare
+
+    def seen(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        windows.add(self.window)
+
+    monkeypatch.setattr(kv.StaticSlotCache, "prepare", seen)
+    prompts = [[5, 6, 7, 8], list(range(20, 120))]
+    eager, compiled = _both(model, tiny_tokenizer, prompts, tau=1.0, max_new_tokens=150)
+    assert compiled.token_ids == eager.token_ids
+    assert {128, 256} <= windows  # the run met several windows ...
+    assert compiled.stats.graphs == 1  # ... through one graph (rows 2, width 1)
+    assert compiled.stats.compiled_steps == compiled.stats.forwards - 1
 
 
 def test_inductor_decodes_as_the_eager_step(trained_checkpoints):
