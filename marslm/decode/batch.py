@@ -45,7 +45,7 @@ from ..masks import for_attention
 from .acceptance import confidence
 from .compile_policy import resolve_compile
 from .draws import RowDraws
-from .forward import StepForward, static_capacity
+from .forward import StepForward, row_bucket, static_capacity
 from .inputs import StepInputs, logits_to_keep, prefill_inputs, step_inputs
 from .kv import SlotCache, StaticSlotCache
 from .params import ADAPTIVE_WIDTH, DecoderOptions, DecodingParams
@@ -76,12 +76,18 @@ class DecodeBatch:
 
     @classmethod
     def with_options(
-        cls, model, decoder: DecoderOptions, max_len: int | None = None, work: int | None = None, **facts
+        cls,
+        model,
+        decoder: DecoderOptions,
+        max_len: int | None = None,
+        work: int | None = None,
+        most_rows: int | None = None,
+        **facts,
     ) -> DecodeBatch:
         """A batch that decodes as ``decoder`` says (``compile="auto"`` resolved for the model's
         device and ``work``, the tokens the call may decode, None for a server: compile_policy.py);
-        ``max_len``: the longest row (prompt and answer) it will hold, where known up front;
-        ``facts``: the model's mask, stop and pad ids, a seed."""
+        ``max_len``: the longest row (prompt and answer) it will hold and ``most_rows`` the most
+        rows, where known up front; ``facts``: the model's mask, stop and pad ids, a seed."""
         device = next(model.parameters()).device
         return cls(
             model,
@@ -93,6 +99,7 @@ class DecodeBatch:
             mask_batch_limit=None if decoder.mask_batch_limit == "auto" else decoder.mask_batch_limit,
             compile=resolve_compile(decoder.compile, decoder.cache, device, work),
             max_len=max_len,
+            most_rows=most_rows,
             **facts,
         )
 
@@ -111,6 +118,7 @@ class DecodeBatch:
         seed: int | None = None,
         compile: bool = False,
         max_len: int | None = None,
+        most_rows: int | None = None,
     ):
         if cache not in SLOT_CACHE_MODES:
             raise ValueError(f"cache must be one of {SLOT_CACHE_MODES}, got {cache!r}")
@@ -133,7 +141,8 @@ class DecodeBatch:
         # compile: every step at a bucket's shape over a static cache (forward.py)
         self.static = StepForward(model, pad_id) if compile else None
         self.stats.compiled = compile
-        self.max_len = max_len  # sizes the static cache once, so that every step's graphs are the same ones
+        # size the static cache once, so that every step's graphs are the same ones
+        self.max_len, self.most_rows = max_len, most_rows
         self._fed = 0  # the columns the last step fed, padding included: what its commit drops past the real ones
 
     def __len__(self) -> int:
@@ -143,6 +152,11 @@ class DecodeBatch:
     def capacity(self) -> int | None:
         """The static cache's slots, where the step is compiled and the longest row known up front."""
         return static_capacity(self.max_len) if self.static is not None and self.max_len else None
+
+    @property
+    def reserve_rows(self) -> int:
+        """The rows a static cache's buffers hold from the start: the most its steps are padded to."""
+        return row_bucket(max(self.most_rows or 0, len(self.rows), 1))
 
     @property
     def request_ids(self) -> list:
@@ -296,7 +310,7 @@ class DecodeBatch:
         )
         if self.kv is None and self.static is not None:
             longest = max(int(r.max_len.max()), self.max_len or 0)
-            self.kv = StaticSlotCache(static_capacity(longest), len(r), self.device)
+            self.kv = StaticSlotCache(static_capacity(longest), len(r), self.device, self.reserve_rows)
         elif self.kv is None and self.cache_mode != "none":
             self.kv = SlotCache(capacity=2 * (int(r.seq_len.max()) + inputs.input_ids.shape[1]))
         return inputs

@@ -22,6 +22,7 @@ def cost_curve(
     progress: bool = True,
     compile: bool = False,
     capacity: int | None = None,
+    reserve: int = 0,
     profile=(),
 ) -> dict:
     """Time of one cached forward against the number of tokens it feeds, as ratios to one token:
@@ -30,7 +31,8 @@ def cost_curve(
     each repeat, after a warm-up round. Every fed column's logits are computed, as a step reads
     them; on an exact-mode model the columns after the first are masks, so the adapter costs what
     it does in a step. ``compile``: the compiled decoder's step (forward.py) over a static cache of
-    ``capacity`` slots, traced in the warm-up round. ``profile``: widths then run ``repeats`` times
+    ``capacity`` slots (its buffers ``reserve`` rows, at least the batch's), traced in the warm-up
+    round. ``profile``: widths then run ``repeats`` times
     more under ``torch.profiler`` (first batch size and context; :func:`_profiled`).
     """
     from tqdm.auto import tqdm
@@ -50,7 +52,10 @@ def cost_curve(
     for batch in batch_sizes:
         for context in contexts:
             args = (model, batch, context, widths, repeats, generator, mask_id, bar.update, () if profiles else profile)
-            times, profiled = _timed_static_widths(*args, capacity=room) if compile else _timed_widths(*args)
+            if compile:
+                times, profiled = _timed_static_widths(*args, capacity=room, reserve=reserve)
+            else:
+                times, profiled = _timed_widths(*args)
             profiles.update(
                 {str(w): {"batch_size": batch, "context": context, "ops": ops} for w, ops in profiled.items()}
             )
@@ -98,7 +103,9 @@ def _timed_widths(model, batch, context, widths, repeats, generator, mask_id, ti
     return _timed_rounds(widths, repeats, device, prepare, lambda w: cache.crop(-w), tick, profile)
 
 
-def _timed_static_widths(model, batch, context, widths, repeats, generator, mask_id, tick, profile=(), *, capacity):
+def _timed_static_widths(
+    model, batch, context, widths, repeats, generator, mask_id, tick, profile=(), *, capacity, reserve=0
+):
     """:func:`_timed_widths` for the compiled step: the same forwards through ``StepForward.run``
     over a static cache, with the mask always a tensor and the adapter's tail gate."""
     import numpy as np
@@ -107,7 +114,7 @@ def _timed_static_widths(model, batch, context, widths, repeats, generator, mask
     from .kv import StaticSlotCache
 
     device, vocab = next(model.parameters()).device, model.config.vocab_size
-    cache, step = StaticSlotCache(capacity, batch, device), StepForward(model, pad_id=0)
+    cache, step = StaticSlotCache(capacity, batch, device, reserve), StepForward(model, pad_id=0)
 
     def to_device(array):
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)

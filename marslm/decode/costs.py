@@ -66,7 +66,7 @@ def saved_mask_limit(model, block_size: int) -> MaskBatchLimit | None:
     return MaskBatchLimit(costs, most=2 * block_size + 1, source=path)
 
 
-def mask_limit(model, block_size: int, *, rows: int, compiled: bool, capacity: int | None = None):
+def mask_limit(model, block_size: int, *, rows: int, compiled: bool, capacity: int | None = None, reserve: int = 0):
     """``mask_batch_limit="auto"``'s :class:`MaskBatchLimit` for a decoder of up to ``rows`` rows:
     over the table saved beside the checkpoint (``bench --cost-curve --save``), else over the one
     kept in marslm's cache for this checkpoint, machine and setting (:func:`kept_table_key`),
@@ -87,7 +87,8 @@ def mask_limit(model, block_size: int, *, rows: int, compiled: bool, capacity: i
     if missing:
         if os.environ.get(COSTS_ENV, "auto").strip().lower() in ("off", "0", "no", "false"):
             return None if not kept["costs"] else _limit(kept, block_size, path)
-        measured = measure_table(model, block_size, batch_sizes=missing, compiled=compiled, capacity=capacity)
+        shape = dict(capacity=capacity, reserve=reserve)
+        measured = measure_table(model, block_size, batch_sizes=missing, compiled=compiled, **shape)
         kept = {**measured, "costs": {**kept["costs"], **measured["costs"]}, "key": key}
         write_json_atomically(path, kept)
     return _limit(kept, block_size, path)
@@ -150,9 +151,12 @@ def _read_kept(path: Path, key: dict) -> dict | None:
         return None
 
 
-def measure_table(model, block_size: int, *, batch_sizes, compiled: bool, capacity: int | None = None) -> dict:
+def measure_table(
+    model, block_size: int, *, batch_sizes, compiled: bool, capacity: int | None = None, reserve: int = 0
+) -> dict:
     """A cost table measured now: a masked step's cost against a one-token step at ``batch_sizes``,
-    through the step decoding runs (compiled over a static cache of ``capacity`` slots, or eager),
+    through the step decoding runs (compiled over a static cache of ``capacity`` slots whose
+    buffers hold ``reserve`` rows, as the decoder's do, or eager),
     over a context short enough that both steps attend over the smallest window: the graphs a
     compiled decoder meets first, so that measuring compiles nothing decoding would not."""
     from .forward import bucket
@@ -176,6 +180,7 @@ def measure_table(model, block_size: int, *, batch_sizes, compiled: bool, capaci
         repeats=TABLE_REPEATS,
         compile=compiled,
         capacity=capacity,
+        reserve=reserve,
     )
     return table_from_curve(report, block_size)
 

@@ -66,14 +66,15 @@ def make_decoder(
     drafting: tuple | None = None,
     jacobi_window: int | None = None,
     max_len: int | None = None,
+    most_rows: int | None = None,
     work: int | None = None,
 ):
     """The decoder ``options`` call for, ending rows at ``stop_ids``; the masked decoders feed
     ``mask_token_id`` and pad with ``pad_id``. ``drafting``, ``(a checked drafter, drafts per step,
     the target's mask token or None for an AR target)``, decodes with a draft model;
     ``jacobi_window`` by Jacobi iteration; ``cache="block"`` with the paper's block cache; else a
-    ``DecodeBatch`` (``max_len``: its longest row, where known up front, which sizes a compiled
-    step's cache; ``work``: the tokens the call may decode, None for a server, which
+    ``DecodeBatch`` (``max_len``: its longest row and ``most_rows`` its most rows, where known up
+    front, which size a compiled step's cache; ``work``: the tokens the call may decode, None for a server, which
     ``compile="auto"`` reads)."""
     if drafting is not None:
         from .draft_model import DraftedBatch, DraftModelDecoder
@@ -106,5 +107,13 @@ def make_decoder(
     from .batch import DecodeBatch
 
     return DecodeBatch.with_options(
-        model, options, max_len, work, mask_token_id=mask_token_id, pad_id=pad_id, stop_ids=stop_ids, seed=seed
+        model,
+        options,
+        max_len,
+        work,
+        most_rows,
+        mask_token_id=mask_token_id,
+        pad_id=pad_id,
+        stop_ids=stop_ids,
+        seed=seed,
     )

@@ -16,13 +16,12 @@ its cache. With ``compile=True`` it is made to repeat:
     adapter  exact mode's gate is the tail gate (``MaskAdapter.tail_gate``): the masks' places are
              known on the host, so nothing in the forward depends on its data
 
-Each bucket (rows, width, masks fed, the buffers' capacity) is one graph, traced with
+Each bucket (rows, width, masks fed, the window, the buffers' shape) is one graph, traced with
 ``fullgraph=True`` the first time it is met and reused by every later step, call and request; its
-first call's time is reported as compile time. The window is a dynamic size of that graph (read
-off the attention mask), so a row that grows past 64, 128, 256 .. slots meets no new graph, and a
-server's warm-up covers every window its requests will meet. A forward wider than the widest
-bucket (a prompt that starts the batch) runs the same function eagerly, its head on the columns
-the step reads alone.
+first call's time is reported as compile time. The window stays a static size: as a dynamic
+one, inductor's CPU step ran about 30% slower at batch 1 (docs/log/2026-12-07-fast-by-default.md).
+A forward wider than the widest bucket (a prompt that starts the batch) runs the same function
+eagerly, its head on the columns the step reads alone.
 """
 
 from __future__ import annotations
@@ -149,17 +148,16 @@ class StepForward:
             owner,
             keep,
         )
-        # the window is a dynamic size of one graph (see _forward), not a bucket of its own
-        key = (BACKEND, owner, *inputs.input_ids.shape, inputs.tail, cache.capacity)
+        key = (BACKEND, owner, *inputs.input_ids.shape, inputs.tail, cache.window, cache.capacity)
         with torch.no_grad(), tail_gate(self.model, to_device(inputs.offsets)):
             if not compiled or key in _EAGER:
                 compiled, logits = False, _forward(*args)
             elif key in _TRACED:
-                logits = _compiled_forward()(*_window_dynamic(args))
+                logits = _compiled_forward()(*args)
             else:
                 started = time.perf_counter()  # reported, never decided on
                 try:
-                    logits = _compiled_forward()(*_window_dynamic(args))
+                    logits = _compiled_forward()(*args)
                     _TRACED.add(key)
                 except torch._dynamo.exc.FailOnRecompileLimitHit:  # refused before it ran: run it eagerly
                     _EAGER.add(key)
@@ -175,8 +173,6 @@ class StepForward:
 def _forward(model, input_ids, position_ids, mask, cache, owner: int, keep=0):
     if owner < 0:  # read, so that a graph is kept per owner (see _owner)
         raise ValueError(owner)
-    if isinstance(cache, StaticSlotCache):  # the slots a step attends over: the mask's, a dynamic size when traced
-        cache.attend_over(mask.shape[-1])
     out = model(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -186,13 +182,6 @@ def _forward(model, input_ids, position_ids, mask, cache, owner: int, keep=0):
         logits_to_keep=keep,
     )
     return out.logits
-
-
-def _window_dynamic(args: tuple) -> tuple:
-    """``args`` with the attention mask's window marked dynamic: one graph serves every window
-    (64, 128 .. the cache's capacity) a bucket of rows and width meets."""
-    torch._dynamo.mark_dynamic(args[3], 3)
-    return args
 
 
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -218,10 +207,12 @@ _EAGER: set = set()  # buckets past dynamo's limit of graphs: they run eagerly
 def _compiled_forward():
     """One compiled function per process: dynamo keeps its graphs per function, so every decoder,
     call and request shares the buckets already traced."""
-    if BACKEND not in _COMPILED:
-        import torch._dynamo
+    import torch._dynamo
 
+    if BACKEND not in _COMPILED:
         keep_compiled_graphs()
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         _COMPILED[BACKEND] = torch.compile(_forward, backend=BACKEND, fullgraph=True, dynamic=False)
+    # dynamo's settings are per thread: a server warms up on one and decodes on another
+    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     return _COMPILED[BACKEND]

@@ -153,13 +153,15 @@ class StaticSlotLayer(SlotLayer):
     moves ``length`` itself (:meth:`StaticSlotCache.advance`); rows, holes, cropping and compaction
     are the :class:`SlotLayer`'s own."""
 
-    def __init__(self, capacity: int, rows: int, start: torch.Tensor, window: int):
+    def __init__(self, capacity: int, rows: int, start: torch.Tensor, window: int, reserve: int = 0):
         super().__init__(capacity)
-        self.rows, self.start, self.window = rows, start, window
+        self.rows, self.start, self.window, self.reserve = rows, start, window, reserve
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows = self.rows  # a step may feed padding rows past the ones in use
         super().lazy_initialization(key_states, value_states)
+        if self.reserve > self.keys.shape[0]:  # the buffers' rows are graph inputs' shapes: fixed from the start
+            self.keys, self.values = (_grown(t, 0, self.reserve) for t in (self.keys, self.values))
         self.rows = rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -197,15 +199,18 @@ def window_for(slots: int, capacity: int) -> int:
 
 
 class StaticSlotCache(SlotCache):
-    """One :class:`StaticSlotLayer` per model layer, all writing at one shared ``start``."""
+    """One :class:`StaticSlotLayer` per model layer, all writing at one shared ``start``; its
+    buffers hold ``reserve`` rows from the first forward (the most a decoder pads its steps to), so
+    that their shape, which a compiled step's graph is traced for, never changes while rows come
+    and go."""
 
-    def __init__(self, capacity: int, rows: int, device: torch.device):
+    def __init__(self, capacity: int, rows: int, device: torch.device, reserve: int = 0):
         self.start = torch.zeros((), dtype=torch.long, device=device)
         Cache.__init__(self, layer_class_to_replicate=self._layer)
-        self.capacity, self.rows, self.window = capacity, rows, capacity
+        self.capacity, self.rows, self.window, self.reserve = capacity, rows, capacity, reserve
 
     def _layer(self) -> StaticSlotLayer:
-        return StaticSlotLayer(self.capacity, self.rows, self.start, self.window)
+        return StaticSlotLayer(self.capacity, self.rows, self.start, self.window, self.reserve)
 
     @property
     def ready(self) -> bool:
@@ -225,13 +230,6 @@ class StaticSlotCache(SlotCache):
         for layer in self.layers:
             layer.window = self.window
         self.start.fill_(length)
-
-    def attend_over(self, window) -> None:
-        """The slots the next forward attends over, as its attention mask has them (a traced step
-        reads them off the mask, so that the window is a dynamic size of its graph)."""
-        self.window = window
-        for layer in self.layers:
-            layer.window = window
 
     def advance(self, width: int) -> None:
         """After a forward: its ``width`` slots are in use (a commit crops what it does not keep)."""

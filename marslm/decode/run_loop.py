@@ -34,7 +34,7 @@ def make_run_loop(
     a seed) in a loop, with ``mask_batch_limit="auto"``'s limit for up to ``rows`` rows of up to
     ``max_len`` tokens (costs.mask_limit: the cost table, measured on first need), where the
     decoder holds a batch to limit. The table used is named in the decoder's stats."""
-    decoder = make_decoder(model, options, drafting=drafting, max_len=max_len, work=work, **facts)
+    decoder = make_decoder(model, options, drafting=drafting, max_len=max_len, most_rows=rows, work=work, **facts)
     limit = None
     if options.mask_batch_limit == "auto" and drafting is None and options.cache != "block":
         limit = auto_mask_limit(model, decoder, block_size, rows)
@@ -45,7 +45,8 @@ def make_run_loop(
 def auto_mask_limit(model, decoder, block_size: int, rows: int) -> MaskBatchLimit | None:
     """costs.mask_limit for the step ``decoder`` runs: compiled over its static cache, or eager."""
     static = getattr(decoder, "static", None) is not None
-    return mask_limit(model, block_size, rows=rows, compiled=static, capacity=decoder.capacity if static else None)
+    shape = dict(capacity=decoder.capacity, reserve=decoder.reserve_rows) if static else {}
+    return mask_limit(model, block_size, rows=rows, compiled=static, **shape)
 
 
 class RunLoop:

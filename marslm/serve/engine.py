@@ -158,7 +158,12 @@ class Engine:
         """The decoder the server runs (decoder.py): a ``DecodeBatch``, or a drafted server's one row,
         sized for the longest request the server takes, so that every batch meets the same graphs."""
         return make_decoder(
-            self.model, self.decoder, drafting=self.drafting, max_len=self.limits.context, **self._batch_facts
+            self.model,
+            self.decoder,
+            drafting=self.drafting,
+            max_len=self.limits.context,
+            most_rows=self.max_batch,
+            **self._batch_facts,
         )
 
     @property

@@ -72,28 +72,6 @@ def test_later_calls_reuse_the_graphs_already_traced(traced, trained_checkpoints
     assert again.token_ids == first.token_ids
 
 
-def test_one_graph_serves_every_window_a_run_meets(traced, make_tiny_model, tiny_tokenizer, monkeypatch):
-    """The slots a step attends over grow 64, 128, 256 as a row gets longer: a dynamic size of the
-    bucket's graph, not a graph each; and the text is the eager step's."""
-    from marslm.decode import kv
-
-    model = make_tiny_model()
-    windows = set()
-    real = kv.StaticSlotCache.prepare
-
-    def seen(self, *args, **kwargs):
-        real(self, *args, **kwargs)
-        windows.add(self.window)
-
-    monkeypatch.setattr(kv.StaticSlotCache, "prepare", seen)
-    prompts = [[5, 6, 7, 8], list(range(20, 120))]
-    eager, compiled = _both(model, tiny_tokenizer, prompts, tau=1.0, max_new_tokens=150)
-    assert compiled.token_ids == eager.token_ids
-    assert {128, 256} <= windows  # the run met several windows ...
-    assert compiled.stats.graphs == 1  # ... through one graph (rows 2, width 1)
-    assert compiled.stats.compiled_steps == compiled.stats.forwards - 1
-
-
 def test_inductor_decodes_as_the_eager_step(trained_checkpoints):
     model, tokenizer = trained_checkpoints["mars64"]
     prompts = _prompts(tokenizer, 1)

@@ -273,3 +273,66 @@ def test_make_decoder_builds_every_decoder(trained_checkpoints, monkeypatch):
     jacobi.jacobi_generate(model, tokenizer, [[5, 6, 7]], window=2, max_new_tokens=4, apply_chat_template=False)
     Engine(model, tokenizer, ServeConfig(), drafting=dict(draft_model=draft, num_draft_tokens=2))
     assert built == ["DecodeBatch", "DraftedBatch", "JacobiBatch", "DraftedBatch"]
+
+
+def test_one_graph_per_bucket_however_requests_come_and_go(trained_checkpoints, monkeypatch):
+    """A long-lived decoder's static cache holds its most rows from the first step, so a bucket of
+    rows met before and after the batch filled is one graph, not one per buffer size: what lets
+    the server's warm-up build the graphs its requests meet."""
+    import asyncio
+
+    from torch._dynamo.utils import counters
+
+    from marslm.serve.config import ServeConfig
+    from marslm.serve.engine import Engine
+    from marslm.serve.requests import request_params
+    from tests.trained import find_long_prompt
+
+    monkeypatch.setattr(forward, "BACKEND", "eager")  # the same graphs, without code generation
+    model, tokenizer = trained_checkpoints["mars64"]
+    engine = Engine(model, tokenizer, ServeConfig(max_batch=4, compile=True, mask_batch_limit=None))
+    engine.start(warmup=False)
+    graphs, keys = counters["stats"]["unique_graphs"], set(forward._TRACED)
+
+    async def run(prompt, tokens):
+        stream = engine.submit(prompt, request_params(max_new_tokens=tokens, tau=1.0))
+        async for _ in stream:
+            pass
+        return stream.result
+
+    async def waves():
+        long_prompt = tokenizer(find_long_prompt(model, tokenizer, tokens=80))["input_ids"]
+        alone = asyncio.ensure_future(run(long_prompt, 80))
+        for _ in range(500):  # it runs alone first: the buffers are made for one row
+            if engine.metrics.forwards or alone.done():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*[run([9 + i, 10, 11], 6) for i in range(3)])  # four rows, then it alone again
+        return await alone
+
+    try:
+        last = asyncio.run(waves())
+    finally:
+        engine.stop()
+    assert last.compiled and last.finish_reason in ("stop", "length")
+    new_keys = set(forward._TRACED) - keys
+    assert counters["stats"]["unique_graphs"] - graphs == len(new_keys) > 1
+
+
+def test_every_thread_may_run_as_many_graphs_as_the_step_needs():
+    """dynamo's limit of graphs per function is a per-thread setting: a server warms up on one
+    thread and decodes on another, so each thread that steps raises it."""
+    import threading
+
+    import torch._dynamo
+
+    seen = []
+
+    def step_here():
+        forward._compiled_forward()
+        seen.append(torch._dynamo.config.recompile_limit)
+
+    thread = threading.Thread(target=step_here)
+    thread.start()
+    thread.join()
+    assert seen == [forward.RECOMPILE_LIMIT]
