@@ -97,12 +97,13 @@ def test_default_decoding_and_a_seeded_sample_repeat_across_processes(loaded, ch
 
 
 def test_a_server_request_is_the_same_alone_and_inside_a_burst(loaded):
-    """No load policy is on by default: a request's text does not follow the batch it joins."""
+    """With the load policy off (the server's default, auto, makes it follow the load by design, and
+    each answer names the limit), a request's text does not follow the batch it joins."""
     model, tokenizer = loaded
     examples = toy.make_split("train", 32, seed=0)
     ids = [encode_prompt(tokenizer, ex.messages) for ex in examples]
     params = request_params(tau=0.7, max_new_tokens=40)
-    engine = Engine(model, tokenizer, ServeConfig(max_batch=32))
+    engine = Engine(model, tokenizer, ServeConfig(max_batch=32, mask_batch_limit=None))
     engine.start(warmup=False)
     try:
 

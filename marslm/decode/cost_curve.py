@@ -45,17 +45,14 @@ def cost_curve(
     if compile:
         from .forward import static_capacity
 
-        room = capacity or static_capacity(max(contexts) + max(widths))
+        static = dict(capacity=capacity or static_capacity(max(contexts) + max(widths)), reserve=reserve)
     bar = tqdm(
         total=len(batch_sizes) * len(contexts) * (repeats + 1) * len(widths), desc="cost curve", disable=not progress
     )
     for batch in batch_sizes:
         for context in contexts:
             args = (model, batch, context, widths, repeats, generator, mask_id, bar.update, () if profiles else profile)
-            if compile:
-                times, profiled = _timed_static_widths(*args, capacity=room, reserve=reserve)
-            else:
-                times, profiled = _timed_widths(*args)
+            times, profiled = _timed_static_widths(*args, **static) if compile else _timed_widths(*args)
             profiles.update(
                 {str(w): {"batch_size": batch, "context": context, "ops": ops} for w, ops in profiled.items()}
             )

@@ -19,7 +19,7 @@ and says when rows may join (:func:`free_rows`). Four decoders implement it, eac
     BlockCachedBatch  block_cache.py  the paper's block cache: blocks committed in lockstep, so
                                       rows join an empty batch only
     DraftedBatch      draft_model.py  a separate draft model, which keeps one row's cache: one row
-    JacobiBatch       jacobi.py       Jacobi decoding of a plain AR model, the paper's baseline: one row
+    JacobiBatch       jacobi_batch.py Jacobi decoding of a plain AR model, the paper's baseline: one row
 
 ``generate`` (generation.py) and the server's engine (serve/engine.py) drive each of them with
 the same loop: admit what :func:`free_rows` allows, step, publish ``new_tokens``, match stop strings.
@@ -77,21 +77,11 @@ def make_decoder(
     front, which size a compiled step's cache; ``work``: the tokens the call may decode, None for a server, which
     ``compile="auto"`` reads)."""
     if drafting is not None:
-        from .draft_model import DraftedBatch, DraftModelDecoder
+        from .draft_model import DraftedBatch
 
-        drafter, k, target_mask_id = drafting
-        decoding = DraftModelDecoder(
-            model,
-            drafter,
-            k,
-            mask_token_id=target_mask_id,
-            stop_ids=stop_ids,
-            use_last_mask=options.use_last_mask,
-            seed=seed,
-        )
-        return DraftedBatch(decoding)
+        return DraftedBatch.of(model, drafting, stop_ids=stop_ids, use_last_mask=options.use_last_mask, seed=seed)
     if jacobi_window is not None:
-        from .jacobi import JacobiBatch
+        from .jacobi_batch import JacobiBatch
 
         return JacobiBatch(model, jacobi_window, stop_ids)
     if options.cache == "block":
@@ -106,14 +96,5 @@ def make_decoder(
         )
     from .batch import DecodeBatch
 
-    return DecodeBatch.with_options(
-        model,
-        options,
-        max_len,
-        work,
-        most_rows,
-        mask_token_id=mask_token_id,
-        pad_id=pad_id,
-        stop_ids=stop_ids,
-        seed=seed,
-    )
+    facts = dict(mask_token_id=mask_token_id, pad_id=pad_id, stop_ids=stop_ids, seed=seed)
+    return DecodeBatch.with_options(model, options, max_len, work, most_rows, **facts)

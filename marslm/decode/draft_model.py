@@ -272,6 +272,14 @@ class DraftedBatch:
         self.row: DraftedRow | None = None
         self.last: list[int] = []  # what the last step added to the running row's answer
 
+    @classmethod
+    def of(cls, model, drafting: tuple, *, stop_ids, use_last_mask: bool, seed=None) -> DraftedBatch:
+        """``model`` verifying ``drafting``'s ``(checked drafter, drafts per step, the target's
+        mask token or None)``; rows that name no seed sample with ``seed``."""
+        drafter, k, mask_token_id = drafting
+        options = dict(mask_token_id=mask_token_id, stop_ids=stop_ids, use_last_mask=use_last_mask, seed=seed)
+        return cls(DraftModelDecoder(model, drafter, k, **options))
+
     def __len__(self) -> int:
         return int(self.row is not None)
 

@@ -34,7 +34,7 @@ from ..decode.params import (
 from ..errors import UserError
 from ..files import output_file, read_json, write_json_atomically
 from ..settings import DTYPE_NAMES, check_count, flag_of, floats, ints, setting, strings
-from .report import summarise_result
+from .report import decoded_with, settings_of, summarise_result
 from .sets import EVAL_SOURCES, EvalSet, load_eval_set
 
 # Entropy is a different scale from probabilities: accept while H <= tau, in nats; 0 is one-token
@@ -178,20 +178,7 @@ def evaluate(
         bar.close()
         correct = eval_set.score_many(eval_set.examples, out.texts)
         entry = summarise_result(eval_set.examples, correct, out.accepted_per_step, seconds)
-        entry.update(
-            tau=tau,
-            metric=params.metric,
-            block_size=params.block_size,
-            cache=decoder.cache,
-            mode=params.mode,
-            use_last_mask=decoder.use_last_mask,
-            adaptive_width=decoder.adaptive_width,
-            mask_batch_limit=decoder.mask_batch_limit,
-            # what it decoded with beyond the settings: a quoted number carries them
-            decoded_dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-            compiled=out.stats.compiled,
-            cost_table=out.stats.cost_table,
-        )
+        entry.update(decoded_with(model, out.stats), tau=tau, **settings_of(params, decoder))
         if drafting:  # tokens per forward count the target's forwards; these are the drafter's
             entry["drafter_forwards"] = out.stats.drafter_forwards
         results.append(entry)

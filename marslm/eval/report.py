@@ -122,3 +122,15 @@ def format_markdown(reports: list[dict], title: str = "marslm evaluation") -> st
         f"# {title}\n\nData: {', '.join(data)}. Accuracy in percent; tok/fwd = decoded tokens per "
         f"forward pass; fwd/answer = forward passes per answer.\n\n{format_table(labelled(reports))}\n"
     )
+
+
+def decoded_with(model, stats) -> dict:
+    """What a cell decoded with beyond its settings, so that a number quoted from it carries them."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"decoded_dtype": dtype, "compiled": stats.compiled, "cost_table": stats.cost_table}
+
+
+def settings_of(params, decoder) -> dict:
+    """The settings an evaluation entry records beside its tau (``DecodingParams``, ``DecoderOptions``)."""
+    request = {k: getattr(params, k) for k in ("metric", "block_size", "mode")}
+    return request | {k: getattr(decoder, k) for k in ("cache", "use_last_mask", "adaptive_width", "mask_batch_limit")}

@@ -126,6 +126,7 @@ class Engine:
             stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
             seed=config.seed,
         )
+        self._bounds = dict(max_len=self.limits.context, most_rows=self.max_batch)
         drafted = served_drafter((model, tokenizer), drafting, config, self.decoder, facts.mask_token_id)
         self.drafting, self.drafter_card = drafted  # a drafted server's drafter, what /v1/models says of it
         self.run = RunLoop(self._new_batch())  # the loop generate runs too; its mask limit is set at start()
@@ -155,16 +156,8 @@ class Engine:
 
     # ---------------------------------------------------------------------------- lifecycle
     def _new_batch(self) -> Decoder:
-        """The decoder the server runs (decoder.py): a ``DecodeBatch``, or a drafted server's one row,
-        sized for the longest request the server takes, so that every batch meets the same graphs."""
-        return make_decoder(
-            self.model,
-            self.decoder,
-            drafting=self.drafting,
-            max_len=self.limits.context,
-            most_rows=self.max_batch,
-            **self._batch_facts,
-        )
+        """The decoder the server runs (decoder.py), sized by ``_bounds``: every batch meets the same graphs."""
+        return make_decoder(self.model, self.decoder, drafting=self.drafting, **self._bounds, **self._batch_facts)
 
     @property
     def _batch(self) -> Decoder:
@@ -391,13 +384,9 @@ class Engine:
         for loop, items in by_loop.items():  # one wake-up of each event loop per step
             send_to_loop(loop, items)
 
-    def decoded_with_line(self) -> str:
-        """What every answer is decoded with, as the start line says it: dtype, compiled or not,
-        the mask batch limit (each answer's ``usage`` names the cost table it read)."""
-        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        compiled = "compiled" if self._batch.stats.compiled else "eager"
-        limit = self.config.mask_batch_limit
-        return f"{dtype}, {compiled}, mask batch limit {'off' if limit is None else limit}"
+    def decoded_with_line(self) -> str:  # for the start line; each answer's usage names its cost table
+        dtype, limit = str(next(self.model.parameters()).dtype).removeprefix("torch."), self.config.mask_batch_limit
+        return f"{dtype}, {'compiled' if self._batch.stats.compiled else 'eager'}, mask batch limit {limit or 'off'}"
 
     def _decoded_with(self) -> dict:  # what every answer names of how it was decoded, beside its tau
         table = None if self.mask_limit is None else self.mask_limit.source
@@ -451,12 +440,11 @@ def _rows(requests: list[RequestState]) -> tuple:
 
 
 def _load_policy(model, block_size: int, batch: Decoder, max_batch: int) -> MaskBatchLimit | None:
-    """``--mask-batch-limit auto``: a limit over the checkpoint's cost table (costs.mask_limit:
-    the one saved beside it, else the one kept in marslm's cache, measured now if there is none),
+    """``--mask-batch-limit auto``: a limit over the checkpoint's cost table (costs.mask_limit),
     which the batch's size then moves (a load policy); None, with a warning, where there is none."""
     limit = auto_mask_limit(model, batch, block_size, max_batch)
-    if limit is None:
-        log.warning("--mask-batch-limit auto: no cost table for this checkpoint, so no limit")
-    else:
-        log.info("mask batch limit auto: the step costs of %s", limit.source)
+    say = log.warning if limit is None else log.info
+    say(
+        "mask batch limit auto: %s", "no cost table for this checkpoint, so no limit" if limit is None else limit.source
+    )
     return limit

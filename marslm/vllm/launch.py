@@ -91,35 +91,25 @@ def serve_checkpoint(model: str, config, vllm_args: list[str]) -> int:
     from ..serve.config import served_names
     from .engine_args import plugin_config
 
-    limit = vllm_mask_batch_limit(config.mask_batch_limit)
-    plugin_config(model, tau=config.tau, mask_batch_limit=limit)
-
-    exec_server(
-        serve_command(
-            model,
-            host=config.host,
-            port=config.port,
-            tau=config.tau,
-            api_key=config.api_key,
-            served_model_names=served_names(model, config.served_model_name),
-            max_batch=config.max_batch,
-            mask_batch_limit=limit,
-            log_level=config.log_level,
-            vllm_args=vllm_args,
-        )
+    limit = None if config.mask_batch_limit == "auto" else config.mask_batch_limit
+    plugin_config(model, tau=config.tau, mask_batch_limit=limit)  # refuses a bad checkpoint in one line first
+    cmd = serve_command(
+        model,
+        host=config.host,
+        port=config.port,
+        tau=config.tau,
+        api_key=config.api_key,
+        served_model_names=served_names(model, config.served_model_name),
+        max_batch=config.max_batch,
+        mask_batch_limit=limit,
+        log_level=config.log_level,
+        vllm_args=vllm_args,
     )
-    return 0
-
-
-def vllm_mask_batch_limit(setting: int | str | None) -> int | None:
-    """What ``--mask-batch-limit`` is under vLLM: a number is its proposer's limit; ``auto`` (the
-    server's default) is no limit, said in one line, as the cost table it reads times marslm's
-    engine's steps, not vLLM's."""
-    if setting == "auto":
+    if config.mask_batch_limit == "auto":  # the default: its cost table times marslm's engine's steps, not vLLM's
         print(
             "marslm serve: vLLM serves without a mask batch limit (auto reads a cost table timed on marslm's "
             "engine); --mask-batch-limit N sets one",
             file=sys.stderr,
         )
-        return None
-    return setting
+    exec_server(cmd)
+    return 0

@@ -151,15 +151,14 @@ def test_every_surface_takes_the_one_default(make_tiny_model, tiny_tokenizer):
     # generate's and evaluate's default decoder, eval's, bench's and the server's settings
     for config in (DecoderOptions(), EvalConfig(models=["m"]), BenchConfig(model="m", ar_model="a")):
         assert (config.adaptive_width, config.mask_batch_limit) == (ADAPTIVE_WIDTH, MASK_BATCH_LIMIT), config
-    assert (ServeConfig().adaptive_width, ServeConfig().mask_batch_limit) == (ADAPTIVE_WIDTH, None)
+    assert (ServeConfig().adaptive_width, ServeConfig().mask_batch_limit) == (ADAPTIVE_WIDTH, MASK_BATCH_LIMIT)
     model = make_tiny_model()
     assert Engine(model, tiny_tokenizer, ServeConfig())._batch.adaptive_width is ADAPTIVE_WIDTH  # not started
     assert Engine(model, tiny_tokenizer, ServeConfig(adaptive_width=False))._batch.adaptive_width is False
     parser = build_parser()
     for argv in (["generate", "--prompt", "x"], ["eval"], ["bench", "--ar-model", "a"], ["serve"]):
         args = parser.parse_args(argv[:1] + ["--model", "m"] + argv[1:])
-        limit = None if argv[0] == "serve" else MASK_BATCH_LIMIT
-        assert (args.adaptive_width, args.mask_batch_limit) == (ADAPTIVE_WIDTH, limit), argv
+        assert (args.adaptive_width, args.mask_batch_limit) == (ADAPTIVE_WIDTH, MASK_BATCH_LIMIT), argv
         paper = parser.parse_args(
             argv[:1] + ["--model", "m", "--no-adaptive-width", "--mask-batch-limit", "off"] + argv[1:]
         )
